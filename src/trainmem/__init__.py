@@ -1,0 +1,20 @@
+"""trainmem: how much GPU memory a training run needs, where every byte goes, and whether it fits.
+
+The core (this package without ``trace``, ``measure`` and ``web``) imports neither torch nor transformers.
+"""
+
+__version__ = "0.1.0"
+
+from .catalog import catalog_names, resolve_model  # noqa: E402
+from .errors import ConfigError, ModelError, TrainmemError  # noqa: E402
+from .estimate import Estimate, estimate, estimate_model  # noqa: E402
+from .models import ModelSpec, spec_from_config  # noqa: E402
+from .recipes import RECIPES, Recipe  # noqa: E402
+from .optimizers import OPTIMIZERS, Optimizer  # noqa: E402
+from .settings import TrainingSettings  # noqa: E402
+
+__all__ = [
+    "ConfigError", "Estimate", "ModelError", "ModelSpec", "OPTIMIZERS", "Optimizer", "RECIPES", "Recipe",
+    "TrainingSettings", "TrainmemError", "__version__", "catalog_names", "estimate", "estimate_model",
+    "resolve_model", "spec_from_config",
+]

@@ -1,0 +1,123 @@
+"""Finding a model: the built-in catalog, a config.json on disk, or (with network) the Hugging Face Hub.
+
+``resolve_model("llama-2-7b")``, ``resolve_model("meta-llama/Llama-2-7b-hf")``,
+``resolve_model("path/to/config.json")`` and ``resolve_model("path/to/checkpoint/")`` all return a
+:class:`~trainmem.models.ModelSpec`. The catalog is a folder of real ``config.json`` files shipped as package
+data; each keeps its Hub repo id in ``_name_or_path``, which works as an alias.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelError
+from .models import ModelSpec, UnsupportedModelType, read_config_file, spec_from_config
+
+
+@lru_cache(maxsize=1)
+def _catalog_files() -> dict[str, Any]:
+    """Catalog name -> the Traversable of its JSON file."""
+    folder = resources.files("trainmem") / "catalog"
+    return {f.name[: -len(".json")]: f for f in folder.iterdir() if f.name.endswith(".json")}
+
+
+def catalog_names() -> list[str]:
+    return sorted(_catalog_files())
+
+
+@lru_cache(maxsize=None)
+def catalog_config(name: str) -> dict[str, Any]:
+    return json.loads(_catalog_files()[name].read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=1)
+def _aliases() -> dict[str, str]:
+    """Lower-cased catalog names and Hub repo ids -> catalog name."""
+    table: dict[str, str] = {}
+    for name in _catalog_files():
+        table[name.lower()] = name
+        repo = catalog_config(name).get("_name_or_path")
+        if repo:
+            table[repo.lower()] = name
+    return table
+
+
+def catalog_spec(name: str) -> ModelSpec:
+    config = catalog_config(name)
+    return spec_from_config(config, name=name, source=config.get("_name_or_path", name))
+
+
+def _hub_reachable(endpoint: str, timeout_s: float = 3.0) -> bool:
+    """One quick TCP connect, so that an offline machine gets its answer at once, not after minutes of retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _from_hub(repo_id: str) -> dict[str, Any]:
+    """Fetch only config.json from the Hub (or its local cache); one clear line when that is impossible."""
+    try:
+        from huggingface_hub import constants, hf_hub_download
+    except ImportError:
+        raise ModelError(
+            f"{repo_id!r} is not in the catalog (trainmem models lists it) and huggingface_hub is not installed "
+            "to fetch its config; give a path to its config.json"
+        ) from None
+    try:
+        return read_config_file(Path(hf_hub_download(repo_id, "config.json", local_files_only=True)))
+    except Exception:  # not cached: fall through to the network
+        pass
+    if constants.HF_HUB_OFFLINE or not _hub_reachable(constants.ENDPOINT):
+        raise ModelError(
+            f"{repo_id!r} is not in the catalog and the Hub cannot be reached (offline) to fetch its config.json; "
+            "give a path to its config.json"
+        )
+    try:
+        path = hf_hub_download(repo_id, "config.json")
+    except Exception as exc:  # huggingface_hub raises many types: repo not found, gated, HTTP errors
+        raise ModelError(f"{repo_id!r}: could not fetch config.json from the Hub ({type(exc).__name__})") from None
+    return read_config_file(Path(path))
+
+
+def load_config(model: str) -> tuple[dict[str, Any], str, str]:
+    """Return (config, display name, source) for a catalog name, repo id, path or Hub repo id."""
+    key = model.strip()
+    name = _aliases().get(key.lower())
+    if name:
+        config = catalog_config(name)
+        return config, name, config.get("_name_or_path", name)
+    path = Path(key).expanduser()
+    if path.exists():
+        label = path.parent.name if path.name == "config.json" else path.stem if path.is_file() else path.name
+        return read_config_file(path), label or str(path), str(path)
+    if key.endswith(".json") or key.startswith((".", "/", "~")):
+        raise ModelError(f"{key}: no such file")
+    if key.count("/") == 1 and all(key.split("/")):
+        return _from_hub(key), key.split("/")[1], key
+    close = difflib.get_close_matches(key.lower(), list(_aliases()), n=3, cutoff=0.5)
+    hint = f"; closest: {', '.join(_aliases()[c] for c in close)}" if close else ""
+    raise ModelError(
+        f"unknown model {key!r}{hint}. Give a catalog name (trainmem models), a Hub repo id or a path to a config.json"
+    )
+
+
+def resolve_model(model: str) -> ModelSpec:
+    """A ModelSpec for any model reference. Unknown model_types are counted by transformers if it is installed."""
+    config, name, source = load_config(model)
+    try:
+        return spec_from_config(config, name=name, source=source)
+    except UnsupportedModelType as exc:
+        from .meta_count import spec_by_building  # needs torch + transformers
+
+        return spec_by_building(config, name=name, source=source, reason=str(exc))

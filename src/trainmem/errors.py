@@ -1,0 +1,20 @@
+"""The one exception family of trainmem.
+
+Everything the user can get wrong (an unknown model, a malformed config, a negative batch, an unknown
+recipe) raises a subclass of :class:`TrainmemError` with a one-line message that says what is wrong and
+what is accepted. The CLI turns it into that line on stderr and exit code 2; the library lets it propagate.
+"""
+
+from __future__ import annotations
+
+
+class TrainmemError(Exception):
+    """Base class of every error trainmem raises on purpose."""
+
+
+class ModelError(TrainmemError):
+    """The model could not be resolved or its config is unusable."""
+
+
+class ConfigError(TrainmemError):
+    """A training setting (recipe, optimizer, batch, ...) is invalid."""

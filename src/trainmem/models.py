@@ -1,0 +1,700 @@
+"""Model specs: a Hugging Face ``config.json`` turned into the architecture trainmem reasons about.
+
+A :class:`ModelSpec` is a frozen description of a decoder-only transformer: its embedding, runs of
+identical decoder layers (:class:`Layer`), the final norm and the LM head. From it come the exact list of
+parameter tensors (:func:`parameter_groups`), hence the parameter count, which must equal
+``sum(p.numel() for p in model.parameters())`` of the ``transformers`` model built from the same config
+(``tests/test_models.py`` checks this on the meta device for every supported ``model_type``).
+
+Each ``_parse_<family>`` function maps one family's config fields onto the spec, applying the same defaults
+as that family's ``transformers/models/<family>/configuration_<family>.py`` for fields a config leaves out,
+and the same module structure as its ``modeling_<family>.py``. Fields without a sane default (hidden size,
+layer count, head count, vocabulary) are required: a config missing one is rejected with its name rather than
+silently filled in with some 7B model's value.
+
+No torch, no transformers: this module is imported by ``trainmem estimate``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from .errors import ModelError
+
+# --------------------------------------------------------------------------------------------------------
+# The spec
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Self-attention of one decoder layer."""
+
+    kind: Literal["mha", "mla"]
+    num_heads: int
+    num_kv_heads: int
+    """Key/value heads: equal to num_heads for MHA, fewer for GQA, 1 for MQA."""
+    head_dim: int
+    """Query/key width per head (for MLA: qk_nope_head_dim + qk_rope_head_dim)."""
+    v_head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    fused_qkv: bool = False
+    """One ``query_key_value`` Linear instead of three (GPT-2, GPT-NeoX, Falcon, BLOOM, Phi-3)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head (Qwen3, Gemma 3)."""
+    # Multi-head latent attention (DeepSeek-V2/V3): low-rank query and compressed key/value.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+
+@dataclass(frozen=True)
+class MLP:
+    """Dense feed-forward block."""
+
+    intermediate_size: int
+    gated: bool
+    """SwiGLU/GeGLU (gate, up, down) rather than a plain two-Linear MLP."""
+    activation: str
+    bias: bool = False
+    fused_gate_up: bool = False
+    """Gate and up projections stored as one ``gate_up_proj`` (Phi-3)."""
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Mixture-of-experts feed-forward block (routed experts plus optional shared experts)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    activation: str
+    shared_intermediate_size: int = 0
+    """Width of the always-on shared expert MLP (0 when there is none)."""
+    shared_expert_gate: bool = False
+    """Qwen2-MoE's sigmoid gate (a Linear hidden->1) on the shared expert."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer. ``mlp`` xor ``moe`` is set."""
+
+    attention: Attention
+    mlp: MLP | None
+    moe: MoE | None
+    num_norms: int
+    """Norm modules in the layer (2 for pre-norm, 4 for Gemma 2/3's sandwich norms, 1 for Falcon-7B)."""
+    parallel_residual: bool = False
+    """Attention and MLP read the same input (GPT-NeoX, Falcon): no norm between them is saved twice."""
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """Dropout probabilities from the config; trainmem's activations need to know which masks exist."""
+
+    attention: float = 0.0
+    hidden: float = 0.0
+    """Residual/hidden dropout after attention and MLP outputs."""
+    embedding: float = 0.0
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor, shaped as in the transformers module."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """A set of parameter tensors that appears ``repeat`` times (one per identical layer)."""
+
+    name: str
+    repeat: int
+    tensors: tuple[ParamTensor, ...]
+
+    @property
+    def numel_each(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def numel(self) -> int:
+        return self.repeat * self.numel_each
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer as trainmem sees it. Build one with :func:`spec_from_config`."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    layer_runs: tuple[tuple[Layer, int], ...]
+    """Consecutive runs of identical decoder layers, as (layer, count)."""
+    norm: Literal["rms", "layer"]
+    norm_vectors: int
+    """Parameter vectors per norm module: 1 for RMSNorm, 2 for LayerNorm (weight and bias), 0 if not affine."""
+    tied_embeddings: bool
+    max_position_embeddings: int = 0
+    position_table_rows: int = 0
+    """Rows of a learned absolute position table (GPT-2: n_positions; OPT: max_position_embeddings + 2)."""
+    embedding_dim: int = 0
+    """Width of the token embedding if it differs from hidden_size (OPT's word_embed_proj_dim), else 0."""
+    embedding_norm: bool = False
+    """A LayerNorm right after the embedding (BLOOM)."""
+    final_norm: bool = True
+    dropout: Dropout = field(default_factory=Dropout)
+    source: str = ""
+    """Where the config came from: a catalog name, a file path or a Hub repo id."""
+    explicit_param_groups: tuple[ParamGroup, ...] = ()
+    """Parameter tensors given directly instead of derived from layer_runs: a model counted by building it
+    with transformers (unknown model_type) or a nominal size (``--params 7e9``). Such a spec has no
+    architecture, so activations cannot be derived from it."""
+
+    @property
+    def has_architecture(self) -> bool:
+        return bool(self.layer_runs)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(count for _, count in self.layer_runs)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(layer.moe is not None for layer, _ in self.layer_runs)
+
+    @cached_property
+    def param_groups(self) -> tuple[ParamGroup, ...]:
+        return self.explicit_param_groups or parameter_groups(self)
+
+    @cached_property
+    def num_parameters(self) -> int:
+        return sum(g.numel for g in self.param_groups)
+
+    @cached_property
+    def num_active_parameters(self) -> int:
+        """Parameters one token passes through: the total less the routed experts it is not sent to."""
+        inactive = 0
+        for layer, count in self.layer_runs:
+            if layer.moe is not None:
+                per_expert = _expert_numel(layer.moe, self.hidden_size)
+                inactive += count * (layer.moe.num_experts - layer.moe.top_k) * per_expert
+        return self.num_parameters - inactive
+
+    @cached_property
+    def largest_layer_parameters(self) -> int:
+        """The largest module a sharded run gathers at once: one decoder layer, the embedding or the head."""
+        return max(g.numel_each for g in self.param_groups)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Parameter tensors from the spec (mirrors the transformers modules' nn.Linear / nn.Embedding shapes)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _linear(name: str, in_features: int, out_features: int, bias: bool) -> list[ParamTensor]:
+    tensors = [ParamTensor(f"{name}.weight", (out_features, in_features))]
+    if bias:
+        tensors.append(ParamTensor(f"{name}.bias", (out_features,)))
+    return tensors
+
+
+def _norm(name: str, width: int, vectors: int) -> list[ParamTensor]:
+    return [ParamTensor(f"{name}.{part}", (width,)) for part in ("weight", "bias")[:vectors]]
+
+
+def _attention_tensors(att: Attention, hidden: int) -> list[ParamTensor]:
+    h, a, kv, d, dv = hidden, att.num_heads, att.num_kv_heads, att.head_dim, att.v_head_dim
+    out: list[ParamTensor] = []
+    if att.kind == "mla":
+        # transformers/models/deepseek_v3/modeling_deepseek_v3.py, DeepseekV3Attention
+        if att.q_lora_rank:
+            out += _linear("q_a_proj", h, att.q_lora_rank, att.qkv_bias)
+            out += _norm("q_a_layernorm", att.q_lora_rank, 1)
+            out += _linear("q_b_proj", att.q_lora_rank, a * d, False)
+        else:
+            out += _linear("q_proj", h, a * d, False)
+        out += _linear("kv_a_proj_with_mqa", h, att.kv_lora_rank + att.qk_rope_head_dim, att.qkv_bias)
+        out += _norm("kv_a_layernorm", att.kv_lora_rank, 1)
+        nope = d - att.qk_rope_head_dim
+        out += _linear("kv_b_proj", att.kv_lora_rank, a * (nope + dv), False)
+        out += _linear("o_proj", a * dv, h, att.o_bias)
+        return out
+    if att.fused_qkv:
+        out += _linear("qkv_proj", h, a * d + kv * d + kv * dv, att.qkv_bias)
+    else:
+        out += _linear("q_proj", h, a * d, att.qkv_bias)
+        out += _linear("k_proj", h, kv * d, att.qkv_bias)
+        out += _linear("v_proj", h, kv * dv, att.qkv_bias)
+    out += _linear("o_proj", a * dv, h, att.o_bias)
+    if att.qk_norm:
+        out += _norm("q_norm", d, 1) + _norm("k_norm", d, 1)
+    return out
+
+
+def _mlp_tensors(mlp: MLP, hidden: int, prefix: str = "mlp") -> list[ParamTensor]:
+    h, i = hidden, mlp.intermediate_size
+    if not mlp.gated:
+        return _linear(f"{prefix}.fc1", h, i, mlp.bias) + _linear(f"{prefix}.fc2", i, h, mlp.bias)
+    if mlp.fused_gate_up:
+        up = _linear(f"{prefix}.gate_up_proj", h, 2 * i, mlp.bias)
+    else:
+        up = _linear(f"{prefix}.gate_proj", h, i, mlp.bias) + _linear(f"{prefix}.up_proj", h, i, mlp.bias)
+    return up + _linear(f"{prefix}.down_proj", i, h, mlp.bias)
+
+
+def _expert_numel(moe: MoE, hidden: int) -> int:
+    return 3 * hidden * moe.expert_intermediate_size
+
+
+def _moe_tensors(moe: MoE, hidden: int) -> list[ParamTensor]:
+    h, e, i = hidden, moe.num_experts, moe.expert_intermediate_size
+    # transformers 5 stores the routed experts as two 3-D tensors (MixtralExperts and friends).
+    out = [
+        ParamTensor("mlp.gate.weight", (e, h)),
+        ParamTensor("mlp.experts.gate_up_proj", (e, 2 * i, h)),
+        ParamTensor("mlp.experts.down_proj", (e, h, i)),
+    ]
+    if moe.shared_intermediate_size:
+        shared = MLP(moe.shared_intermediate_size, gated=True, activation=moe.activation)
+        out += _mlp_tensors(shared, h, prefix="mlp.shared_expert")
+    if moe.shared_expert_gate:
+        out += _linear("mlp.shared_expert_gate", h, 1, False)
+    return out
+
+
+def layer_tensors(layer: Layer, hidden: int, norm_vectors: int) -> list[ParamTensor]:
+    """Parameter tensors of one decoder layer."""
+    tensors = _attention_tensors(layer.attention, hidden)
+    tensors += _mlp_tensors(layer.mlp, hidden) if layer.mlp else _moe_tensors(layer.moe, hidden)  # type: ignore[arg-type]
+    for n in range(layer.num_norms):
+        tensors += _norm(f"norm{n}", hidden, norm_vectors)
+    return tensors
+
+
+def parameter_groups(spec: ModelSpec) -> tuple[ParamGroup, ...]:
+    """Every parameter tensor of the model, grouped: embedding, each run of layers, final norm, LM head."""
+    h = spec.hidden_size
+    emb_dim = spec.embedding_dim or h
+    embed = [ParamTensor("embed_tokens.weight", (spec.vocab_size, emb_dim))]
+    if spec.position_table_rows:
+        embed.append(ParamTensor("embed_positions.weight", (spec.position_table_rows, h)))
+    if spec.embedding_norm:
+        embed += _norm("embedding_norm", h, spec.norm_vectors)
+    if emb_dim != h:  # OPT-350m style projections between embedding width and model width
+        embed += _linear("project_in", emb_dim, h, False) + _linear("project_out", h, emb_dim, False)
+    groups = [ParamGroup("embedding", 1, tuple(embed))]
+    first = 0
+    for layer, count in spec.layer_runs:
+        kind = "moe" if layer.moe else "dense"
+        label = f"layers[{first}:{first + count}] ({kind})"
+        groups.append(ParamGroup(label, count, tuple(layer_tensors(layer, h, spec.norm_vectors))))
+        first += count
+    if spec.final_norm and spec.norm_vectors:
+        groups.append(ParamGroup("final_norm", 1, tuple(_norm("norm", h, spec.norm_vectors))))
+    if not spec.tied_embeddings:
+        groups.append(ParamGroup("lm_head", 1, (ParamTensor("lm_head.weight", (spec.vocab_size, emb_dim)),)))
+    return tuple(groups)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Config parsing, one function per family
+# --------------------------------------------------------------------------------------------------------
+
+
+class _Config:
+    """Read access to a config dict that names the missing field instead of guessing it."""
+
+    def __init__(self, raw: dict[str, Any], origin: str):
+        self.raw = raw
+        self.origin = origin
+
+    def req(self, *keys: str) -> Any:
+        for key in keys:
+            if self.raw.get(key) is not None:
+                return self._check(key, self.raw[key])
+        raise ModelError(
+            f"{self.origin}: config has no {' / '.join(repr(k) for k in keys)} "
+            f"(needed for model_type {self.raw.get('model_type')!r})"
+        )
+
+    def get(self, key: str, default: Any) -> Any:
+        value = self.raw.get(key)
+        return default if value is None else self._check(key, value)
+
+    def _check(self, key: str, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return value
+        if value < 0:
+            raise ModelError(f"{self.origin}: config field {key!r} is {value}; it must be non-negative")
+        return value
+
+
+def _runs(layers: list[Layer]) -> tuple[tuple[Layer, int], ...]:
+    runs: list[tuple[Layer, int]] = []
+    for layer in layers:
+        if runs and runs[-1][0] == layer:
+            runs[-1] = (layer, runs[-1][1] + 1)
+        else:
+            runs.append((layer, 1))
+    return tuple(runs)
+
+
+def _positive(c: _Config, value: int, what: str) -> int:
+    if value <= 0:
+        raise ModelError(f"{c.origin}: {what} must be positive, got {value}")
+    return value
+
+
+def _heads(c: _Config) -> tuple[int, int, int, int]:
+    """(hidden, heads, kv_heads, head_dim) for the Llama-style families."""
+    hidden = _positive(c, c.req("hidden_size"), "hidden_size")
+    heads = _positive(c, c.req("num_attention_heads"), "num_attention_heads")
+    kv = c.get("num_key_value_heads", heads)
+    if kv <= 0 or heads % kv:
+        raise ModelError(f"{c.origin}: num_key_value_heads={kv} must divide num_attention_heads={heads}")
+    head_dim = c.get("head_dim", hidden // heads)
+    return hidden, heads, kv, head_dim
+
+
+def _act(c: _Config, default: str) -> str:
+    for key in ("hidden_act", "hidden_activation", "activation_function", "activation"):
+        if c.raw.get(key):
+            return str(c.raw[key])
+    return default
+
+
+def _sparse_layer(c: _Config, idx: int) -> bool:
+    """Qwen2-MoE / Qwen3-MoE rule (modeling_qwen2_moe.py, Qwen2MoeDecoderLayer)."""
+    step = c.get("decoder_sparse_step", 1)
+    only_mlp = c.get("mlp_only_layers", [])
+    return idx not in only_mlp and step > 0 and (idx + 1) % step == 0
+
+
+def _llama_like(
+    c: _Config,
+    *,
+    qkv_bias: bool,
+    o_bias: bool,
+    mlp_bias: bool = False,
+    qk_norm: bool = False,
+    num_norms: int = 2,
+    default_act: str = "silu",
+    fused: bool = False,
+    moe_for_layer: Callable[[int], MoE | None] | None = None,
+    default_tied: bool = False,
+) -> dict[str, Any]:
+    hidden, heads, kv, head_dim = _heads(c)
+    n_layers = _positive(c, c.req("num_hidden_layers"), "num_hidden_layers")
+    act = _act(c, default_act)
+    att = Attention("mha", heads, kv, head_dim, head_dim, qkv_bias, o_bias, fused_qkv=fused, qk_norm=qk_norm)
+    layers = []
+    for idx in range(n_layers):
+        moe = moe_for_layer(idx) if moe_for_layer else None
+        mlp = None
+        if moe is None:
+            mlp = MLP(c.req("intermediate_size"), True, act, mlp_bias, fused_gate_up=fused)
+        layers.append(Layer(att, mlp, moe, num_norms))
+    return dict(
+        hidden_size=hidden,
+        vocab_size=_positive(c, c.req("vocab_size"), "vocab_size"),
+        layer_runs=_runs(layers),
+        norm="rms",
+        norm_vectors=1,
+        tied_embeddings=bool(c.get("tie_word_embeddings", default_tied)),
+        max_position_embeddings=c.get("max_position_embeddings", 0),
+        dropout=Dropout(attention=c.get("attention_dropout", 0.0)),
+    )
+
+
+def _parse_llama(c: _Config) -> dict[str, Any]:
+    bias = bool(c.get("attention_bias", False))
+    return _llama_like(c, qkv_bias=bias, o_bias=bias, mlp_bias=bool(c.get("mlp_bias", False)))
+
+
+def _parse_mistral(c: _Config) -> dict[str, Any]:
+    return _llama_like(c, qkv_bias=False, o_bias=False)
+
+
+def _parse_qwen2(c: _Config) -> dict[str, Any]:
+    # modeling_qwen2.py: q/k/v always have a bias, o_proj never does.
+    return _llama_like(c, qkv_bias=True, o_bias=False)
+
+
+def _parse_qwen3(c: _Config) -> dict[str, Any]:
+    bias = bool(c.get("attention_bias", False))
+    return _llama_like(c, qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+def _moe_fields(c: _Config, *, experts_keys: tuple[str, ...]) -> tuple[int, int]:
+    """(routed experts, experts per token), validated."""
+    experts = _positive(c, c.req(*experts_keys), experts_keys[0])
+    top_k = _positive(c, c.req("num_experts_per_tok"), "num_experts_per_tok")
+    if top_k > experts:
+        raise ModelError(f"{c.origin}: num_experts_per_tok={top_k} exceeds the {experts} experts")
+    return experts, top_k
+
+
+def _parse_mixtral(c: _Config) -> dict[str, Any]:
+    experts, top_k = _moe_fields(c, experts_keys=("num_local_experts", "num_experts"))
+    moe = MoE(experts, top_k, c.req("intermediate_size"), _act(c, "silu"))
+    return _llama_like(c, qkv_bias=False, o_bias=False, moe_for_layer=lambda _: moe)
+
+
+def _parse_qwen2_moe(c: _Config) -> dict[str, Any]:
+    experts, top_k = _moe_fields(c, experts_keys=("num_experts", "num_local_experts"))
+    shared = c.get("shared_expert_intermediate_size", 0)
+    moe = MoE(experts, top_k, c.req("moe_intermediate_size"), _act(c, "silu"), shared, bool(shared))
+    bias = bool(c.get("qkv_bias", True))
+    return _llama_like(
+        c, qkv_bias=bias, o_bias=False, moe_for_layer=lambda i: moe if _sparse_layer(c, i) else None
+    )
+
+
+def _parse_qwen3_moe(c: _Config) -> dict[str, Any]:
+    experts, top_k = _moe_fields(c, experts_keys=("num_experts", "num_local_experts"))
+    moe = MoE(experts, top_k, c.req("moe_intermediate_size"), _act(c, "silu"))
+    bias = bool(c.get("attention_bias", False))
+    return _llama_like(
+        c, qkv_bias=bias, o_bias=bias, qk_norm=True, moe_for_layer=lambda i: moe if _sparse_layer(c, i) else None
+    )
+
+
+def _parse_gemma(c: _Config) -> dict[str, Any]:
+    bias = bool(c.get("attention_bias", False))
+    return _llama_like(c, qkv_bias=bias, o_bias=bias, default_act="gelu_pytorch_tanh", default_tied=True)
+
+
+def _parse_gemma2(c: _Config) -> dict[str, Any]:
+    bias = bool(c.get("attention_bias", False))
+    return _llama_like(
+        c, qkv_bias=bias, o_bias=bias, num_norms=4, default_act="gelu_pytorch_tanh", default_tied=True
+    )
+
+
+def _parse_gemma3_text(c: _Config) -> dict[str, Any]:
+    bias = bool(c.get("attention_bias", False))
+    return _llama_like(
+        c, qkv_bias=bias, o_bias=bias, qk_norm=True, num_norms=4, default_act="gelu_pytorch_tanh", default_tied=True
+    )
+
+
+def _parse_phi3(c: _Config) -> dict[str, Any]:
+    spec = _llama_like(c, qkv_bias=False, o_bias=False, fused=True)
+    spec["dropout"] = Dropout(
+        attention=c.get("attention_dropout", 0.0), hidden=c.get("resid_pdrop", 0.0), embedding=c.get("embd_pdrop", 0.0)
+    )
+    return spec
+
+
+def _parse_deepseek_v3(c: _Config) -> dict[str, Any]:
+    hidden = _positive(c, c.req("hidden_size"), "hidden_size")
+    heads = _positive(c, c.req("num_attention_heads"), "num_attention_heads")
+    rope, nope, v = c.req("qk_rope_head_dim"), c.req("qk_nope_head_dim"), c.req("v_head_dim")
+    bias = bool(c.get("attention_bias", False))
+    att = Attention(
+        "mla", heads, heads, nope + rope, v, qkv_bias=bias, o_bias=bias,
+        q_lora_rank=c.get("q_lora_rank", None), kv_lora_rank=c.req("kv_lora_rank"), qk_rope_head_dim=rope,
+    )
+    experts, top_k = _moe_fields(c, experts_keys=("n_routed_experts",))
+    act = _act(c, "silu")
+    moe_i = c.req("moe_intermediate_size")
+    moe = MoE(experts, top_k, moe_i, act,
+              shared_intermediate_size=moe_i * c.get("n_shared_experts", 0))
+    dense = MLP(c.req("intermediate_size"), True, act)
+    first_dense = c.get("first_k_dense_replace", 0)
+    n_layers = _positive(c, c.req("num_hidden_layers"), "num_hidden_layers")
+    # The multi-token-prediction module (num_nextn_predict_layers) is not part of DeepseekV3ForCausalLM.
+    layers = [Layer(att, dense if i < first_dense else None, None if i < first_dense else moe, 2) for i in range(n_layers)]
+    return dict(
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=_runs(layers), norm="rms", norm_vectors=1,
+        tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+        max_position_embeddings=c.get("max_position_embeddings", 0),
+        dropout=Dropout(attention=c.get("attention_dropout", 0.0)),
+    )
+
+
+def _parse_gpt2(c: _Config) -> dict[str, Any]:
+    hidden = _positive(c, c.req("n_embd", "hidden_size"), "n_embd")
+    heads = _positive(c, c.req("n_head", "num_attention_heads"), "n_head")
+    n_layers = _positive(c, c.req("n_layer", "num_hidden_layers"), "n_layer")
+    inner = c.get("n_inner", 4 * hidden)
+    att = Attention("mha", heads, heads, hidden // heads, hidden // heads, True, True, fused_qkv=True)
+    layer = Layer(att, MLP(inner, False, _act(c, "gelu_new"), bias=True), None, 2)
+    positions = c.get("n_positions", 1024)
+    return dict(
+        hidden_size=hidden, vocab_size=_positive(c, c.req("vocab_size"), "vocab_size"), layer_runs=((layer, n_layers),),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings", True)),
+        max_position_embeddings=positions, position_table_rows=positions,
+        dropout=Dropout(c.get("attn_pdrop", 0.1), c.get("resid_pdrop", 0.1), c.get("embd_pdrop", 0.1)),
+    )
+
+
+def _parse_gpt_neox(c: _Config) -> dict[str, Any]:
+    hidden = _positive(c, c.req("hidden_size"), "hidden_size")
+    heads = _positive(c, c.req("num_attention_heads"), "num_attention_heads")
+    bias = bool(c.get("attention_bias", True))
+    att = Attention("mha", heads, heads, hidden // heads, hidden // heads, bias, bias, fused_qkv=True)
+    mlp = MLP(c.req("intermediate_size"), False, _act(c, "gelu"), bias=True)
+    layer = Layer(att, mlp, None, 2, parallel_residual=bool(c.get("use_parallel_residual", True)))
+    return dict(
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("num_hidden_layers")),),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+        max_position_embeddings=c.get("max_position_embeddings", 0),
+        dropout=Dropout(c.get("attention_dropout", 0.0), c.get("hidden_dropout", 0.0)),
+    )
+
+
+def _parse_falcon(c: _Config) -> dict[str, Any]:
+    # modeling_falcon.py: FalconAttention.query_key_value and FalconDecoderLayer's norms.
+    hidden = _positive(c, c.req("hidden_size"), "hidden_size")
+    heads = _positive(c, c.req("num_attention_heads", "n_head"), "num_attention_heads")
+    new_arch = bool(c.get("new_decoder_architecture", False))
+    if new_arch:
+        kv = c.get("num_kv_heads", heads)
+    else:
+        kv = 1 if c.get("multi_query", True) else heads
+    bias = bool(c.get("bias", False))
+    d = hidden // heads
+    att = Attention("mha", heads, kv, d, d, bias, bias, fused_qkv=True)
+    parallel = bool(c.get("parallel_attn", True))
+    if new_arch:
+        norms = c.get("num_ln_in_parallel_attn", 2) or 2
+    else:
+        norms = 1 if parallel else 2
+    mlp = MLP(c.get("ffn_hidden_size", 4 * hidden), False, _act(c, "gelu"), bias=bias)
+    layer = Layer(att, mlp, None, norms, parallel_residual=parallel or new_arch)
+    return dict(
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("num_hidden_layers", "n_layer")),),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings", True)),
+        max_position_embeddings=c.get("max_position_embeddings", 0),
+        dropout=Dropout(c.get("attention_dropout", 0.0), c.get("hidden_dropout", 0.0)),
+    )
+
+
+def _parse_opt(c: _Config) -> dict[str, Any]:
+    hidden = _positive(c, c.req("hidden_size"), "hidden_size")
+    heads = _positive(c, c.req("num_attention_heads"), "num_attention_heads")
+    bias = bool(c.get("enable_bias", True))
+    att = Attention("mha", heads, heads, hidden // heads, hidden // heads, bias, bias)
+    mlp = MLP(c.req("ffn_dim"), False, _act(c, "relu"), bias=bias)
+    affine = bool(c.get("layer_norm_elementwise_affine", True))
+    layer = Layer(att, mlp, None, 2)
+    max_pos = c.get("max_position_embeddings", 2048)
+    proj = c.get("word_embed_proj_dim", hidden)
+    return dict(
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("num_hidden_layers")),),
+        norm="layer", norm_vectors=2 if affine else 0, tied_embeddings=bool(c.get("tie_word_embeddings", True)),
+        max_position_embeddings=max_pos,
+        position_table_rows=max_pos + 2,  # OPTLearnedPositionalEmbedding keeps an offset of 2 rows
+        embedding_dim=proj if proj != hidden else 0,
+        final_norm=bool(c.get("do_layer_norm_before", True)) and not c.get("_remove_final_layer_norm", False),
+        dropout=Dropout(c.get("attention_dropout", 0.0), c.get("dropout", 0.1)),
+    )
+
+
+def _parse_bloom(c: _Config) -> dict[str, Any]:
+    hidden = _positive(c, c.req("hidden_size", "n_embed"), "hidden_size")
+    heads = _positive(c, c.req("n_head", "num_attention_heads"), "n_head")
+    att = Attention("mha", heads, heads, hidden // heads, hidden // heads, True, True, fused_qkv=True)
+    layer = Layer(att, MLP(4 * hidden, False, "gelu", bias=True), None, 2)
+    return dict(
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("n_layer", "num_hidden_layers")),),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings", True)),
+        embedding_norm=True,
+        dropout=Dropout(c.get("attention_dropout", 0.0), c.get("hidden_dropout", 0.0)),
+    )
+
+
+PARSERS: dict[str, Callable[[_Config], dict[str, Any]]] = {
+    "llama": _parse_llama,
+    "mistral": _parse_mistral,
+    "mixtral": _parse_mixtral,
+    "qwen2": _parse_qwen2,
+    "qwen2_moe": _parse_qwen2_moe,
+    "qwen3": _parse_qwen3,
+    "qwen3_moe": _parse_qwen3_moe,
+    "gemma": _parse_gemma,
+    "gemma2": _parse_gemma2,
+    "gemma3_text": _parse_gemma3_text,
+    "phi3": _parse_phi3,
+    "gpt2": _parse_gpt2,
+    "gpt_neox": _parse_gpt_neox,
+    "falcon": _parse_falcon,
+    "opt": _parse_opt,
+    "bloom": _parse_bloom,
+    "deepseek_v3": _parse_deepseek_v3,
+}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(PARSERS)
+
+
+class UnsupportedModelType(ModelError):
+    """The config parses as JSON but its model_type has no analytic parser."""
+
+
+def spec_from_config(config: dict[str, Any], name: str = "", source: str = "") -> ModelSpec:
+    """Turn a Hugging Face config dict into a :class:`ModelSpec`.
+
+    Raises :class:`UnsupportedModelType` for a ``model_type`` without a parser (the caller may then fall
+    back on counting with transformers) and :class:`ModelError` for a config missing a needed field.
+    """
+    origin = source or name or "config"
+    if not isinstance(config, dict):
+        raise ModelError(f"{origin}: a config must be a JSON object, got {type(config).__name__}")
+    model_type = config.get("model_type")
+    if not model_type:
+        raise ModelError(f"{origin}: config has no 'model_type'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    parser = PARSERS.get(model_type)
+    if parser is None:
+        raise UnsupportedModelType(
+            f"{origin}: model_type {model_type!r} has no analytic parser; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    fields = parser(_Config(config, origin))
+    return ModelSpec(name=name or str(model_type), model_type=str(model_type), source=source, **fields)
+
+
+def nominal_spec(num_parameters: int) -> ModelSpec:
+    """A model known only by its parameter count (the seed article's "7B"), as one flat tensor."""
+    if num_parameters <= 0:
+        raise ModelError(f"--params must be a positive number of parameters, got {num_parameters}")
+    flat = ParamGroup("parameters", 1, (ParamTensor("all", (num_parameters,)),))
+    return ModelSpec(
+        name=f"{num_parameters:.4g} parameters", model_type="nominal", hidden_size=0, vocab_size=0, layer_runs=(),
+        norm="rms", norm_vectors=0, tied_embeddings=True, explicit_param_groups=(flat,), source="--params",
+    )
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Read a config.json (or the config.json inside a folder), with one-line errors."""
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ModelError(f"{path.parent}: folder holds no config.json")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{path}: a config must be a JSON object, got {type(config).__name__}")
+    # Multimodal wrappers (Gemma 3, Llama 4, ...) keep the language model under text_config.
+    if "text_config" in config and config.get("model_type") not in PARSERS:
+        inner = dict(config["text_config"])
+        inner.setdefault("model_type", f"{config.get('model_type', '')}_text")
+        return inner
+    return config

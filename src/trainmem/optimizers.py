@@ -1,0 +1,129 @@
+"""Optimizer states: the bytes each optimizer keeps per parameter tensor, from its real implementation.
+
+Every optimizer here computes its state size tensor by tensor (some states depend on shape, not only on
+the element count), from the parameter tensors of a :class:`~trainmem.models.ModelSpec`.
+The per-step scalar ``state["step"]`` is left out: torch keeps it on the CPU unless ``fused`` or
+``capturable`` is set, and it is 4 bytes per tensor when it is on the device.
+
+Sources:
+- adamw/adam: ``exp_avg`` and ``exp_avg_sq``, ``torch.zeros_like(p)`` (torch/optim/adamw.py, adam.py).
+- sgd: no state without momentum; sgd-momentum: ``momentum_buffer`` (torch/optim/sgd.py).
+- lion: one ``exp_avg`` (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"; lion-pytorch).
+- adafactor: ``row_var`` with the last dim reduced to 1 and ``col_var`` with the second-to-last reduced to 1
+  for tensors of 2+ dims, a full ``variance`` for 1-D tensors, no first moment
+  (torch/optim/_adafactor.py, ``_init_group``; Shazeer & Stern 2018).
+- adamw-8bit / paged-adamw-8bit: bitsandbytes ``Optimizer2State.init_state``: two uint8 states plus, per state,
+  one fp32 ``absmax`` per block of 256 elements (block-wise quantisation, Dettmers et al. 2022); tensors with
+  fewer than ``min_8bit_size = 4096`` elements keep two fp32 states. The two 256-entry fp32 quantisation maps
+  are shared by all tensors. Paged states live in CUDA unified memory that the driver can evict to the CPU.
+- muon: ``momentum_buffer`` for 2-D weights inside the decoder layers (torch/optim/_muon.py accepts only 2-D
+  parameters; its docstring and Keller Jordan's reference recipe train embeddings, the LM head, norms, biases and
+  other non-2-D tensors with AdamW), AdamW's two states for the rest.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .errors import ConfigError
+from .models import ParamGroup, ParamTensor
+
+BNB_BLOCK_SIZE = 256
+BNB_MIN_8BIT_SIZE = 4096
+BNB_QMAP_BYTES = 2 * 256 * 4
+
+
+def _adam(t: ParamTensor, state_bytes: int) -> int:
+    return 2 * t.numel * state_bytes
+
+
+def _one_state(t: ParamTensor, state_bytes: int) -> int:
+    return t.numel * state_bytes
+
+
+def _no_state(t: ParamTensor, state_bytes: int) -> int:
+    return 0
+
+
+def _adafactor(t: ParamTensor, state_bytes: int) -> int:
+    if len(t.shape) < 2:
+        return t.numel * state_bytes
+    row = math.prod(t.shape[:-1])  # shape with the last dim set to 1
+    col = math.prod(t.shape[:-2]) * t.shape[-1]  # shape with the second-to-last dim set to 1
+    return (row + col) * state_bytes
+
+
+def _adam_8bit(t: ParamTensor, state_bytes: int) -> int:
+    if t.numel < BNB_MIN_8BIT_SIZE:
+        return 2 * t.numel * 4
+    blocks = -(-t.numel // BNB_BLOCK_SIZE)
+    return 2 * (t.numel * 1 + blocks * 4)
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str
+    states: str
+    """What the optimizer keeps, in words."""
+    state_fn: Callable[[ParamTensor, int], int]
+    """Bytes of state for one tensor, given the recipe's state dtype size."""
+    fixed_bytes: int = 0
+    """State shared by all tensors (bitsandbytes' quantisation maps)."""
+    needs_shapes: bool = False
+    """The state size depends on tensor shapes, so a bare parameter count is not enough."""
+    layer_matrices_only_fn: Callable[[ParamTensor, int], int] | None = None
+    """For optimizers that treat 2-D decoder-layer weights differently (Muon)."""
+    nominal_bytes_per_param: float | None = None
+    """Bytes per parameter at 4-byte states, for the recipes table (None where it depends on shapes)."""
+    paged: bool = False
+    source: str = ""
+
+    def state_bytes(self, groups: Iterable[ParamGroup], state_dtype_bytes: int) -> int:
+        total = self.fixed_bytes
+        for group in groups:
+            in_layers = group.name.startswith("layers")
+            for t in group.tensors:
+                fn = self.state_fn
+                if self.layer_matrices_only_fn and in_layers and len(t.shape) == 2:
+                    fn = self.layer_matrices_only_fn
+                total += group.repeat * fn(t, state_dtype_bytes)
+        return total
+
+    def bytes_per_param(self, state_dtype_bytes: int) -> float | None:
+        """Bytes per parameter for a large dense tensor (what the recipes table shows)."""
+        if self.needs_shapes:
+            return None
+        big = ParamTensor("w", (1 << 20,))
+        return self.state_fn(big, state_dtype_bytes) / big.numel
+
+
+OPTIMIZERS: dict[str, Optimizer] = {
+    o.name: o
+    for o in (
+        Optimizer("adamw", "exp_avg + exp_avg_sq", _adam, source="torch/optim/adamw.py"),
+        Optimizer("adam", "exp_avg + exp_avg_sq", _adam, source="torch/optim/adam.py"),
+        Optimizer("sgd", "none (momentum=0)", _no_state, source="torch/optim/sgd.py"),
+        Optimizer("sgd-momentum", "momentum_buffer", _one_state, source="torch/optim/sgd.py"),
+        Optimizer("lion", "exp_avg", _one_state, source="Chen et al. 2023; lion-pytorch"),
+        Optimizer("adafactor", "factored row_var + col_var (full variance for 1-D)", _adafactor,
+                  needs_shapes=True, source="torch/optim/_adafactor.py"),
+        Optimizer("adamw-8bit", "2 x uint8 + fp32 absmax per 256-element block", _adam_8bit,
+                  fixed_bytes=BNB_QMAP_BYTES, source="bitsandbytes optim/optimizer.py Optimizer2State"),
+        Optimizer("paged-adamw-8bit", "as adamw-8bit, in evictable unified memory", _adam_8bit,
+                  fixed_bytes=BNB_QMAP_BYTES, paged=True, source="bitsandbytes optim/optimizer.py Optimizer2State"),
+        Optimizer("muon", "momentum_buffer for 2-D layer weights, AdamW states for the rest", _adam,
+                  needs_shapes=True, layer_matrices_only_fn=_one_state, source="torch/optim/_muon.py"),
+    )
+}
+
+
+def get_optimizer(name: str) -> Optimizer:
+    try:
+        return OPTIMIZERS[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, OPTIMIZERS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown optimizer {name!r}{hint}; accepted: {', '.join(OPTIMIZERS)}") from None

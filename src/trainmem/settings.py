@@ -1,0 +1,74 @@
+"""The training set-up a user asks about, validated once at the edge, then passed around frozen.
+
+A stdlib frozen dataclass rather than a pydantic model: building a pydantic schema costs ~100 ms at import,
+a fifth of the time ``trainmem estimate`` may take end to end. The checks are few and each error names the
+field, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from .errors import ConfigError
+from .optimizers import get_optimizer
+from .recipes import get_recipe
+
+ATTENTION_KERNELS = ("eager", "sdpa", "flash")
+CHECKPOINTING = ("none", "full", "selective")
+LOSSES = ("standard", "chunked")
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """What is trained how. Every field has a default, so ``TrainingSettings()`` is a valid set-up."""
+
+    recipe: str = "mixed-bf16"
+    """Precision recipe (``trainmem recipes`` lists them)."""
+    optimizer: str = "adamw"
+    """Optimizer whose states are counted."""
+    batch: int = 1
+    """Micro-batch size per GPU."""
+    seq: int = 2048
+    """Sequence length in tokens."""
+    grad_accum: int = 1
+    """Gradient accumulation steps (gradients then live across micro-batches)."""
+    attention: str = "sdpa"
+    """Attention kernel: eager (materialises the s x s scores), sdpa (transformers' default) or flash."""
+    checkpointing: str = "none"
+    """Activation checkpointing: none, full (HF gradient_checkpointing_enable) or selective (Megatron)."""
+    dropout: float | None = None
+    """Dropout probability override; None keeps the config's."""
+    loss: str = "standard"
+    """Cross-entropy: standard (full logits) or chunked (logits never materialised whole)."""
+    activation_k: float | None = None
+    """Use the seed article's rule of thumb b*s*h*L*k*2 bytes instead of the architecture model."""
+
+    def __post_init__(self) -> None:
+        get_recipe(self.recipe)
+        get_optimizer(self.optimizer)
+        for name in ("batch", "seq", "grad_accum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name, accepted in (("attention", ATTENTION_KERNELS), ("checkpointing", CHECKPOINTING), ("loss", LOSSES)):
+            if getattr(self, name) not in accepted:
+                raise ConfigError(f"unknown {name} {getattr(self, name)!r}; accepted: {', '.join(accepted)}")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.activation_k is not None and not self.activation_k > 0:
+            raise ConfigError(f"activation-k must be positive, got {self.activation_k!r}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_FIELDS = {f.name for f in fields(TrainingSettings)}
+
+
+def make_settings(**values: Any) -> TrainingSettings:
+    """Settings from keyword values; None means "the default". Unknown names are rejected."""
+    unknown = set(values) - _FIELDS
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(sorted(unknown))}; accepted: {', '.join(sorted(_FIELDS))}")
+    return TrainingSettings(**{k: v for k, v in values.items() if v is not None})

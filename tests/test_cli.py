@@ -1,0 +1,123 @@
+"""The command line: output, JSON schema, one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONFIGS
+
+def test_estimate_prints_breakdown_with_unit(run_cli):
+    code, out, err = run_cli("estimate", "llama-2-7b")
+    assert code == 0, err
+    for word in ("weights", "gradients", "master_weights", "optimizer_states", "GiB", "6,738,415,616"):
+        assert word in out
+
+def test_units_gb_and_mib(run_cli):
+    _, out, _ = run_cli("estimate", "--params", "7e9", "--recipe", "pure-bf16", "--units", "GB")
+    assert "84.00 GB" in out
+    _, out, _ = run_cli("estimate", "--params", "7B", "--recipe", "pure-bf16", "--units", "mib")
+    assert "MiB" in out and "80,108.64 MiB" in out  # 84e9 / 2**20
+
+def test_json_schema(run_cli):
+    code, out, _ = run_cli("estimate", "meta-llama/Llama-2-7b-hf", "--recipe", "mixed-bf16", "--json", "--units", "GB")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["schema_version"] == 1
+    assert doc["model"]["name"] == "llama-2-7b"
+    assert doc["model"]["model_type"] == "llama"
+    assert doc["model"]["parameters"] == 6_738_415_616
+    assert doc["model"]["active_parameters"] == 6_738_415_616
+    for name, per_param in (("weights", 2), ("gradients", 2), ("master_weights", 4), ("optimizer_states", 8)):
+        assert doc["static"][name]["bytes"] == per_param * 6_738_415_616
+        assert isinstance(doc["static"][name]["bytes"], int)
+    assert doc["static"]["total_bytes"] == 16 * 6_738_415_616
+
+def test_json_moe_active_parameters(run_cli):
+    _, out, _ = run_cli("estimate", str(CONFIGS / "Mixtral-8x7B-v0.1.json"), "--json")
+    assert json.loads(out)["model"]["active_parameters"] == 12_879_925_248
+
+def test_models_lists_catalog(run_cli):
+    code, out, _ = run_cli("models", "--json")
+    rows = json.loads(out)["models"]
+    assert code == 0 and len(rows) >= 25
+    assert {"name": "gpt2", "hub_id": "openai-community/gpt2", "model_type": "gpt2", "parameters": 124_439_808,
+            "active_parameters": 124_439_808} in rows
+    code, out, _ = run_cli("models")
+    assert "deepseek-v3" in out and "671" in out
+
+def test_recipes_table(run_cli):
+    code, out, _ = run_cli("recipes", "--json")
+    rows = {(r["recipe"], r["optimizer"]): r for r in json.loads(out)["recipes"]}
+    assert rows[("mixed-bf16-fp32grads", "adamw")]["total"] == 18
+    assert rows[("pure-bf16", "adamw")]["total"] == 12
+    assert rows[("fp32", "sgd")]["total"] == 8
+    assert rows[("mixed-bf16", "adafactor")]["note"].startswith("shape-dependent")
+    assert rows[("pure-bf16", "adamw-8bit")]["optimizer_states"] == pytest.approx(2 + 8 / 256, abs=1e-4)
+    code, out, _ = run_cli("recipes", "--optimizer", "lion")
+    assert code == 0 and "lion" in out and "adamw" not in out
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["estimate", "llama-2-7x"], "unknown model 'llama-2-7x'; closest: llama-2-7b"),
+        (["estimate", "llama-2-7b", "--batch", "-1"], "batch must be a positive integer, got -1"),
+        (["estimate", "llama-2-7b", "--seq", "0"], "seq must be a positive integer, got 0"),
+        (["estimate", "llama-2-7b", "--batch", "x"], "'x' is not a valid integer"),
+        (["estimate", "llama-2-7b", "--recipe", "bf16"], "unknown recipe 'bf16'"),
+        (["estimate", "llama-2-7b", "--optimizer", "adam8bit"], "did you mean 'adamw-8bit'"),
+        (["estimate", "llama-2-7b", "--units", "XB"], "unknown unit 'XB'"),
+        (["estimate", "./missing/config.json"], "no such file"),
+        (["estimate"], "give a model"),
+        (["estimate", "--params", "-7e9"], "--params must be positive"),
+        (["estimate", "--params", "seven"], "is not a number"),
+        (["estimate", "--params", "7e9", "--optimizer", "muon"], "needs tensor shapes"),
+        (["nosuch"], "No such command"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(run_cli, args, message):
+    code, out, err = run_cli(*args)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+def test_malformed_and_incomplete_config_files(run_cli, tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "llama", "hidden_size": 64')
+    code, _, err = run_cli("estimate", str(bad))
+    assert code == 2 and "not valid JSON (line 1" in err
+    bad.write_text('["not", "an", "object"]')
+    code, _, err = run_cli("estimate", str(bad))
+    assert code == 2 and "must be a JSON object" in err
+    bad.write_text('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}')
+    code, _, err = run_cli("estimate", str(bad))
+    assert code == 2 and "config has no 'num_hidden_layers'" in err
+
+def test_offline_hub_id_is_one_line(run_cli, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("huggingface_hub")
+
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    code, _, err = run_cli("estimate", "some-org/some-model")
+    assert code == 2 and "offline" in err
+
+def test_python_dash_m_and_console_script_do_not_import_torch():
+    code = (
+        "import sys; from trainmem.cli import main; rc = main(['estimate', 'llama-2-7b', '--json']); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'core imported torch'; "
+        "sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "trainmem", "estimate", "gpt2"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "124,439,808" in proc.stdout
+
+def test_every_command_has_help_with_an_example(run_cli):
+    from trainmem.cli import app
+
+    for name in app.commands:
+        code, out, _ = run_cli(name, "--help")
+        assert code == 0 and "Example: trainmem" in out, name
