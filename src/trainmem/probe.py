@@ -1,0 +1,107 @@
+"""What PyTorch actually saves for backward, per decoder layer, in a real forward of a transformers model.
+
+Runs one training-mode forward (and the loss) of the model built from a config, on the CPU, with
+``torch.autograd.graph.saved_tensors_hooks`` recording every tensor an autograd node keeps. Tensors are
+counted once per storage (q, k and v views of one projection output are one allocation) and parameters are
+left out (they are weights, not activations). Each storage is attributed to the decoder layer that was
+running when it was first saved. This is the ground truth the activation formulas are tested against.
+
+Needs torch and transformers (the ``trace`` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from .recipes import Recipe, get_recipe
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    where: str
+    """'embedding', 'layer N' or 'head' (final norm, LM head and loss)."""
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+def decoder_layers(model) -> list:
+    """The list of decoder layers of a transformers causal LM, whatever the family calls it."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers", "transformer.layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        return list(obj)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa", dropout: float | None = None):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "_name_or_path", "architectures")}
+    if dropout is not None:
+        for key in ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "dropout",
+                    "resid_pdrop"):
+            fields[key] = dropout
+    hf_config = AutoConfig.for_model(config["model_type"], **fields)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[recipe.weights]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # model.to(dtype) would work too here, but not under FakeTensorMode
+    try:
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention)
+    finally:
+        torch.set_default_dtype(previous)
+    model.train()
+    return model
+
+
+def saved_tensors(config: dict[str, Any], recipe: str | Recipe = "fp32", batch: int = 2, seq: int = 16,
+                  attention: str = "sdpa", dropout: float | None = None, seed: int = 0) -> list[SavedTensor]:
+    """Every tensor saved for backward in one forward + loss, attributed to where it was first saved."""
+    import torch
+
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    torch.manual_seed(seed)
+    model = build_model(config, recipe, attention, dropout)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    where = ["embedding"]
+    for index, layer in enumerate(decoder_layers(model)):
+        layer.register_forward_pre_hook(lambda m, a, i=index: where.__setitem__(0, f"layer {i}"))
+        layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, "head"))
+    seen: dict[int, SavedTensor] = {}
+    keep_alive = []
+
+    def pack(t):
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return t
+        ptr = storage.data_ptr()
+        if ptr not in param_storages and ptr not in seen and storage.nbytes():
+            seen[ptr] = SavedTensor(where[0], tuple(t.shape), str(t.dtype).replace("torch.", ""), storage.nbytes())
+            keep_alive.append(t)  # a freed storage's address could be reused by a later tensor
+        return t
+
+    vocab = config.get("vocab_size")
+    ids = torch.randint(0, vocab, (batch, seq))
+    autocast = (torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[recipe.compute])
+                if recipe.autocast else contextlib.nullcontext())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(input_ids=ids, labels=ids)
+    return list(seen.values())
+
+
+def saved_bytes_by_place(tensors: list[SavedTensor]) -> dict[str, int]:
+    totals: dict[str, int] = defaultdict(int)
+    for t in tensors:
+        totals[t.where] += t.nbytes
+    return dict(totals)
