@@ -106,7 +106,7 @@ def _linear_inputs(p: Precision, width: int, consumers: int, label: str, input_b
 
 def _attention_terms(att: Attention, h: int, s: int, p: Precision, kernel: str, dropout: float,
                      rotary: bool, fused_qkv_storage: bool, gemma_norm: bool = False,
-                     softmax_fp32: bool = True) -> list[Term]:
+                     softmax_fp32: bool = True, batch: int = 2, use_cache_copies: bool = False) -> list[Term]:
     a, kv, d, dv, c = att.num_heads, att.num_kv_heads, att.head_dim, att.v_head_dim, p.compute
     terms: list[Term] = []
     if att.kind == "mla":
@@ -118,12 +118,19 @@ def _attention_terms(att: Attention, h: int, s: int, p: Precision, kernel: str, 
         for name, heads in (("q_norm", a), ("k_norm", kv)):
             terms += [Term(f"{name}: input in fp32", FP32 * heads * d), Term(f"{name}: rsqrt", FP32 * heads),
                       Term(f"{name}: normalised", normed * heads * d)]
-    # eager_attention_forward repeats k and v to every query head (repeat_kv) and its matmuls keep the
-    # copies, not the originals; SDPA takes the kv heads as they are (enable_gqa).
-    kv_kept = a if kernel == "eager" else kv
+    # eager_attention_forward repeats k and v to every query head (repeat_kv: expand + reshape) and its
+    # matmuls keep the copies, not the originals; SDPA takes the kv heads as they are (enable_gqa). With one
+    # kv head and one sequence the expanded tensor reshapes without a copy.
+    kv_kept = a if kernel == "eager" and not (kv == 1 and batch == 1) else kv
     if fused_qkv_storage and not rotary:
-        # GPT-2 / BLOOM: q, k and v are views of one projection output; its storage is what is kept.
+        # GPT-2 / BLOOM: q, k and v are views of one projection output; its storage is what is kept, unless
+        # eager's batched matmul must copy q (batch > 1), which then keeps the copy instead.
         terms.append(Term("q, k, v (one fused projection output)", c * (a * d + 2 * kv * d)))
+        if use_cache_copies and (kernel != "eager" or batch == 1):
+            # use_cache=True (the config default; gradient checkpointing turns it off): DynamicLayer.update
+            # torch.cat's k and v into the cache and attention keeps those copies, while q keeps the fused
+            # projection output alive.
+            terms.append(Term("k, v copied into the KV cache (use_cache)", c * kv * (d + dv)))
     else:
         repeated = " repeated to every head" if kv_kept != kv else ""
         terms.append(Term("q" + (" after rotary" if rotary else ""), c * a * d))
@@ -247,13 +254,8 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     # softmax in fp32); the others upcast to fp32 explicitly.
     softmax_fp32 = p.autocast or spec.model_type not in ("gpt2", "falcon")
     terms += _attention_terms(att, h, s, p, kernel, attn_dropout, _uses_rotary(spec), att.fused_qkv,
-                              gemma_norm=gemma, softmax_fp32=softmax_fp32)
-    if spec.model_type == "gpt2" and kernel != "eager" and settings.checkpointing == "none":
-        # use_cache=True (the config default; gradient checkpointing turns it off): DynamicLayer.update
-        # torch.cat's k and v into the cache, and attention then keeps those copies while q keeps the
-        # fused projection output alive.
-        terms.append(Term("k, v copied into the KV cache (use_cache)", p.compute * att.num_kv_heads * (
-            att.head_dim + att.v_head_dim)))
+                              gemma_norm=gemma, softmax_fp32=softmax_fp32, batch=settings.batch,
+                              use_cache_copies=spec.model_type == "gpt2" and settings.checkpointing == "none")
     if kernel != "eager" and spec.model_type in ("gpt_neox", "phi3"):
         # Partial-rotary models build q with torch.cat, so q is laid out (b, a, s, d); SDPA's output follows
         # q's layout (flash: empty_like(q)), and transpose(1, 2).contiguous() copies it for o_proj.

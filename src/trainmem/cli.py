@@ -47,50 +47,170 @@ def _parse_params(text: str) -> int:
     return int(value)
 
 
+def _model_and_settings(model, params, **settings):
+    from .catalog import resolve_model
+    from .models import nominal_spec
+    from .optimizers import get_optimizer
+    from .settings import make_settings
+
+    if (model is None) == (params is None):
+        raise ConfigError("give a model (catalog name, Hub id or config path) or --params, not both")
+    values = make_settings(**settings)
+    spec = nominal_spec(_parse_params(params)) if params is not None else resolve_model(model)
+    if spec.model_type == "nominal" and get_optimizer(values.optimizer).needs_shapes:
+        raise ConfigError(f"optimizer {values.optimizer!r} needs tensor shapes; give a model instead of --params")
+    return spec, values
+
+
+def _device_options(headroom: float, fragmentation: float, cuda_overhead: float):
+    from .estimate import DeviceOptions
+    from .hardware import MIB
+
+    if headroom < 1.0:
+        raise ConfigError(f"--headroom must be at least 1.0, got {headroom:g}")
+    if not 0.0 <= fragmentation < 1.0:
+        raise ConfigError(f"--fragmentation must be in [0, 1), got {fragmentation:g}")
+    if cuda_overhead < 0:
+        raise ConfigError(f"--cuda-overhead must be non-negative MiB, got {cuda_overhead:g}")
+    return DeviceOptions(headroom=headroom, fragmentation=fragmentation, cuda_overhead_bytes=int(cuda_overhead * MIB))
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: {text!r} is not a comma-separated list of integers, e.g. 1,2,4") from None
+    if not values or any(v <= 0 for v in values):
+        raise ConfigError(f"{flag}: values must be positive integers, got {text!r}")
+    return values
+
+
+def _workload_options(f):
+    """The flags estimate and sweep share."""
+    from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION
+    from .estimate import DEFAULT_HEADROOM
+
+    options = [
+        click.argument("model", required=False),
+        click.option("--params", help="Nominal parameter count instead of a model: 7e9, 7B."),
+        click.option("--recipe", default="mixed-bf16", show_default=True, help="Precision recipe (trainmem recipes)."),
+        click.option("--optimizer", default="adamw", show_default=True, help="Optimizer (trainmem recipes)."),
+        click.option("--optimizer-impl", default="auto", show_default=True,
+                     help="foreach | fused | auto (fused for mixed-* recipes)."),
+        click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
+        click.option("--attention", default="sdpa", show_default=True, help="eager | sdpa | flash."),
+        click.option("--checkpointing", default="none", show_default=True, help="none | full | selective."),
+        click.option("--dropout", type=float, default=None, help="Dropout probability (default: the config's)."),
+        click.option("--loss", default="standard", show_default=True, help="standard | chunked (Liger-style)."),
+        click.option("--activation-k", type=float, default=None,
+                     help="Use the seed's rule b*s*h*L*k*2 bytes for activations."),
+        click.option("--gpu", help="GPU to check (the table lists all)."),
+        click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True,
+                     help="Safety factor on the device total."),
+        click.option("--fragmentation", type=float, default=DEFAULT_FRAGMENTATION, show_default=True,
+                     help="Caching-allocator overhead as a fraction of the dynamic memory."),
+        click.option("--cuda-overhead", type=float, default=DEFAULT_CUDA_OVERHEAD_MIB, show_default=True,
+                     help="CUDA context and workspaces, MiB."),
+        click.option("--units", default=DEFAULT_UNIT, show_default=True, help="GiB, GB, MiB, ..."),
+        click.option("--json", "as_json", is_flag=True, help="Print the versioned JSON document (bytes as integers)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 @app.command()
-@click.argument("model", required=False)
-@click.option("--params", help="Nominal parameter count instead of a model: 7e9, 7B.")
-@click.option("--recipe", default="mixed-bf16", show_default=True, help="Precision recipe (trainmem recipes).")
-@click.option("--optimizer", default="adamw", show_default=True, help="Optimizer (trainmem recipes).")
+@_workload_options
 @click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
 @click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
-@click.option("--units", default=DEFAULT_UNIT, show_default=True, help="GiB, GB, MiB, ...")
-@click.option("--json", "as_json", is_flag=True, help="Print the versioned JSON document (bytes as integers).")
-def estimate(
-    model: Optional[str], params: Optional[str], recipe: str, optimizer: str, batch: int, seq: int, units: str,
-    as_json: bool,
-) -> None:
+@click.option("--max-batch", is_flag=True, help="Find the largest micro-batch that fits --gpu.")
+@click.option("--max-seq", is_flag=True, help="Find the longest sequence that fits --gpu.")
+@click.option("--explain", is_flag=True, help="List every saved tensor of a layer.")
+def estimate(model, params, recipe, optimizer, optimizer_impl, grad_accum, attention, checkpointing, dropout, loss,
+             activation_k, gpu, headroom, fragmentation, cuda_overhead, units, as_json, batch, seq, max_batch,
+             max_seq, explain) -> None:
     """Estimate the memory of training MODEL: a catalog name (trainmem models), a Hub repo id, or a path to a
     config.json or its folder.
 
     \b
     Example: trainmem estimate meta-llama/Llama-2-7b-hf --recipe mixed-bf16 --optimizer adamw
+             trainmem estimate llama-3-8b --batch 4 --seq 4096 --checkpointing full --gpu H100-80GB
+             trainmem estimate llama-2-7b --gpu A100-80GB --max-batch
              trainmem estimate --params 7e9 --recipe pure-bf16 --units GB
     """
+    from dataclasses import replace
+
     from .estimate import estimate_model
-    from .models import nominal_spec
+    from .hardware import get_gpu
     from .report import render_estimate, to_dict
-    from .settings import make_settings
 
     unit = parse_unit(units)
-    if (model is None) == (params is None):
-        raise ConfigError("give a model (catalog name, Hub id or config path) or --params, not both")
-    settings = make_settings(recipe=recipe, optimizer=optimizer, batch=batch, seq=seq)
-    if params is not None:
-        spec = nominal_spec(_parse_params(params))
-    else:
-        from .catalog import resolve_model
+    spec, settings = _model_and_settings(
+        model, params, recipe=recipe, optimizer=optimizer, batch=batch, seq=seq, grad_accum=grad_accum,
+        attention=attention, checkpointing=checkpointing, dropout=dropout, loss=loss, activation_k=activation_k,
+        optimizer_impl=optimizer_impl)
+    device = _device_options(headroom, fragmentation, cuda_overhead)
+    target = get_gpu(gpu) if gpu else None
+    extra = {}
+    if max_batch or max_seq:
+        from .planner import max_batch as find_batch, max_seq as find_seq
 
-        spec = resolve_model(model)
-    from .optimizers import get_optimizer
-
-    if not spec.has_architecture and spec.model_type == "nominal" and get_optimizer(settings.optimizer).needs_shapes:
-        raise ConfigError(f"optimizer {settings.optimizer!r} needs tensor shapes; give a model instead of --params")
-    est = estimate_model(spec, settings)
+        if target is None:
+            raise ConfigError("--max-batch and --max-seq need --gpu NAME")
+        if max_batch:
+            best = find_batch(spec, settings, target, device)
+            extra["max_batch"] = best
+            if best:
+                settings = replace(settings, batch=best)
+        if max_seq:
+            best = find_seq(spec, settings, target, device)
+            extra["max_seq"] = best
+            if best:
+                settings = replace(settings, seq=best)
+    est = estimate_model(spec, settings, device)
     if as_json:
-        _emit_json(to_dict(est))
+        _emit_json(to_dict(est, target, extra))
+        return
+    console = _console()
+    for key, value in extra.items():
+        what = "micro-batch" if key == "max_batch" else "sequence length"
+        if value:
+            console.print(f"[bold]largest {what} that fits {target.name}: {value}[/bold] (shown below)")
+        else:
+            console.print(f"[bold red]no {what} fits {target.name}, not even 1[/bold red]")
+    render_estimate(est, unit, console, target, explain)
+
+
+@app.command()
+@_workload_options
+@click.option("--batch", "batches", default="1,2,4,8", show_default=True, help="Micro-batch sizes, comma-separated.")
+@click.option("--seq", "seqs", default="1024,2048,4096", show_default=True, help="Sequence lengths, comma-separated.")
+def sweep(model, params, recipe, optimizer, optimizer_impl, grad_accum, attention, checkpointing, dropout, loss,
+          activation_k, gpu, headroom, fragmentation, cuda_overhead, units, as_json, batches, seqs) -> None:
+    """Estimate a grid of micro-batch sizes x sequence lengths.
+
+    \b
+    Example: trainmem sweep llama-2-7b --batch 1,2,4,8 --seq 1024,2048,4096 --gpu A100-80GB
+    """
+    from .hardware import get_gpu
+    from .planner import sweep as run_sweep
+    from .report import render_sweep, to_dict
+
+    unit = parse_unit(units)
+    batch_list, seq_list = _int_list(batches, "--batch"), _int_list(seqs, "--seq")
+    spec, settings = _model_and_settings(
+        model, params, recipe=recipe, optimizer=optimizer, batch=batch_list[0], seq=seq_list[0],
+        grad_accum=grad_accum, attention=attention, checkpointing=checkpointing, dropout=dropout, loss=loss,
+        activation_k=activation_k, optimizer_impl=optimizer_impl)
+    device = _device_options(headroom, fragmentation, cuda_overhead)
+    target = get_gpu(gpu) if gpu else None
+    estimates = run_sweep(spec, settings, batch_list, seq_list, device)
+    if any(e.peak is None for e in estimates):
+        raise ConfigError("a sweep needs activations: give a model config (or --activation-k with --params)")
+    if as_json:
+        _emit_json({"schema_version": 1, "sweep": [to_dict(e, target) for e in estimates]})
     else:
-        render_estimate(est, unit, _console())
+        render_sweep(estimates, unit, _console(), target)
 
 
 @app.command()

@@ -47,7 +47,9 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    fields = {k: v for k, v in config.items() if k not in ("model_type", "_name_or_path", "architectures")}
+    # torch_dtype/dtype in a config would override the recipe's dtype in from_config.
+    skip = ("model_type", "_name_or_path", "architectures", "torch_dtype", "dtype")
+    fields = {k: v for k, v in config.items() if k not in skip}
     if dropout is not None:
         for key in ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "dropout",
                     "resid_pdrop"):
@@ -57,7 +59,7 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # model.to(dtype) would work too here, but not under FakeTensorMode
     try:
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=dtype)
     finally:
         torch.set_default_dtype(previous)
     model.train()

@@ -10,19 +10,47 @@ from typing import Any
 
 from . import __version__
 from .estimate import Estimate
+from .hardware import GPUS, GPU
 from .units import format_bytes, format_count
 
 SCHEMA_VERSION = 1
 
 
-def to_dict(est: Estimate) -> dict[str, Any]:
+def _activations_dict(est: Estimate) -> dict[str, Any] | None:
+    if est.activation_bytes is None:
+        return None
+    out: dict[str, Any] = {"bytes": est.activation_bytes}
+    acts = est.activations
+    if est.activation_k_bytes is not None:
+        out["model"] = f"seed rule of thumb b*s*h*L*k*2, k={est.settings.activation_k:g}"
+        return out
+    assert acts is not None
+    out.update({
+        "model": "architecture",
+        "saved_bytes": acts.saved_bytes,
+        "logits_bytes": acts.logits_bytes,
+        "layers_bytes": acts.layers_bytes,
+        "embedding_bytes": acts.embedding_bytes,
+        "head_bytes": acts.head_bytes,
+        "constant_bytes": acts.constant_bytes,
+        "per_layer": [
+            {"count": la.count, "bytes_per_token": la.bytes_per_token, "bytes": acts.layer_saved_bytes(la),
+             "constant_bytes": la.constant_bytes,
+             "terms": [{"name": t.name, "bytes_per_token": t.bytes_per_token} for t in la.terms]}
+            for la in acts.layers
+        ],
+    })
+    return out
+
+
+def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     m = est.model
     static: dict[str, Any] = {
         c.name: {"dtype": c.dtype, "bytes": c.bytes, "bytes_per_param": round(c.bytes_per_param, 6), "note": c.note}
         for c in est.static
     }
     static["total_bytes"] = est.static_bytes
-    return {
+    doc: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "trainmem", "version": __version__},
         "engine": "estimate",
@@ -40,19 +68,47 @@ def to_dict(est: Estimate) -> dict[str, Any]:
         },
         "settings": est.settings.as_dict(),
         "static": static,
+        "activations": _activations_dict(est),
+        "phases": [
+            {"name": p.name, "moment": p.moment, "allocated_bytes": p.allocated_bytes, **{
+                f"{k}_bytes": v for k, v in p.by_category().items()}}
+            for p in est.phases
+        ],
+        "peak": None,
+        "fits": {},
+        "notes": list(est.notes),
     }
+    if est.peak is not None:
+        pk = est.peak
+        doc["peak"] = {
+            "phase": pk.phase, "moment": pk.moment, "allocated_bytes": pk.allocated_bytes,
+            "reserved_bytes": pk.reserved_bytes, "device_bytes": pk.device_bytes, "required_bytes": pk.required_bytes,
+            "headroom": est.device.headroom, "fragmentation": est.device.fragmentation,
+            "cuda_overhead_bytes": est.device.cuda_overhead_bytes,
+        }
+        doc["fits"] = est.fit_table()
+    if gpu is not None:
+        doc["gpu"] = {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "fits": est.fits(gpu)}
+    if extra:
+        doc.update(extra)
+    return doc
 
 
-def render_estimate(est: Estimate, unit: str, console) -> None:
-    """Print the breakdown table to a rich console."""
-    from rich.table import Table
-
+def _title(est: Estimate) -> str:
     m = est.model
     title = f"{m.name} ({m.model_type}): {m.num_parameters:,} parameters"
     if m.num_active_parameters != m.num_parameters:
         title += f", {m.num_active_parameters:,} active per token"
-    s = est.settings
-    table = Table(title=title, caption=f"recipe {s.recipe}, optimizer {s.optimizer}; unit {unit}")
+    return title
+
+
+def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, explain: bool = False) -> None:
+    """Print the breakdown tables to a rich console."""
+    from rich.table import Table
+
+    m, s = est.model, est.settings
+    caption = f"recipe {s.recipe}, optimizer {s.optimizer}; unit {unit}"
+    table = Table(title=_title(est), caption=caption)
     table.add_column("component")
     table.add_column("dtype")
     table.add_column("bytes/param", justify="right")
@@ -62,7 +118,97 @@ def render_estimate(est: Estimate, unit: str, console) -> None:
         table.add_row(c.name, c.dtype, f"{c.bytes_per_param:.2f}", format_bytes(c.bytes, unit), c.note)
     per_param = est.static_bytes / m.num_parameters
     table.add_row("static total", "", f"{per_param:.2f}", format_bytes(est.static_bytes, unit), "", style="bold")
+    if est.activation_bytes is not None:
+        what = (f"batch {s.batch} x seq {s.seq}, {s.attention} attention, checkpointing {s.checkpointing}"
+                if est.activation_k_bytes is None else f"seed rule b*s*h*L*k*2, k={s.activation_k:g}")
+        table.add_row("activations", "", "", format_bytes(est.activation_bytes, unit),
+                      what + (", logits included" if est.activations else ""))
     console.print(table)
+
+    if est.activations is not None:
+        _render_activations(est, unit, console, explain)
+    if est.phases:
+        phases = Table(title="Peak of each phase of a training step (allocated, like max_memory_allocated)")
+        phases.add_column("phase")
+        phases.add_column("peak at")
+        for col in ("parameters", "gradients", "states+master", "activations", "temporaries", "allocated"):
+            phases.add_column(col, justify="right")
+        for p in est.phases:
+            style = "bold" if est.peak and p.name == est.peak.phase else None
+            phases.add_row(p.name, p.moment, *(format_bytes(v, unit) for v in p.by_category().values()),
+                           format_bytes(p.allocated_bytes, unit), style=style)
+        console.print(phases)
+    if est.peak is not None:
+        _render_peak(est, unit, console, gpu)
+    for note in est.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+
+
+def _render_activations(est: Estimate, unit: str, console, explain: bool) -> None:
+    from rich.table import Table
+
+    acts = est.activations
+    assert acts is not None
+    table = Table(title=f"Activations saved for backward ({acts.tokens:,} tokens per micro-batch)")
+    table.add_column("where")
+    table.add_column("bytes/token", justify="right")
+    table.add_column("count", justify="right")
+    table.add_column(f"total ({unit})", justify="right")
+    for la in acts.layers:
+        kind = "MoE" if la.layer.moe else "dense"
+        per_token = sum(t.bytes_per_token for t in la.checkpoint_terms) if acts.checkpointing == "full" \
+            else la.bytes_per_token
+        table.add_row(f"decoder layer ({kind})", f"{per_token:,.0f}", str(la.count),
+                      format_bytes(acts.layer_saved_bytes(la) * la.count, unit))
+        if explain and acts.checkpointing != "full":
+            for t in la.terms:
+                table.add_row(f"  [dim]{t.name}[/dim]", f"[dim]{t.bytes_per_token:,.0f}[/dim]", "", "")
+            if la.constant_bytes:
+                table.add_row("  [dim]per-layer constant (autocast weight copies, ...)[/dim]", "", "",
+                              f"[dim]{format_bytes(la.constant_bytes, unit)}[/dim]")
+    for label, terms, total in (("embedding", acts.embedding_terms, acts.embedding_bytes),
+                                ("final norm, LM head, loss", acts.head_terms, acts.head_bytes)):
+        table.add_row(label, f"{sum(t.bytes_per_token for t in terms):,.0f}", "1", format_bytes(total, unit))
+        if explain:
+            for t in terms:
+                table.add_row(f"  [dim]{t.name}[/dim]", f"[dim]{t.bytes_per_token:,.0f}[/dim]", "", "")
+    table.add_row("batch-independent (rotary tables, autocast head copy)", "", "",
+                  format_bytes(acts.constant_bytes, unit))
+    table.add_row("logits returned by the model", "", "", format_bytes(acts.logits_bytes, unit))
+    table.add_row("total", "", "", format_bytes(acts.saved_bytes + acts.logits_bytes, unit), style="bold")
+    console.print(table)
+    if not explain:
+        console.print("[dim]--explain lists every saved tensor of a layer[/dim]")
+
+
+def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
+    from rich.table import Table
+
+    pk = est.peak
+    assert pk is not None
+    dev = est.device
+    lines = Table(title=f"What the GPU needs (peak in the {pk.phase} phase: {pk.moment})", show_header=False)
+    lines.add_column("")
+    lines.add_column("", justify="right")
+    lines.add_column("", style="dim")
+    lines.add_row("allocated", format_bytes(pk.allocated_bytes, unit), "compare with torch.cuda.max_memory_allocated()")
+    lines.add_row("reserved", format_bytes(pk.reserved_bytes, unit),
+                  f"+ {dev.fragmentation:.0%} of the dynamic memory for the caching allocator; max_memory_reserved()")
+    lines.add_row("device total", format_bytes(pk.device_bytes, unit),
+                  f"+ {format_bytes(dev.cuda_overhead_bytes, 'MiB', 0)} CUDA context and workspaces; nvidia-smi")
+    lines.add_row("required", format_bytes(pk.required_bytes, unit), f"x {dev.headroom:g} headroom", style="bold")
+    console.print(lines)
+    fits = Table(title="GPUs")
+    fits.add_column("GPU")
+    fits.add_column(f"memory ({unit})", justify="right")
+    fits.add_column("fits", justify="center")
+    fits.add_column("bf16", justify="center")
+    for name, g in GPUS.items():
+        ok = est.fits(g)
+        style = "bold" if gpu is not None and g.name == gpu.name else None
+        fits.add_row(name, format_bytes(g.memory_bytes, unit), "[green]yes[/green]" if ok else "[red]no[/red]",
+                     "yes" if g.bf16 else "no", style=style)
+    console.print(fits)
 
 
 def render_models(rows: list[tuple[str, str, str, int, int]], console) -> None:
@@ -75,4 +221,26 @@ def render_models(rows: list[tuple[str, str, str, int, int]], console) -> None:
     for name, repo, model_type, params, active in rows:
         table.add_row(name, repo, model_type, f"{params:,} ({format_count(params)})",
                       format_count(active) if active != params else "")
+    console.print(table)
+
+
+def render_sweep(estimates: list[Estimate], unit: str, console, gpu: GPU | None) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{_title(estimates[0])}: peak allocated / required ({unit})")
+    table.add_column("batch", justify="right")
+    table.add_column("seq", justify="right")
+    table.add_column("activations", justify="right")
+    table.add_column("peak phase")
+    table.add_column("allocated", justify="right")
+    table.add_column("required", justify="right")
+    if gpu is not None:
+        table.add_column(f"fits {gpu.name}", justify="center")
+    for e in estimates:
+        assert e.peak is not None
+        row = [str(e.settings.batch), str(e.settings.seq), format_bytes(e.activation_bytes or 0, unit), e.peak.phase,
+               format_bytes(e.peak.allocated_bytes, unit), format_bytes(e.peak.required_bytes, unit)]
+        if gpu is not None:
+            row.append("yes" if e.fits(gpu) else "no")
+        table.add_row(*row)
     console.print(table)

@@ -17,6 +17,7 @@ from .recipes import get_recipe
 ATTENTION_KERNELS = ("eager", "sdpa", "flash")
 CHECKPOINTING = ("none", "full", "selective")
 LOSSES = ("standard", "chunked")
+OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,15 @@ class TrainingSettings:
     """Cross-entropy: standard (full logits) or chunked (logits never materialised whole)."""
     activation_k: float | None = None
     """Use the seed article's rule of thumb b*s*h*L*k*2 bytes instead of the architecture model."""
+    optimizer_impl: str = "auto"
+    """foreach (torch's default on CUDA: one parameter-sized temporary), fused (no temporaries), or auto:
+    fused for the mixed-* recipes (DeepSpeed's FusedAdam), foreach otherwise."""
+
+    @property
+    def fused_optimizer(self) -> bool:
+        if self.optimizer_impl == "auto":
+            return self.recipe.startswith("mixed")
+        return self.optimizer_impl == "fused"
 
     def __post_init__(self) -> None:
         get_recipe(self.recipe)
@@ -51,7 +61,8 @@ class TrainingSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name, accepted in (("attention", ATTENTION_KERNELS), ("checkpointing", CHECKPOINTING), ("loss", LOSSES)):
+        for name, accepted in (("attention", ATTENTION_KERNELS), ("checkpointing", CHECKPOINTING), ("loss", LOSSES),
+                               ("optimizer_impl", OPTIMIZER_IMPLS)):
             if getattr(self, name) not in accepted:
                 raise ConfigError(f"unknown {name} {getattr(self, name)!r}; accepted: {', '.join(accepted)}")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:

@@ -1,0 +1,55 @@
+"""Searches over settings: the largest micro-batch or sequence that fits a GPU, and grids of estimates.
+
+Every candidate is a full estimate of the model (exact search, not extrapolation from one point): memory is
+monotone in batch and sequence length, so a doubling phase and a bisection find the boundary in O(log n)
+estimates of well under a millisecond each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from .errors import ConfigError
+from .estimate import DeviceOptions, Estimate, estimate_model
+from .hardware import GPU
+from .models import ModelSpec
+from .settings import TrainingSettings
+
+MAX_SEARCH = 1 << 24
+
+
+def _largest(fits: Callable[[int], bool]) -> int:
+    """The largest n >= 1 with fits(n), or 0 if even 1 does not fit (fits must be monotone)."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= MAX_SEARCH and fits(high):
+        low, high = high, high * 2
+    if high > MAX_SEARCH:
+        return low
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def _require_architecture(model: ModelSpec) -> None:
+    if not model.has_architecture:
+        raise ConfigError("--max-batch/--max-seq need the model's architecture: give a config, not --params")
+
+
+def max_batch(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions) -> int:
+    _require_architecture(model)
+    return _largest(lambda b: estimate_model(model, replace(settings, batch=b), device).fits(gpu))
+
+
+def max_seq(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions) -> int:
+    _require_architecture(model)
+    return _largest(lambda s: estimate_model(model, replace(settings, seq=s), device).fits(gpu))
+
+
+def sweep(model: ModelSpec, settings: TrainingSettings, batches: list[int], seqs: list[int],
+          device: DeviceOptions) -> list[Estimate]:
+    """One estimate per (batch, seq) pair, batch-major."""
+    return [estimate_model(model, replace(settings, batch=b, seq=s), device) for b in batches for s in seqs]
