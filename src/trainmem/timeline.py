@@ -53,7 +53,7 @@ def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens
 
     MLP: while the product's backward runs, d(product), d(activation) and d(up) coexist (3 x I wide).
     Attention: dq, dk, dv plus the flash kernel's fp32 dq accumulator and softmax rowsums; eager adds the
-    s x s gradient of the scores in fp32. Two residual-stream gradients (h wide) flow past the layer.
+    s x s gradient of the scores in fp32. The residual-stream gradient (h wide) is alive throughout.
     """
     h, c, r = spec.hidden_size, p.compute, p.residual
     layer = la.layer
@@ -66,7 +66,7 @@ def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens
     attn = c * qkv + FP32 * att.num_heads * (att.head_dim + 1)
     if kernel == "eager":
         attn = c * qkv + (FP32 + c) * att.num_heads * seq
-    return (max(mlp, attn) + 2 * r * h) * tokens
+    return (max(mlp, attn) + r * h) * tokens
 
 
 def _param_bytes(numel: int, per_param: float) -> int:
@@ -108,22 +108,27 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                     states, saved, acts.logits_bytes + acts.loss_transient_bytes)
 
     # Backward start: nll_loss's gradient and log_softmax's gradient (both fp32, V wide) beside everything saved.
+    # The logits themselves are gone by then: log_softmax keeps its output, not its input, and a training loop
+    # that keeps only the loss (HF Trainer's compute_loss, `loss = model(...).loss`) drops the output object.
     loss_grads = 0 if settings.loss == "chunked" else 2 * FP32 * v * tokens
     head_grad = _param_bytes(spec.param_groups[-1].numel, recipe.gradient_bytes) if not spec.tied_embeddings else 0
-    start = Phase("backward", "loss gradients", weights,
-                  max(grads_in_forward, head_grad), states, saved, acts.logits_bytes + loss_grads)
+    start = Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)
     candidates = [start]
     if spec.has_architecture and acts.layers:
-        # The last layer's backward: its activations (recomputed if checkpointed) and its transient.
+        # The last layer's MLP backward (its largest transient): down_proj's backward has run, so its input (the
+        # product) is freed and the MLP's weight gradients exist; the rest of the layer is still saved.
         last = acts.layers[-1]
         transient = _layer_transient(spec, last, p, tokens, settings.seq, settings.attention)
         recompute = acts.recompute_bytes
-        layer_grads = _param_bytes(sum(t.numel for t in layer_tensors(last.layer, spec.hidden_size,
-                                                                      spec.norm_vectors)), recipe.gradient_bytes)
-        head_saved = acts.head_bytes
+        mlp_numel = sum(t.numel for t in layer_tensors(last.layer, spec.hidden_size, spec.norm_vectors)
+                        if t.name.startswith("mlp."))
+        mlp_grads = _param_bytes(mlp_numel, recipe.gradient_bytes)
+        width = (last.layer.moe.top_k * last.layer.moe.expert_intermediate_size if last.layer.moe
+                 else last.layer.mlp.intermediate_size)  # type: ignore[union-attr]
+        product = 0 if acts.checkpointing == "full" else p.compute * width * tokens
         candidates.append(Phase(
-            "backward", "last layer", weights, max(grads_in_forward, head_grad + layer_grads), states,
-            saved - head_saved + recompute, transient))
+            "backward", "last layer's MLP", weights, max(grads_in_forward, head_grad + mlp_grads), states,
+            saved - acts.head_bytes + recompute - product, transient))
         # The end: every gradient exists, the first layer's backward still runs.
         first = acts.layers[0]
         first_saved = acts.embedding_bytes + acts.constant_bytes + acts.layer_saved_bytes(first)
