@@ -183,6 +183,40 @@ def estimate(model, params, recipe, optimizer, optimizer_impl, grad_accum, atten
 
 @app.command()
 @_workload_options
+@click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
+@click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
+@click.option("--no-round", is_flag=True, help="Keep raw tensor sizes (CUDA rounds each allocation to 512 B).")
+def trace(model, params, recipe, optimizer, optimizer_impl, grad_accum, attention, checkpointing, dropout, loss,
+          activation_k, gpu, headroom, fragmentation, cuda_overhead, units, as_json, batch, seq, no_round) -> None:
+    """Run one real training step of MODEL's transformers implementation under FakeTensorMode on the CPU
+    (no GPU, no memory), count every allocation, and compare with the estimate.
+
+    \b
+    Example: trainmem trace llama-2-7b --batch 1 --seq 2048 --recipe mixed-bf16
+    """
+    from .catalog import load_config
+    from .estimate import estimate_model
+    from .report import render_trace, trace_to_dict
+    from .trace import trace_step
+
+    unit = parse_unit(units)
+    if params is not None:
+        raise ConfigError("trace needs a model config, not --params")
+    spec, settings = _model_and_settings(
+        model, None, recipe=recipe, optimizer=optimizer, batch=batch, seq=seq, grad_accum=grad_accum,
+        attention=attention, checkpointing=checkpointing, dropout=dropout, loss=loss, activation_k=activation_k,
+        optimizer_impl=optimizer_impl)
+    config, _, _ = load_config(model)
+    est = estimate_model(spec, settings, _device_options(headroom, fragmentation, cuda_overhead))
+    result = trace_step(config, settings, spec, round_to_cuda=not no_round)
+    if as_json:
+        _emit_json(trace_to_dict(est, result.phases, result.seconds, result.rounded))
+    else:
+        render_trace(est, result.phases, result.seconds, unit, _console())
+
+
+@app.command()
+@_workload_options
 @click.option("--batch", "batches", default="1,2,4,8", show_default=True, help="Micro-batch sizes, comma-separated.")
 @click.option("--seq", "seqs", default="1024,2048,4096", show_default=True, help="Sequence lengths, comma-separated.")
 def sweep(model, params, recipe, optimizer, optimizer_impl, grad_accum, attention, checkpointing, dropout, loss,
@@ -211,6 +245,39 @@ def sweep(model, params, recipe, optimizer, optimizer_impl, grad_accum, attentio
         _emit_json({"schema_version": 1, "sweep": [to_dict(e, target) for e in estimates]})
     else:
         render_sweep(estimates, unit, _console(), target)
+
+
+@app.command()
+@click.option("--quick", is_flag=True, help="A reduced matrix (3 families, 2 recipes).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default="docs/accuracy.md", show_default=True,
+              help="Markdown report to write.")
+def validate(quick: bool, output: str) -> None:
+    """Trace and estimate a matrix of families x recipes x checkpointing x shapes x optimizers and write the
+    comparison as Markdown. Exit code 1 when a row is outside its tolerance.
+
+    \b
+    Example: trainmem validate --quick -o /tmp/accuracy.md
+    """
+    import os
+    import tempfile
+
+    from .validate import markdown, validate as run_validate
+
+    console = _console()
+    rows = run_validate(quick=quick, progress=lambda r: console.print(
+        f"{r.family:9s} {r.recipe:11s} ckpt={r.checkpointing:5s} {r.batch}x{r.seq:<4d} {r.optimizer:6s} "
+        f"{r.phase:9s} total {r.total_error:+.2%} {'ok' if r.within_tolerance else 'OUT OF TOLERANCE'}"))
+    text = markdown(rows)
+    folder = os.path.dirname(os.path.abspath(output))
+    os.makedirs(folder, exist_ok=True)
+    # Written to a temporary file and renamed, so an interrupted run never leaves half a report.
+    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as handle:
+        handle.write(text)
+    os.replace(handle.name, output)
+    bad = sum(not r.within_tolerance for r in rows)
+    console.print(f"wrote {output}: {len(rows) - bad} of {len(rows)} rows within tolerance")
+    if bad:
+        raise SystemExit(1)
 
 
 @app.command()

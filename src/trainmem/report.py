@@ -244,3 +244,45 @@ def render_sweep(estimates: list[Estimate], unit: str, console, gpu: GPU | None)
             row.append("yes" if e.fits(gpu) else "no")
         table.add_row(*row)
     console.print(table)
+
+
+def trace_to_dict(est: Estimate, phases, seconds: float, rounded: bool) -> dict[str, Any]:
+    """The estimate's document with the traced phases in its place, and the estimate beside them."""
+    doc = to_dict(est)
+    doc["engine"] = "trace"
+    estimated = {p["name"]: p for p in doc["phases"]}
+    doc["phases"] = []
+    for p in phases:
+        row = {"name": p.name, "moment": p.moment, "allocated_bytes": p.allocated_bytes,
+               **{f"{k}_bytes": v for k, v in p.by_category().items()}}
+        if p.name in estimated:
+            e = estimated[p.name]["allocated_bytes"]
+            row["estimate_allocated_bytes"] = e
+            row["relative_error"] = (e - p.allocated_bytes) / p.allocated_bytes if p.allocated_bytes else 0.0
+        doc["phases"].append(row)
+    top = max(phases, key=lambda ph: ph.allocated_bytes)
+    doc["peak"] = {"phase": top.name, "allocated_bytes": top.allocated_bytes,
+                   "estimate_allocated_bytes": est.peak.allocated_bytes if est.peak else None}
+    doc["trace"] = {"seconds": round(seconds, 2), "rounded_to_512_bytes": rounded}
+    return doc
+
+
+def render_trace(est: Estimate, phases, seconds: float, unit: str, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{_title(est)}: traced step vs estimate ({unit})",
+                  caption=f"traced in {seconds:.1f} s under FakeTensorMode; sizes rounded to 512 bytes like CUDA")
+    table.add_column("phase")
+    for col in ("parameters", "gradients", "states+master", "activations", "temporaries"):
+        table.add_column(col, justify="right")
+    table.add_column("traced", justify="right")
+    table.add_column("estimate", justify="right")
+    table.add_column("error", justify="right")
+    estimated = {p.name: p for p in est.phases}
+    for p in phases:
+        e = estimated.get(p.name)
+        error = f"{(e.allocated_bytes - p.allocated_bytes) / p.allocated_bytes:+.2%}" if e and p.allocated_bytes else ""
+        table.add_row(p.name, *(format_bytes(v, unit) for v in p.by_category().values()),
+                      format_bytes(p.allocated_bytes, unit), format_bytes(e.allocated_bytes, unit) if e else "",
+                      error)
+    console.print(table)

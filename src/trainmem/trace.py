@@ -132,14 +132,19 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
     recipe = get_recipe(settings.recipe)
     if settings.loss == "chunked":
         raise ConfigError("trace runs transformers' standard loss; --loss chunked is estimate-only")
-    if recipe.compute == "fp16" and not recipe.autocast and recipe.weights == "fp16":
-        pass  # fp16 weights trace like bf16 ones
+    if spec is not None and spec.is_moe and recipe.weights != "bf16":
+        # transformers' grouped_mm experts path needs bf16 inputs under FakeTensorMode on the CPU.
+        raise ConfigError("trace of MoE models needs bf16 weights (recipes mixed-bf16, pure-bf16*)")
     started = time.perf_counter()
     previous_min = mem_tracker._PYTORCH_MIN_ALLOCATE
     mem_tracker._PYTORCH_MIN_ALLOCATE = 512 if round_to_cuda else 1
     try:
         with FakeTensorMode():
-            model = build_model(config, recipe, settings.attention, settings.dropout)
+            from .activations import effective_kernel
+            from .models import spec_from_config
+
+            kernel = effective_kernel(spec or spec_from_config(config), settings.attention)
+            model = build_model(config, recipe, kernel, settings.dropout)
             if settings.checkpointing == "full":
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             elif settings.checkpointing == "selective":
@@ -180,8 +185,13 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
             forward_backward()  # warm-up: creates the optimizer states
             step()
 
+            def externals():
+                states = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else [
+                    t for st in optimizer.state.values() for t in st.values()]
+                return [model, *states, *(masters or [])]
+
             tracker = mem_tracker.MemTracker()
-            tracker.track_external(model, optimizer, *(masters or []))
+            tracker.track_external(*externals())
             with tracker:
                 load = _device_snapshot(tracker.get_tracker_snapshot("current"))
                 forward_backward()
@@ -190,18 +200,26 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
             backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
 
             step_tracker = mem_tracker.MemTracker()
-            step_tracker.track_external(model, optimizer, *(masters or []))
+            step_tracker.track_external(*externals())
             with step_tracker:
                 step()
             optimizer_peak = _device_snapshot(step_tracker.get_tracker_snapshot("peak"))
             between = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
     finally:
         mem_tracker._PYTORCH_MIN_ALLOCATE = previous_min
+    load_phase = _phase("load", "static state", load)
+    step_phase = _phase("optimizer", "step()", optimizer_peak)
+    # MemTracker tags what optimizer.step() allocates as optimizer state and the fp32 gradient copies made
+    # before it as activations; trainmem calls both temporaries, keeping "optimizer_states" for the steady state.
+    extra_states = step_phase.optimizer_states - load_phase.optimizer_states
+    step_phase = Phase("optimizer", "step()", step_phase.parameters, step_phase.gradients,
+                       load_phase.optimizer_states, 0,
+                       step_phase.temporaries + step_phase.activations + max(extra_states, 0))
     phases = (
-        _phase("load", "static state", load),
+        load_phase,
         _phase("forward", "peak of forward", forward),
         _phase("backward", "peak of backward", backward),
-        _phase("optimizer", "step()", optimizer_peak),
+        step_phase,
         _phase("between_steps", "after zero_grad", between),
     )
     return TraceResult(phases, time.perf_counter() - started, round_to_cuda)

@@ -1,0 +1,49 @@
+"""How long an estimate takes: in process for every catalog model at several settings, and the CLI end to end.
+
+Prints times; the claims in README.md ("under 5 ms in process", "well under 0.5 s for `trainmem estimate`")
+come from this script. Run: python benchmarks/estimate_speed.py
+"""
+
+import itertools
+import subprocess
+import sys
+import time
+
+from trainmem.catalog import catalog_names, catalog_spec
+from trainmem.estimate import estimate_model
+from trainmem.settings import make_settings
+
+SETTINGS = [
+    make_settings(recipe=r, batch=b, seq=s, checkpointing=c, attention=a)
+    for r, b, s, c, a in itertools.product(["fp32", "amp-bf16", "mixed-bf16", "pure-bf16"], [1, 8], [2048, 32768],
+                                           ["none", "full"], ["sdpa", "eager"])
+]
+
+
+def main() -> None:
+    worst = (0.0, "")
+    total, count = 0.0, 0
+    for name in catalog_names():
+        spec = catalog_spec(name)
+        spec.param_groups  # parsed once, as the CLI does
+        for s in SETTINGS:
+            start = time.perf_counter()
+            estimate_model(spec, s)
+            elapsed = time.perf_counter() - start
+            total += elapsed
+            count += 1
+            if elapsed > worst[0]:
+                worst = (elapsed, f"{name} {s.recipe} b={s.batch} s={s.seq} {s.checkpointing} {s.attention}")
+    print(f"in process: {count} estimates, mean {total / count * 1e3:.3f} ms, worst {worst[0] * 1e3:.3f} ms ({worst[1]})")
+    runs = []
+    for _ in range(5):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "trainmem", "estimate", "llama-2-7b", "--json"], check=True,
+                       capture_output=True)
+        runs.append(time.perf_counter() - start)
+    print(f"CLI `python -m trainmem estimate llama-2-7b --json`: best {min(runs):.3f} s, median "
+          f"{sorted(runs)[2]:.3f} s over 5 runs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The step timeline and the peak, against the traced step of the real transformers model (MemTracker under
+FakeTensorMode), plus the seed article's activation example, the GPU fit and the searches."""
+
+import json
+
+import pytest
+from hypothesis import given, settings as hyp_settings, strategies as st
+
+from scaled import SCALED
+from trainmem.catalog import catalog_spec
+from trainmem.estimate import DeviceOptions, estimate_model
+from trainmem.hardware import GPUS, get_gpu
+from trainmem.models import spec_from_config
+from trainmem.planner import max_batch, max_seq
+from trainmem.settings import make_settings
+
+
+def test_seed_activation_example():
+    """1*2048*4096*32*34*2 bytes: about 18.3 GB, 17.0 GiB (the seed article, section 5)."""
+    est = estimate_model(catalog_spec("llama-2-7b"), make_settings(activation_k=34, batch=1, seq=2048))
+    assert est.activation_bytes == 1 * 2048 * 4096 * 32 * 34 * 2 == 18_253_611_008
+    assert round(est.activation_bytes / 2**30, 1) == 17.0
+    assert any("k = 22.8" in note for note in est.notes)  # what the architecture model says instead
+
+
+TRACED = [
+    ("Llama-2-7B", dict(recipe="fp32", batch=2, seq=64)),
+    ("Llama-3-8B", dict(recipe="mixed-bf16", batch=4, seq=256)),
+    ("Llama-3-8B", dict(recipe="amp-bf16", batch=2, seq=64)),
+    ("GPT-2", dict(recipe="amp-bf16", batch=2, seq=64)),
+    ("Mixtral-8x7B", dict(recipe="mixed-bf16", batch=2, seq=64)),
+]
+
+
+@pytest.mark.parametrize("family, kw", TRACED, ids=[f"{f}-{kw['recipe']}" for f, kw in TRACED])
+def test_phases_match_the_traced_step(family, kw):
+    pytest.importorskip("transformers")
+    from trainmem.trace import trace_step
+
+    cfg = SCALED[family]
+    s = make_settings(dropout=0.0, **kw)
+    traced = trace_step(cfg, s, spec_from_config(cfg), round_to_cuda=False)
+    est = estimate_model(spec_from_config(cfg), s)
+    assert [p.name for p in est.phases] == [p.name for p in traced.phases]
+    for e, t in zip(est.phases, traced.phases):
+        assert e.allocated_bytes == pytest.approx(t.allocated_bytes, rel=0.05), e.name
+    assert est.peak.allocated_bytes == pytest.approx(traced.peak.allocated_bytes, rel=0.03)
+
+
+def test_reserved_device_and_required_are_ordered_and_documented_defaults():
+    est = estimate_model(catalog_spec("llama-3-8b"), make_settings(batch=2, seq=4096))
+    pk = est.peak
+    assert pk.allocated_bytes < pk.reserved_bytes < pk.device_bytes < pk.required_bytes
+    assert pk.device_bytes - pk.reserved_bytes == 768 * 2**20
+    assert pk.required_bytes == int(pk.device_bytes * 1.25)
+
+
+def test_fit_table_agrees_with_required_bytes():
+    est = estimate_model(catalog_spec("llama-3.2-1b"), make_settings(recipe="mixed-bf16", batch=4, seq=2048))
+    for name, fits in est.fit_table().items():
+        assert fits == (est.peak.required_bytes <= GPUS[name].memory_bytes)
+    assert est.fit_table()["H200"] and not est.fit_table()["T4"]
+
+
+def test_gpu_names():
+    assert get_gpu("h100").name == "H100-80GB"
+    assert get_gpu("A100_80GB").name == "A100-80GB"
+    with pytest.raises(Exception, match="unknown GPU 'A100'"):
+        get_gpu("A100")
+
+
+def test_max_batch_and_seq_are_exact_boundaries():
+    from dataclasses import replace
+
+    spec, gpu, dev = catalog_spec("llama-3.2-1b"), get_gpu("A100-80GB"), DeviceOptions()
+    s = make_settings(recipe="mixed-bf16", seq=2048)
+    b = max_batch(spec, s, gpu, dev)
+    assert b >= 1
+    assert estimate_model(spec, replace(s, batch=b), dev).fits(gpu)
+    assert not estimate_model(spec, replace(s, batch=b + 1), dev).fits(gpu)
+    s1 = make_settings(recipe="mixed-bf16", batch=1)
+    n = max_seq(spec, s1, gpu, dev)
+    assert estimate_model(spec, replace(s1, seq=n), dev).fits(gpu)
+    assert not estimate_model(spec, replace(s1, seq=n + 1), dev).fits(gpu)
+
+
+def test_checkpointing_and_chunked_loss_lower_the_forward_peak():
+    spec = catalog_spec("llama-3-8b")
+    forward = lambda **kw: next(p for p in estimate_model(spec, make_settings(seq=8192, **kw)).phases
+                                if p.name == "forward").allocated_bytes
+    assert forward(checkpointing="full") < forward()
+    assert forward(loss="chunked") < forward()
+
+
+def test_gradient_accumulation_keeps_gradients_through_forward():
+    spec = catalog_spec("llama-3.2-1b")
+    one = estimate_model(spec, make_settings(grad_accum=1)).phases[1]
+    four = estimate_model(spec, make_settings(grad_accum=4)).phases[1]
+    assert one.gradients == 0 and four.gradients == estimate_model(spec).component("gradients").bytes
+
+
+@hyp_settings(max_examples=60, deadline=None)
+@given(model=st.sampled_from(["gpt2", "llama-3.2-1b", "qwen2.5-0.5b", "mixtral-8x7b", "gemma-2-9b"]),
+       batch=st.integers(1, 16), seq=st.integers(1, 8192), grow=st.sampled_from(["batch", "seq"]),
+       recipe=st.sampled_from(["fp32", "amp-bf16", "mixed-bf16", "pure-bf16"]),
+       ckpt=st.sampled_from(["none", "full", "selective"]), attention=st.sampled_from(["sdpa", "eager"]))
+def test_peak_never_decreases_when_batch_or_sequence_grow(model, batch, seq, grow, recipe, ckpt, attention):
+    spec = catalog_spec(model)
+    s = dict(recipe=recipe, batch=batch, seq=seq, checkpointing=ckpt, attention=attention)
+    a = estimate_model(spec, make_settings(**s))
+    s[grow] += 1
+    b = estimate_model(spec, make_settings(**s))
+    assert b.peak.allocated_bytes >= a.peak.allocated_bytes
+    assert b.activation_bytes >= a.activation_bytes
+    assert all(v >= 0 for p in a.phases for v in p.by_category().values())
+
+
+def test_estimate_json_has_the_issue_fields(run_cli):
+    code, out, err = run_cli("estimate", "llama-2-7b", "--batch", "2", "--seq", "1024", "--gpu", "H100-80GB",
+                             "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert isinstance(doc["activations"]["bytes"], int) and doc["activations"]["bytes"] > 0
+    assert [p["name"] for p in doc["phases"]] == ["load", "forward", "backward", "optimizer", "between_steps"]
+    assert doc["peak"]["phase"] in {p["name"] for p in doc["phases"]}
+    assert max(p["allocated_bytes"] for p in doc["phases"]) == doc["peak"]["allocated_bytes"]
+    assert doc["peak"]["allocated_bytes"] < doc["peak"]["reserved_bytes"] < doc["peak"]["device_bytes"]
+    assert set(doc["fits"]) >= {"RTX-3090", "RTX-4090", "RTX-5090", "A10G", "L4", "L40S", "A100-40GB", "A100-80GB",
+                                "H100-80GB", "H200", "B200", "MI300X"}
+    assert doc["gpu"]["name"] == "H100-80GB" and doc["gpu"]["fits"] == doc["fits"]["H100-80GB"]
+
+
+def test_max_batch_cli_and_sweep_cli(run_cli):
+    code, out, _ = run_cli("estimate", "llama-3.2-1b", "--gpu", "A100-80GB", "--max-batch", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["max_batch"] >= 1 and doc["settings"]["batch"] == doc["max_batch"] and doc["gpu"]["fits"]
+    code, out, _ = run_cli("sweep", "gpt2", "--batch", "1,2", "--seq", "128,256", "--json")
+    rows = json.loads(out)["sweep"]
+    assert code == 0 and [(r["settings"]["batch"], r["settings"]["seq"]) for r in rows] == [
+        (1, 128), (1, 256), (2, 128), (2, 256)]
+    code, out, _ = run_cli("sweep", "gpt2", "--batch", "1,2", "--seq", "128", "--gpu", "T4")
+    assert code == 0 and "fits T4" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["estimate", "gpt2", "--gpu", "TPU"], "unknown GPU 'TPU'"),
+    (["estimate", "gpt2", "--max-batch"], "need --gpu"),
+    (["estimate", "gpt2", "--attention", "xformers"], "unknown attention 'xformers'; accepted: eager, sdpa, flash"),
+    (["estimate", "gpt2", "--checkpointing", "some"], "unknown checkpointing 'some'"),
+    (["estimate", "gpt2", "--headroom", "0.5"], "--headroom must be at least 1.0"),
+    (["estimate", "gpt2", "--dropout", "1.5"], "dropout must be in [0, 1)"),
+    (["estimate", "gpt2", "--grad-accum", "0"], "grad_accum must be a positive integer"),
+    (["sweep", "gpt2", "--batch", "1,x"], "not a comma-separated list"),
+    (["trace", "--params", "7e9"], "trace needs a model config"),
+])
+def test_bad_workload_input_is_one_line_exit_2(run_cli, args, message):
+    code, out, err = run_cli(*args)
+    assert code == 2 and message in err and err.count("\n") == 1
