@@ -13,8 +13,15 @@ from .recipes import RECIPES, Recipe  # noqa: E402
 from .optimizers import OPTIMIZERS, Optimizer  # noqa: E402
 from .settings import TrainingSettings  # noqa: E402
 
+
+def track(model, optimizer, device=None):
+    """Measure the per-phase memory peaks of your own training loop (see trainmem.measure.track)."""
+    from .measure import track as _track
+
+    return _track(model, optimizer, device)
+
 __all__ = [
     "ConfigError", "Estimate", "ModelError", "ModelSpec", "OPTIMIZERS", "Optimizer", "RECIPES", "Recipe",
     "TrainingSettings", "TrainmemError", "__version__", "catalog_names", "estimate", "estimate_model",
-    "resolve_model", "spec_from_config",
+    "resolve_model", "spec_from_config", "track",
 ]

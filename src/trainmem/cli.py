@@ -248,6 +248,69 @@ def sweep(model, params, recipe, optimizer, optimizer_impl, grad_accum, attentio
 
 
 @app.command()
+@_workload_options
+@click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
+@click.option("--seq", type=int, default=512, show_default=True, help="Sequence length in tokens.")
+@click.option("--device", default="auto", show_default=True, help="cuda, cuda:N, cpu or auto.")
+@click.option("--steps", type=int, default=2, show_default=True, help="Steps to run; the last one is measured.")
+@click.option("--snapshot", type=click.Path(dir_okay=False), help="CUDA only: write a memory snapshot for "
+              "pytorch.org/memory_viz.")
+def measure(model, params, recipe, optimizer, optimizer_impl, grad_accum, attention, checkpointing, dropout, loss,
+            activation_k, gpu, headroom, fragmentation, cuda_overhead, units, as_json, batch, seq, device, steps,
+            snapshot) -> None:
+    """Build MODEL for real (random weights), run training steps on a device and report each phase's peak:
+    torch.cuda.max_memory_allocated()/max_memory_reserved() on CUDA, the allocator's own events on the CPU.
+
+    \b
+    Example: trainmem measure gpt2 --batch 2 --seq 256 --recipe fp32 --device cpu
+    """
+    from .catalog import load_config
+    from .estimate import estimate_model
+    from .measure import measure_steps
+    from .units import format_bytes
+
+    unit = parse_unit(units)
+    if params is not None:
+        raise ConfigError("measure needs a model config, not --params")
+    if steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {steps}")
+    spec, settings = _model_and_settings(
+        model, None, recipe=recipe, optimizer=optimizer, batch=batch, seq=seq, grad_accum=grad_accum,
+        attention=attention, checkpointing=checkpointing, dropout=dropout, loss=loss, activation_k=activation_k,
+        optimizer_impl=optimizer_impl)
+    config, _, _ = load_config(model)
+    est = estimate_model(spec, settings, _device_options(headroom, fragmentation, cuda_overhead))
+    try:
+        result = measure_steps(config, settings, device, steps, snapshot)
+    except (RuntimeError, ValueError) as exc:  # device not available, out of memory, unsupported recipe
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"measure failed on {device}: {first[:300]}") from None
+    estimated = {p.name: p.allocated_bytes for p in est.phases}
+    if as_json:
+        doc = result.as_dict()
+        for row in doc["phases"]:
+            row["estimate_allocated_bytes"] = estimated.get(row["name"])
+        _emit_json({"schema_version": 1, "engine": "measure", "model": spec.name, "settings": settings.as_dict(),
+                    **doc})
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{spec.name}: measured on {result.device} vs estimate ({unit})")
+    for col in ("phase", "measured allocated", "measured reserved", "estimate", "error"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for p in result.phases:
+        e = estimated.get(p.name)
+        table.add_row(p.name, format_bytes(p.allocated_bytes, unit),
+                      format_bytes(p.reserved_bytes, unit) if p.reserved_bytes is not None else "-",
+                      format_bytes(e, unit) if e is not None else "",
+                      f"{(e - p.allocated_bytes) / p.allocated_bytes:+.2%}" if e and p.allocated_bytes else "")
+    console = _console()
+    console.print(table)
+    if snapshot and result.device == "cuda":
+        console.print(f"snapshot written to {snapshot} (open it at pytorch.org/memory_viz)")
+
+
+@app.command()
 @click.option("--quick", is_flag=True, help="A reduced matrix (3 families, 2 recipes).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default="docs/accuracy.md", show_default=True,
               help="Markdown report to write.")

@@ -61,12 +61,30 @@ def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens
     if layer.moe:
         mlp = 3 * c * layer.moe.top_k * layer.moe.expert_intermediate_size
     else:
-        mlp = 3 * c * layer.mlp.intermediate_size  # type: ignore[union-attr]
+        # gelu_new's Python backward chains its intermediates: one more I-wide gradient alive.
+        wide = 4 if layer.mlp.activation == "gelu_new" else 3  # type: ignore[union-attr]
+        mlp = wide * c * layer.mlp.intermediate_size  # type: ignore[union-attr]
     qkv = att.num_heads * att.head_dim + att.num_kv_heads * (att.head_dim + att.v_head_dim)
     attn = c * qkv + FP32 * att.num_heads * (att.head_dim + 1)
     if kernel == "eager":
         attn = c * qkv + (FP32 + c) * att.num_heads * seq
-    return (max(mlp, attn) + r * h) * tokens
+    return (max(mlp, attn) + 2 * r * h) * tokens
+
+
+def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
+    """A layer's forward when autograd keeps nothing (non-reentrant checkpointing): tensors die as soon as Python
+    drops them, so the worst moment is the MLP product being formed from the activation and up outputs (3 I-wide
+    tensors), or attention with q, k, v and its output, beside the residual stream and the norm output."""
+    c, w, h = p.compute, p.residual, spec.hidden_size
+    layer = la.layer
+    att = layer.attention
+    width = layer.moe.top_k * layer.moe.expert_intermediate_size if layer.moe else layer.mlp.intermediate_size  # type: ignore[union-attr]
+    wide = 3  # gated: activation output, up output, product
+    if layer.mlp is not None and not layer.mlp.gated:
+        wide = 5 if layer.mlp.activation == "gelu_new" else 2  # gelu_new's Python intermediates
+    mlp = wide * c * width
+    attn = c * (2 * att.num_heads * att.head_dim + 2 * att.num_kv_heads * att.head_dim)
+    return (max(mlp, attn) + 2 * w * h) * tokens
 
 
 def _param_bytes(numel: int, per_param: float) -> int:
@@ -92,6 +110,48 @@ def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer
     return temp, ", ".join(what) or "none (in-place kernels)"
 
 
+@dataclass(frozen=True)
+class _LayerBytes:
+    """One decoder layer, as the backward walk needs it."""
+
+    kept: int
+    """What the layer keeps until its backward (everything saved, or its input under full checkpointing)."""
+    full: int
+    """Its full saved activations (recreated by the recompute under full checkpointing)."""
+    product: int
+    """The MLP product (down_proj's input), freed when down_proj's backward has run."""
+    down_grad: int
+    grads: int
+    transient: int
+    """Largest gradient temporaries inside its backward."""
+    forward_transient: int
+    """Largest set of its forward's own tensors alive at once when nothing is saved (checkpointed forward)."""
+
+
+def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
+                     settings: TrainingSettings) -> list[_LayerBytes]:
+    if not spec.has_architecture:
+        return []
+    p = Precision.of(recipe)
+    tokens = acts.tokens
+    out = []
+    for la in acts.layers:
+        tensors = layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors)
+        down = sum(t.numel for t in tensors if t.name.startswith(("mlp.down_proj", "mlp.fc2", "mlp.experts.down_proj")))
+        layer = la.layer
+        width = layer.moe.top_k * layer.moe.expert_intermediate_size if layer.moe else layer.mlp.intermediate_size  # type: ignore[union-attr]
+        full = int(la.bytes_per_token * tokens) + la.constant_bytes
+        item = _LayerBytes(
+            kept=acts.layer_saved_bytes(la), full=full, product=p.compute * width * tokens,
+            down_grad=_param_bytes(down, recipe.gradient_bytes),
+            grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
+            transient=_layer_transient(spec, la, p, tokens, settings.seq, settings.attention),
+            forward_transient=_forward_transient(spec, la, p, tokens),
+        )
+        out.extend([item] * la.count)
+    return out
+
+
 def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate,
                   recipe: Recipe, optimizer: Optimizer, settings: TrainingSettings) -> tuple[Phase, ...]:
     weights, grads = static["weights"], static["gradients"]
@@ -102,39 +162,65 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     # With gradient accumulation the gradients of earlier micro-batches are alive in every forward but the first.
     grads_in_forward = grads if accumulating else 0
 
-    # Forward: the peak is at the loss, when the logits, their fp32 upcast and log_softmax's output coexist.
+    # Forward: the peak is at the loss, when the logits, their fp32 upcast and log_softmax's output coexist
+    # (all created in forward, so counted as activations). With full checkpointing it can instead be inside the
+    # last layer's forward, where that layer's activations exist until it returns.
     saved = acts.saved_bytes
-    forward = Phase("forward", "at the loss", weights, grads_in_forward,
-                    states, saved, acts.logits_bytes + acts.loss_transient_bytes)
+    candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
+                           saved + acts.logits_bytes + acts.loss_transient_bytes, 0)]
+    layers = _expanded_layers(spec, acts, recipe, settings)
+    if acts.checkpointing == "full" and layers:
+        # Autocast's cast cache keeps every layer's half weight copies until the autocast region ends, even
+        # though checkpointed layers save nothing.
+        cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if p.autocast else 0
+        candidates_fw[0] = Phase("forward", "at the loss", weights, grads_in_forward, states,
+                                 saved + acts.logits_bytes + acts.loss_transient_bytes + cast_cache, 0)
+        kept_before_last = acts.embedding_bytes + acts.constant_bytes + cast_cache + sum(x.kept for x in layers[:-1])
+        candidates_fw.append(Phase("forward", "inside the last layer", weights, grads_in_forward, states,
+                                   kept_before_last + layers[-1].forward_transient, 0))
+    forward = max(candidates_fw, key=lambda ph: ph.allocated_bytes)
 
     # Backward start: nll_loss's gradient and log_softmax's gradient (both fp32, V wide) beside everything saved.
     # The logits themselves are gone by then: log_softmax keeps its output, not its input, and a training loop
     # that keeps only the loss (HF Trainer's compute_loss, `loss = model(...).loss`) drops the output object.
     loss_grads = 0 if settings.loss == "chunked" else 2 * FP32 * v * tokens
     head_grad = _param_bytes(spec.param_groups[-1].numel, recipe.gradient_bytes) if not spec.tied_embeddings else 0
-    start = Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)
-    candidates = [start]
-    if spec.has_architecture and acts.layers:
-        # The last layer's MLP backward (its largest transient): down_proj's backward has run, so its input (the
-        # product) is freed and the MLP's weight gradients exist; the rest of the layer is still saved.
-        last = acts.layers[-1]
-        transient = _layer_transient(spec, last, p, tokens, settings.seq, settings.attention)
-        recompute = acts.recompute_bytes
-        mlp_numel = sum(t.numel for t in layer_tensors(last.layer, spec.hidden_size, spec.norm_vectors)
-                        if t.name.startswith("mlp."))
-        mlp_grads = _param_bytes(mlp_numel, recipe.gradient_bytes)
-        width = (last.layer.moe.top_k * last.layer.moe.expert_intermediate_size if last.layer.moe
-                 else last.layer.mlp.intermediate_size)  # type: ignore[union-attr]
-        product = 0 if acts.checkpointing == "full" else p.compute * width * tokens
+    candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
+    if settings.loss != "chunked":
+        # The LM head's backward: log_softmax's output is freed, the fp32 gradient of the logits (and its cast
+        # to the compute dtype) is alive while the head's weight gradient (V x h, tied or not) is created.
+        head_weight_grad = _param_bytes(v * (spec.embedding_dim or spec.hidden_size), recipe.gradient_bytes)
+        dlogits = FP32 * v * tokens + (p.compute * v * tokens if p.compute != FP32 else 0)
+        candidates.append(Phase("backward", "LM head", weights, max(grads_in_forward, head_weight_grad), states,
+                                saved - FP32 * v * tokens, dlogits))
+    # Then layer by layer, last to first. Each layer's worst moment is its MLP backward: down_proj's backward has
+    # run (its input, the product, is freed; its weight gradient exists), the rest of the layer's activations
+    # (recomputed, under full checkpointing) are alive, and the MLP's input gradients are being computed.
+    # Layers below still hold what they keep; layers above have freed theirs and produced their gradients.
+    # Once the LM head's backward has run, its autocast weight copy is gone.
+    head_copy = int(sum(t.bytes_per_token for t in acts.constant_terms if "LM head weight" in t.name))
+    base_kept = acts.embedding_bytes + acts.constant_bytes - head_copy
+    # Tied embeddings: autograd sums the LM head's and the embedding's gradient contributions before accumulating
+    # into .grad, so the head's V x h contribution is held as a temporary through the whole layer backward.
+    tied_numel = spec.param_groups[0].tensors[0].numel if spec.tied_embeddings and spec.has_architecture else 0
+    tied_held = _param_bytes(tied_numel, recipe.gradient_bytes)
+    kept_below = [0]
+    for x in layers:
+        kept_below.append(kept_below[-1] + x.kept)
+    grads_above = 0
+    for index in range(len(layers) - 1, -1, -1):
+        x = layers[index]
+        live_acts = base_kept + kept_below[index] + (x.kept + x.full if acts.checkpointing == "full" else x.full)
         candidates.append(Phase(
-            "backward", "last layer's MLP", weights, max(grads_in_forward, head_grad + mlp_grads), states,
-            saved - acts.head_bytes + recompute - product, transient))
-        # The end: every gradient exists, the first layer's backward still runs.
-        first = acts.layers[0]
-        first_saved = acts.embedding_bytes + acts.constant_bytes + acts.layer_saved_bytes(first)
-        transient_first = _layer_transient(spec, first, p, tokens, settings.seq, settings.attention)
-        candidates.append(Phase("backward", "first layer", weights, grads, states,
-                                first_saved + recompute, transient_first))
+            "backward", f"layer {index} MLP", weights,
+            max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
+            live_acts - x.product, x.transient + tied_held))
+        grads_above += x.grads
+    if tied_held:
+        # The embedding's backward: its contribution and the sum of both exist beside the held one (3 x V x h),
+        # while every other gradient is done.
+        candidates.append(Phase("backward", "embedding (tied weights)", weights,
+                                max(grads_in_forward, grads - tied_held), states, base_kept, 3 * tied_held))
     backward = max(candidates, key=lambda ph: ph.allocated_bytes)
 
     temp, _ = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer)

@@ -1,0 +1,309 @@
+"""trainmem measure: real training steps on a real device, the peak of each phase from the allocator itself.
+
+On CUDA the peaks are ``torch.cuda.max_memory_allocated()`` and ``max_memory_reserved()``, with the peak counter
+reset at each phase boundary (forward, backward, optimizer step, between steps). On the CPU, which has no such
+counter, the allocator's own events are read from ``torch.profiler.profile(profile_memory=True)``: every
+allocation and free with its exact size, replayed in order to find each phase's peak (RSS and tracemalloc are
+not measures of tensor memory). ``track()`` does the same around a user's own training loop, and
+``TrainmemCallback`` inside the Hugging Face Trainer.
+
+Needs torch (and transformers for MODEL arguments).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+PHASES = ("load", "forward", "backward", "optimizer", "between_steps")
+
+
+@dataclass
+class PhasePeak:
+    name: str
+    allocated_bytes: int
+    reserved_bytes: int | None = None
+    """CUDA only: max_memory_reserved() in the phase."""
+
+
+@dataclass
+class Measurement:
+    device: str
+    phases: list[PhasePeak] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def peak(self) -> PhasePeak:
+        return max(self.phases, key=lambda p: p.allocated_bytes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "seconds": round(self.seconds, 3),
+                "phases": [{"name": p.name, "allocated_bytes": p.allocated_bytes,
+                            **({"reserved_bytes": p.reserved_bytes} if p.reserved_bytes is not None else {})}
+                           for p in self.phases]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Phase recorders: CUDA counters, or the CPU allocator's events
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _CudaRecorder:
+    def __init__(self, torch, device):
+        self.torch, self.device = torch, device
+        self.peaks: dict[str, PhasePeak] = {}
+        self.current = "load"
+
+    def start(self) -> None:
+        self.torch.cuda.synchronize(self.device)
+        self.torch.cuda.reset_peak_memory_stats(self.device)
+
+    def switch(self, phase: str) -> None:
+        cuda = self.torch.cuda
+        cuda.synchronize(self.device)
+        allocated, reserved = cuda.max_memory_allocated(self.device), cuda.max_memory_reserved(self.device)
+        old = self.peaks.get(self.current)
+        if old is None or allocated > old.allocated_bytes:
+            self.peaks[self.current] = PhasePeak(self.current, allocated, reserved)
+        cuda.reset_peak_memory_stats(self.device)
+        self.current = phase
+
+    def finish(self) -> list[PhasePeak]:
+        self.switch(self.current)
+        return [self.peaks[p] for p in PHASES if p in self.peaks]
+
+
+class _CpuRecorder:
+    """Replays the CPU allocator's events recorded by the profiler. ``baseline`` is what was allocated before
+    recording started (the profiler sees only later events)."""
+
+    def __init__(self, torch, baseline: int):
+        self.torch, self.baseline = torch, baseline
+        self.marks: list[tuple[int, str]] = []
+        self.profiler = None
+        self.current = "load"
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.profiler.__enter__()
+        self._range = self.torch.autograd.profiler.record_function(f"trainmem::{self.current}")
+        self._range.__enter__()
+
+    def switch(self, phase: str) -> None:
+        self._range.__exit__(None, None, None)
+        self.current = phase
+        self._range = self.torch.autograd.profiler.record_function(f"trainmem::{phase}")
+        self._range.__enter__()
+
+    def finish(self) -> list[PhasePeak]:
+        self._range.__exit__(None, None, None)
+        self.profiler.__exit__(None, None, None)
+        # The raw kineto events: "[memory]" records carry each allocation (+) and free (-) with its size.
+        events = self.profiler.profiler.kineto_results.events()
+        ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name().split("::", 1)[1]) for e in events
+                        if e.name().startswith("trainmem::"))
+        memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.nbytes())
+        live, peaks = self.baseline, {}
+        index = 0
+        for start, end, name in ranges:
+            peak = live
+            while index < len(memory) and memory[index][0] <= end:
+                live += memory[index][1]
+                peak = max(peak, live)
+                index += 1
+            peaks[name] = max(peaks.get(name, 0), peak)
+        return [PhasePeak(p, peaks[p]) for p in PHASES if p in peaks]
+
+
+def _storage_bytes(torch, tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# track(): around a user's own loop
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Tracker:
+    """Splits a training loop into phases with hooks: the model's forward pre-hook starts "forward", its forward
+    hook starts "backward" (the loss and backward follow), the optimizer's step pre-hook starts "optimizer" and
+    ``optimizer.zero_grad()`` returning starts "between_steps"."""
+
+    def __init__(self, model, optimizer, device=None):
+        import torch
+
+        self.torch, self.model, self.optimizer = torch, model, optimizer
+        param = next(model.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.measurement = Measurement(self.device.type)
+        self._handles: list = []
+
+    def _baseline(self) -> int:
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        for group in self.optimizer.param_groups:  # fp32 master weights are the optimizer's own parameters
+            tensors += list(group["params"])
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if hasattr(v, "untyped_storage")]
+        return _storage_bytes(self.torch, tensors)
+
+    def __enter__(self) -> "Tracker":
+        torch = self.torch
+        if self.device.type == "cuda":
+            self.recorder = _CudaRecorder(torch, self.device)
+        else:
+            self.recorder = _CpuRecorder(torch, self._baseline())
+        switch = self.recorder.switch
+        self._handles = [
+            self.model.register_forward_pre_hook(lambda m, a: switch("forward")),
+            self.model.register_forward_hook(lambda m, a, o: switch("backward")),
+            self.optimizer.register_step_pre_hook(lambda o, a, k: switch("optimizer")),
+        ]
+        # "between_steps" starts when the gradients are released: after zero_grad, not right after step().
+        original_zero_grad = self.optimizer.zero_grad
+
+        def zero_grad(*args, **kwargs):
+            result = original_zero_grad(*args, **kwargs)
+            switch("between_steps")
+            return result
+
+        self.optimizer.zero_grad = zero_grad
+        self._restore = lambda: delattr(self.optimizer, "zero_grad")
+        self._started = time.perf_counter()
+        self.recorder.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._restore()
+        self.measurement.phases = self.recorder.finish()
+        self.measurement.seconds = time.perf_counter() - self._started
+
+    def report(self) -> Measurement:
+        return self.measurement
+
+
+@contextlib.contextmanager
+def track(model, optimizer, device=None) -> Iterator[Tracker]:
+    """Measure the per-phase peaks of your own training loop::
+
+        with trainmem.track(model, optimizer) as t:
+            for batch in loader:
+                loss = model(**batch).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        print(t.report().as_dict())
+    """
+    tracker = Tracker(model, optimizer, device)
+    with tracker:
+        yield tracker
+
+
+def trainer_callback():
+    """A transformers TrainerCallback recording max_memory_allocated() for each step's forward+backward and
+    optimizer phases on CUDA (the Trainer exposes no hook between forward and backward)."""
+    import torch
+    from transformers import TrainerCallback
+
+    class TrainmemCallback(TrainerCallback):
+        def __init__(self):
+            self.steps: list[dict[str, int]] = []
+
+        def _mark(self) -> int:
+            if not torch.cuda.is_available():
+                return 0
+            peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            return peak
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._mark()
+            self._current: dict[str, int] = {}
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self._current["forward_backward"] = self._mark()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            self._current["optimizer"] = self._mark()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self._current["between_steps"] = self._mark()
+            self.steps.append(self._current)
+
+    return TrainmemCallback()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# measure(): build the model for real and run steps
+# ---------------------------------------------------------------------------------------------------------
+
+
+def measure_steps(config: dict[str, Any], settings, device: str = "auto", steps: int = 2,
+                  snapshot: str | None = None) -> Measurement:
+    """Build the model for real (random weights), run ``steps`` training steps and measure the last one."""
+    import torch
+
+    from .probe import build_model
+    from .recipes import get_recipe
+    from .trace import _Fp32StateAdamW, _make_optimizer  # the same optimizer choices as the trace
+
+    recipe = get_recipe(settings.recipe)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    model = build_model(config, recipe, settings.attention, settings.dropout).to(dev)
+    if settings.checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().requires_grad_(True) for p in params] if recipe.master_weights else None
+    fp32_states = recipe.optimizer_states == "fp32" and recipe.weights != "fp32" and masters is None
+    optimizer = _make_optimizer(torch, settings.optimizer, masters or params, settings.fused_optimizer, fp32_states)
+    if isinstance(optimizer, _Fp32StateAdamW):
+        raise ValueError("measure runs torch optimizers; pure-bf16 (fp32 states, no master) is trace-only")
+    ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq), device=dev)
+    autocast = (torch.autocast(dev.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[recipe.compute])
+                if recipe.autocast else contextlib.nullcontext())
+
+    recorder: list = []  # the running tracker's recorder, to mark the optimizer phase before the master copy
+
+    def one_step():
+        for _ in range(settings.grad_accum):
+            with autocast:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
+        if masters is not None:
+            if recorder:
+                recorder[0].switch("optimizer")
+            for m, p in zip(masters, params):
+                m.grad = p.grad.float()
+        optimizer.step()
+        if masters is not None:
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
+                    m.grad = None
+            model.zero_grad(set_to_none=True)  # the half gradients; the optimizer's own are the masters'
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(max(0, steps - 1)):
+        one_step()
+    if snapshot and dev.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    with track(model, optimizer, dev) as tracker:
+        recorder.append(tracker.recorder)
+        one_step()
+    if snapshot and dev.type == "cuda":
+        torch.cuda.memory._dump_snapshot(snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return tracker.report()
