@@ -6,6 +6,7 @@ Every :class:`~trainmem.errors.TrainmemError` and every usage error becomes one 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Optional
 
@@ -308,6 +309,201 @@ def measure(model, params, recipe, optimizer, optimizer_impl, grad_accum, attent
     console.print(table)
     if snapshot and result.device == "cuda":
         console.print(f"snapshot written to {snapshot} (open it at pytorch.org/memory_viz)")
+
+
+@app.command()
+@click.option("--value", type=float, help="Show how this number is stored in each format.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def dtypes(value: Optional[float], as_json: bool) -> None:
+    """Floating-point formats computed from their bit layouts: range, precision, bytes.
+
+    \b
+    Example: trainmem dtypes --value 1e-8
+    """
+    from .dtypes import FORMATS, describe
+
+    rows = [{"format": f.name, "sign": 1, "exponent_bits": f.exponent_bits, "mantissa_bits": f.mantissa_bits,
+             "max": f.max, "smallest_normal": f.smallest_normal, "smallest_subnormal": f.smallest_subnormal,
+             "eps": f.eps, "decimal_digits": f.decimal_digits, "bytes": f.storage_bytes} for f in FORMATS.values()]
+    stored = describe(value) if value is not None else None
+    if as_json:
+        _emit_json({"formats": rows, **({"value": value, "stored": stored} if stored else {})})
+        return
+    from rich.table import Table
+
+    table = Table(title="Floating-point formats (computed from sign/exponent/mantissa bits)")
+    for col in ("format", "s/e/m bits", "max", "smallest normal", "smallest subnormal", "eps", "digits", "bytes"):
+        table.add_column(col, justify="left" if col == "format" else "right")
+    for r in rows:
+        table.add_row(r["format"], f"1/{r['exponent_bits']}/{r['mantissa_bits']}", f"{r['max']:.6g}",
+                      f"{r['smallest_normal']:.4g}", f"{r['smallest_subnormal']:.4g}", f"{r['eps']:.4g}",
+                      str(r["decimal_digits"]), str(r["bytes"]))
+    console = _console()
+    console.print(table)
+    if stored:
+        t = Table(title=f"{value!r} stored in each format")
+        for col in ("format", "stored value", "relative error", "outcome"):
+            t.add_column(col, justify="left" if col in ("format", "outcome") else "right")
+        for r in stored:
+            err = "" if r["relative_error"] is None else f"{r['relative_error']:.3e}"
+            t.add_row(r["format"], f"{r['stored']:.10g}", err, r["outcome"])
+        console.print(t)
+
+
+@app.command(name="precision-check")
+@click.argument("model")
+@click.option("--layers", type=int, help="Scale down to this many layers (default: the config's).")
+@click.option("--hidden", type=int, help="Scale down to this hidden size, keeping the head size.")
+@click.option("--weights", type=click.Path(exists=True, dir_okay=False), help="A local .safetensors checkpoint.")
+@click.option("--data", type=click.Path(exists=True, dir_okay=False), help="A local text file (bytes as tokens).")
+@click.option("--batch", type=int, default=4, show_default=True)
+@click.option("--seq", type=int, default=128, show_default=True)
+@click.option("--steps", type=int, default=3, show_default=True, help="Training steps; the last is analysed.")
+@click.option("--lr", type=float, default=1e-4, show_default=True, help="AdamW learning rate for the updates.")
+@click.option("--loss-scale", type=float, default=1024.0, show_default=True, help="The scale to evaluate.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write the gradient histogram as a PNG.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr, loss_scale, plot, as_json) -> None:
+    """Run real fp32 training steps of MODEL on the CPU and measure whether fp16 or bf16 would lose its gradients,
+    activations or weight updates.
+
+    \b
+    Example: trainmem precision-check llama-2-7b --layers 2 --hidden 256
+    """
+    import torch
+
+    from .catalog import load_config
+    from .precision import plot_gradients, precision_check as run_check, resize_config, text_batches
+    from .probe import build_model
+    from .recipes import get_recipe
+
+    for flag, v in (("--batch", batch), ("--seq", seq), ("--steps", steps), ("--layers", layers),
+                    ("--hidden", hidden)):
+        if v is not None and v <= 0:
+            raise ConfigError(f"{flag} must be a positive integer, got {v}")
+    if loss_scale <= 0 or lr <= 0:
+        raise ConfigError("--loss-scale and --lr must be positive")
+    config, name, _ = load_config(model)
+    config = resize_config(config, hidden, layers)
+    torch.manual_seed(0)
+    net = build_model(config, get_recipe("fp32"), "sdpa", None)
+    if weights:
+        from safetensors.torch import load_file
+
+        missing, unexpected = net.load_state_dict(load_file(weights), strict=False)
+        if unexpected:
+            raise ConfigError(f"{weights}: {len(unexpected)} tensors do not belong to {name} "
+                              f"(first: {unexpected[0]})")
+    vocab = int(config.get("vocab_size"))
+    try:
+        batches = text_batches(torch, data, vocab, batch, seq, steps)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    report = run_check(net, batches, steps=steps, lr=lr, loss_scale=loss_scale)
+    raw, scaled = report.gradient_stats(torch), report.gradient_stats(torch, loss_scale)
+    low, high = report.scale_range(torch)
+    per_type = {k: {"gradients": report.gradient_stats(torch, 1.0, {k: d}),
+                    "bf16_lost_updates": report.bf16_lost_updates(torch, {k: report.update_ratio[k]})
+                    if k in report.update_ratio else None}
+                for k, d in sorted(report.gradients.items())}
+    verdict = report.verdict(torch)
+    if plot:
+        plot_gradients(torch, report, plot)
+    doc = {"model": name, "parameters": sum(p.numel() for p in net.parameters()), "losses": report.losses,
+           "gradients": raw, "gradients_scaled": {"scale": loss_scale, **scaled},
+           "loss_scale_range": {"smallest": low, "largest": high},
+           "activations": {"max": report.max_activation(torch), "overflow_fp16": report.activation_overflow(torch)},
+           "bf16_lost_updates": report.bf16_lost_updates(torch), "by_layer_type": per_type,
+           "verdict": [{"recipe": r, "ok": ok, "why": why} for r, ok, why in verdict]}
+    if as_json:
+        _emit_json(doc)
+        return
+    from rich.table import Table
+
+    console = _console()
+    console.print(f"[bold]{name}[/bold]: {doc['parameters']:,} parameters, {steps} fp32 steps on the CPU, "
+                  f"losses {', '.join(f'{x:.3f}' for x in report.losses)}")
+    t = Table(title="Gradients in fp16, by layer type (fractions of all gradient values)")
+    for col in ("layer type", "values", "zero in fp32", "flush to 0 (no scaling)", "subnormal", "max |g|",
+                f"flush to 0 (scale {loss_scale:g})", "bf16 lost updates"):
+        t.add_column(col, justify="left" if col == "layer type" else "right")
+    for k, d in sorted(report.gradients.items()):
+        g, gs = report.gradient_stats(torch, 1.0, {k: d}), report.gradient_stats(torch, loss_scale, {k: d})
+        lost = per_type[k]["bf16_lost_updates"]
+        t.add_row(k, f"{g['count']:,}", f"{g['zero_in_fp32']:.3%}", f"{g['underflow_to_zero']:.3%}",
+                  f"{g['subnormal']:.3%}", f"{g['max']:.3g}", f"{gs['underflow_to_zero']:.3%}",
+                  "" if lost is None else f"{lost:.2%}")
+    t.add_row("all", f"{raw['count']:,}", f"{raw['zero_in_fp32']:.3%}", f"{raw['underflow_to_zero']:.3%}",
+              f"{raw['subnormal']:.3%}", f"{raw['max']:.3g}", f"{scaled['underflow_to_zero']:.3%}",
+              f"{doc['bf16_lost_updates']:.2%}", style="bold")
+    console.print(t)
+    console.print(f"loss scales from {low:g} (2^{math.log2(low):.0f}) keep {0.999:.1%} of non-zero gradients "
+                  f"representable; up to {high:g} (2^{math.log2(high):.0f}) keep the largest finite. "
+                  f"Largest activation {doc['activations']['max']:.4g} "
+                  f"({doc['activations']['overflow_fp16']:.4%} above 65504).")
+    v = Table(title="Verdict")
+    v.add_column("recipe")
+    v.add_column("usable", justify="center")
+    v.add_column("why")
+    for r, ok, why in verdict:
+        v.add_row(r, "[green]yes[/green]" if ok else "[red]no[/red]", why)
+    console.print(v)
+    if plot:
+        console.print(f"histogram written to {plot}")
+
+
+@app.command(name="amp-demo")
+@click.option("--steps", type=int, default=200, show_default=True)
+@click.option("--batch", type=int, default=8, show_default=True)
+@click.option("--grad-scale-down", type=float, default=1.0, show_default=True,
+              help="Shrink the gradients fp16 sees by this factor (e.g. 1e-6) to reproduce a deep model's regime.")
+@click.option("--runs", default=",".join(("fp32", "fp16-autocast", "fp16-autocast+scaler", "bf16-autocast",
+                                           "pure-bf16", "pure-bf16+master")), show_default=True)
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write the loss curves as a PNG.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
+    """Train a tiny GPT on a text shipped with trainmem under fp32, fp16 autocast (with and without GradScaler),
+    bf16 autocast, pure bf16 and bf16 with fp32 master weights, on the CPU, and compare.
+
+    \b
+    Example: trainmem amp-demo --grad-scale-down 1e-6 --plot amp.png
+    """
+    from .amp_demo import RUNS, plot as plot_runs, run_all
+
+    names = [r.strip() for r in runs.split(",") if r.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise ConfigError(f"unknown run {unknown[0]!r}; accepted: {', '.join(RUNS)}")
+    if steps <= 0 or batch <= 0 or not grad_scale_down > 0:
+        raise ConfigError("--steps, --batch and --grad-scale-down must be positive")
+    results, seconds = run_all(steps=steps, grad_scale_down=grad_scale_down, runs=names, batch=batch)
+    reference = next((r for r in results if r.name == "fp32"), None)
+    if plot:
+        plot_runs(results, plot)
+    if as_json:
+        _emit_json({"steps": steps, "grad_scale_down": grad_scale_down, "seconds": round(seconds, 1), "runs": [
+            {"name": r.name, "losses": r.losses, "final_loss": r.final_loss, "zero_grad_fraction": r.zero_grad_fraction,
+             "skipped_steps": r.skipped_steps,
+             "gap_to_fp32": None if reference is None else r.final_loss - reference.final_loss} for r in results]})
+        return
+    from rich.table import Table
+
+    marks = sorted({0, steps // 4, steps // 2, 3 * steps // 4, steps - 1})
+    table = Table(title=f"Tiny GPT, {steps} steps, gradients fp16 sees x{grad_scale_down:g} "
+                        f"({seconds:.0f} s on the CPU)")
+    table.add_column("run")
+    for m in marks:
+        table.add_column(f"loss @{m}", justify="right")
+    for col in ("final (last 10)", "gap to fp32", "zero gradients", "skipped steps"):
+        table.add_column(col, justify="right")
+    for r in results:
+        gap = "" if reference is None else f"{r.final_loss - reference.final_loss:+.3f}"
+        table.add_row(r.name, *(f"{r.losses[m]:.3f}" for m in marks), f"{r.final_loss:.3f}", gap,
+                      f"{r.zero_grad_fraction:.2%}", str(r.skipped_steps))
+    console = _console()
+    console.print(table)
+    if plot:
+        console.print(f"loss curves written to {plot}")
 
 
 @app.command()

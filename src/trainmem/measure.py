@@ -261,6 +261,8 @@ def measure_steps(config: dict[str, Any], settings, device: str = "auto", steps:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("no CUDA device is available (this torch build or machine has none); use --device cpu")
     model = build_model(config, recipe, settings.attention, settings.dropout).to(dev)
     if settings.checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

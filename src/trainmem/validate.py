@@ -33,8 +33,9 @@ CATEGORY_TOLERANCE = 0.05
 def scale_down(config: dict, heads: int = 4, head_dim: int = 16, layers: int = 3, vocab: int = 512) -> dict:
     """Same family and structure, tiny widths: keeps the query/kv head grouping (at least 2 kv heads where the
     original has more than one), the MLP-to-hidden ratio, the norms and the attention implementation."""
-    drop = ("_name_or_path", "torch_dtype", "pad_token_id", "bos_token_id", "eos_token_id")
+    drop = ("_name_or_path", "torch_dtype", "bos_token_id", "eos_token_id")
     cfg = {k: v for k, v in config.items() if k not in drop}
+    cfg["pad_token_id"] = 0  # the real one can lie outside the shrunk vocabulary
     if cfg["model_type"] == "gpt2":
         h = heads * head_dim
         return dict(cfg, n_embd=h, n_head=heads, n_layer=layers, vocab_size=vocab, n_positions=256, n_inner=None,

@@ -1,0 +1,126 @@
+"""measure's CPU path (the allocator's own events) against the trace, track() around a user's loop, and the
+CUDA path's phase logic with a stand-in for torch.cuda."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from scaled import SCALED  # noqa: E402
+from trainmem.measure import PHASES, _CudaRecorder, measure_steps, track  # noqa: E402
+from trainmem.models import spec_from_config  # noqa: E402
+from trainmem.settings import make_settings  # noqa: E402
+from trainmem.trace import trace_step  # noqa: E402
+
+CASES = [("Llama-2-7B", dict(recipe="fp32")), ("Llama-3-8B", dict(recipe="mixed-bf16")),
+         ("GPT-2", dict(recipe="amp-bf16", optimizer="sgd"))]
+
+
+@pytest.mark.parametrize("family, kw", CASES, ids=[c[0] for c in CASES])
+def test_cpu_measure_agrees_with_the_trace(family, kw):
+    """The CPU allocator's events and MemTracker under FakeTensorMode see the same step: every phase agrees
+    to the byte, or within 512 bytes per tensor for the few tensors (position ids) the trace sizes differently."""
+    cfg = SCALED[family]
+    s = make_settings(batch=2, seq=64, dropout=0.0, **kw)
+    measured = measure_steps(cfg, s, "cpu")
+    traced = trace_step(cfg, s, spec_from_config(cfg), round_to_cuda=False)
+    assert [p.name for p in measured.phases] == list(PHASES) == [p.name for p in traced.phases]
+    for m, t in zip(measured.phases, traced.phases):
+        assert abs(m.allocated_bytes - t.allocated_bytes) <= 2 * 512, m.name
+
+
+def test_track_around_a_plain_loop():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    x = torch.randn(64, 256)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    with track(model, opt) as t:
+        for _ in range(2):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    peaks = {p.name: p.allocated_bytes for p in t.report().phases}
+    assert set(peaks) == {"load", "forward", "backward", "optimizer", "between_steps"}
+    assert peaks["load"] == params  # nothing else exists before the first step
+    # The step holds weights, gradients, two AdamW states and foreach's sqrt buffer: 5 x the parameters.
+    assert peaks["optimizer"] >= 5 * params
+    # Weights and two states (gradients released), plus AdamW's 4-byte step counters, one per tensor.
+    assert peaks["between_steps"] == pytest.approx(3 * params, abs=8 * 4 + 4)
+    assert peaks["forward"] > params
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda: a scripted allocation trace with peak counters."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def alloc(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def synchronize(self, device=None):
+        pass
+
+    def reset_peak_memory_stats(self, device=None):
+        self.peak = self.allocated
+
+    def max_memory_allocated(self, device=None):
+        return self.peak
+
+    def max_memory_reserved(self, device=None):
+        return self.peak + 2**20
+
+
+def test_cuda_recorder_resets_the_peak_at_each_phase():
+    fake = _FakeCuda()
+
+    class FakeTorch:
+        cuda = fake
+
+    rec = _CudaRecorder(FakeTorch, "cuda:0")
+    fake.alloc(100)  # weights
+    rec.start()
+    rec.switch("forward")
+    fake.alloc(50); fake.alloc(-20)  # noqa: E702
+    rec.switch("backward")
+    fake.alloc(40); fake.alloc(-70)  # noqa: E702
+    rec.switch("optimizer")
+    fake.alloc(10); fake.alloc(-10)  # noqa: E702
+    rec.switch("between_steps")
+    peaks = {p.name: (p.allocated_bytes, p.reserved_bytes) for p in rec.finish()}
+    assert peaks == {"load": (100, 100 + 2**20), "forward": (150, 150 + 2**20), "backward": (170, 170 + 2**20),
+                     "optimizer": (110, 110 + 2**20), "between_steps": (100, 100 + 2**20)}
+
+
+def test_measure_cli_cpu_json_and_bad_device(run_cli, tmp_path):
+    cfg = dict(SCALED["Llama-2-7B"], model_type="llama")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    code, out, err = run_cli("measure", str(path), "--batch", "2", "--seq", "32", "--recipe", "fp32", "--device",
+                             "cpu", "--dropout", "0", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["engine"] == "measure" and doc["device"] == "cpu"
+    assert [p["name"] for p in doc["phases"]] == list(PHASES)
+    for p in doc["phases"]:
+        assert p["estimate_allocated_bytes"] == pytest.approx(p["allocated_bytes"], rel=0.03)
+    if not torch.cuda.is_available():
+        code, _, err = run_cli("measure", str(path), "--device", "cuda", "--seq", "32")
+        assert code == 2 and err.startswith("trainmem: error: measure failed on cuda") and err.count("\n") == 1
+
+
+def test_trainer_callback_records_nothing_without_cuda():
+    from trainmem.measure import trainer_callback
+
+    cb = trainer_callback()
+    cb.on_step_begin(None, None, None)
+    cb.on_pre_optimizer_step(None, None, None)
+    cb.on_optimizer_step(None, None, None)
+    cb.on_step_end(None, None, None)
+    expected = 0 if not torch.cuda.is_available() else cb.steps[0]["between_steps"]
+    assert cb.steps[0]["between_steps"] == expected and set(cb.steps[0]) == {
+        "forward_backward", "optimizer", "between_steps"}
