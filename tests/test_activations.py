@@ -90,6 +90,19 @@ def test_eager_with_dropout_differs_from_cuda_only_by_the_mask_dtype():
     assert la.bytes_per_token * b * s + mask * (c - 1) == pytest.approx(measured, rel=0.02)
 
 
+@pytest.mark.parametrize("family", ["Llama-3-8B", "Mixtral-8x7B", "GPT-2"])
+@pytest.mark.parametrize("recipe", ["fp32", "amp-bf16", "pure-bf16"])
+def test_full_checkpointing_saves_what_pytorch_saves(family, recipe):
+    """gradient_checkpointing_enable (non-reentrant): autograd keeps each layer's input and nothing else."""
+    cfg = SCALED[family]
+    measured = saved_bytes_by_place(saved_tensors(cfg, recipe, 2, 24, "sdpa", dropout=0.0, checkpointing=True))
+    acts = estimate_activations(spec_from_config(cfg), get_recipe(recipe),
+                                make_settings(recipe=recipe, batch=2, seq=24, dropout=0.0, checkpointing="full"))
+    expanded = [la for la in acts.layers for _ in range(la.count)]
+    for index, la in enumerate(expanded):
+        assert measured[f"layer {index}"] == acts.layer_saved_bytes(la)
+
+
 def test_full_checkpointing_keeps_only_layer_inputs():
     cfg = SCALED["Llama-3-8B"]
     spec = spec_from_config(cfg)

@@ -46,5 +46,10 @@ def test_memory_grows_with_architecture(heads, layers, inter, vocab, kv_div, rec
     s = make_settings(recipe=recipe, optimizer=optimizer)
     a, b = estimate_model(spec_from_config(cfg), s), estimate_model(spec_from_config(bigger), s)
     assert b.model.num_parameters > a.model.num_parameters
-    assert b.static_bytes >= a.static_bytes
     assert all(c.bytes >= 0 for c in a.static)
+    if optimizer.endswith("8bit"):
+        # A tensor that grows past 4096 elements switches from fp32 to 8-bit states (bitsandbytes'
+        # min_8bit_size), so the states can shrink; everything else must still grow.
+        assert all(cb.bytes >= ca.bytes for ca, cb in zip(a.static, b.static) if ca.name != "optimizer_states")
+    else:
+        assert b.static_bytes >= a.static_bytes

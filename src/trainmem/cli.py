@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 import click
@@ -48,32 +49,51 @@ def _parse_params(text: str) -> int:
     return int(value)
 
 
-def _model_and_settings(model, params, **settings):
+@dataclass
+class _Workload:
+    """What the workload flags describe, validated: the model, the settings, the device allowances."""
+
+    spec: object
+    settings: object
+    device: object
+    gpu: object
+    unit: str
+
+
+SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attention", "checkpointing", "dropout",
+                 "loss", "activation_k")
+
+
+def _workload(options: dict, batch: int, seq: int, need_config: str = "") -> _Workload:
+    """Turn the shared flags into a validated workload. ``need_config`` names a command that cannot run on
+    ``--params`` alone."""
     from .catalog import resolve_model
+    from .estimate import DeviceOptions
+    from .hardware import MIB, get_gpu
     from .models import nominal_spec
     from .optimizers import get_optimizer
     from .settings import make_settings
 
+    model, params = options["model"], options["params"]
+    if need_config and params is not None:
+        raise ConfigError(f"{need_config} needs a model config, not --params")
     if (model is None) == (params is None):
         raise ConfigError("give a model (catalog name, Hub id or config path) or --params, not both")
-    values = make_settings(**settings)
-    spec = nominal_spec(_parse_params(params)) if params is not None else resolve_model(model)
-    if spec.model_type == "nominal" and get_optimizer(values.optimizer).needs_shapes:
-        raise ConfigError(f"optimizer {values.optimizer!r} needs tensor shapes; give a model instead of --params")
-    return spec, values
-
-
-def _device_options(headroom: float, fragmentation: float, cuda_overhead: float):
-    from .estimate import DeviceOptions
-    from .hardware import MIB
-
+    unit = parse_unit(options["units"])
+    settings = make_settings(batch=batch, seq=seq, **{k: options[k] for k in SETTING_FLAGS})
+    headroom, fragmentation, overhead = options["headroom"], options["fragmentation"], options["cuda_overhead"]
     if headroom < 1.0:
         raise ConfigError(f"--headroom must be at least 1.0, got {headroom:g}")
     if not 0.0 <= fragmentation < 1.0:
         raise ConfigError(f"--fragmentation must be in [0, 1), got {fragmentation:g}")
-    if cuda_overhead < 0:
-        raise ConfigError(f"--cuda-overhead must be non-negative MiB, got {cuda_overhead:g}")
-    return DeviceOptions(headroom=headroom, fragmentation=fragmentation, cuda_overhead_bytes=int(cuda_overhead * MIB))
+    if overhead < 0:
+        raise ConfigError(f"--cuda-overhead must be non-negative MiB, got {overhead:g}")
+    device = DeviceOptions(headroom=headroom, fragmentation=fragmentation, cuda_overhead_bytes=int(overhead * MIB))
+    gpu = get_gpu(options["gpu"]) if options["gpu"] else None
+    spec = nominal_spec(_parse_params(params)) if params is not None else resolve_model(model)
+    if spec.model_type == "nominal" and get_optimizer(settings.optimizer).needs_shapes:
+        raise ConfigError(f"optimizer {settings.optimizer!r} needs tensor shapes; give a model instead of --params")
+    return _Workload(spec, settings, device, gpu, unit)
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -127,9 +147,7 @@ def _workload_options(f):
 @click.option("--max-batch", is_flag=True, help="Find the largest micro-batch that fits --gpu.")
 @click.option("--max-seq", is_flag=True, help="Find the longest sequence that fits --gpu.")
 @click.option("--explain", is_flag=True, help="List every saved tensor of a layer.")
-def estimate(model, params, recipe, optimizer, optimizer_impl, grad_accum, attention, checkpointing, dropout, loss,
-             activation_k, gpu, headroom, fragmentation, cuda_overhead, units, as_json, batch, seq, max_batch,
-             max_seq, explain) -> None:
+def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
     """Estimate the memory of training MODEL: a catalog name (trainmem models), a Hub repo id, or a path to a
     config.json or its folder.
 
@@ -142,16 +160,10 @@ def estimate(model, params, recipe, optimizer, optimizer_impl, grad_accum, atten
     from dataclasses import replace
 
     from .estimate import estimate_model
-    from .hardware import get_gpu
     from .report import render_estimate, to_dict
 
-    unit = parse_unit(units)
-    spec, settings = _model_and_settings(
-        model, params, recipe=recipe, optimizer=optimizer, batch=batch, seq=seq, grad_accum=grad_accum,
-        attention=attention, checkpointing=checkpointing, dropout=dropout, loss=loss, activation_k=activation_k,
-        optimizer_impl=optimizer_impl)
-    device = _device_options(headroom, fragmentation, cuda_overhead)
-    target = get_gpu(gpu) if gpu else None
+    w = _workload(options, batch, seq)
+    spec, settings, device, target, unit, as_json = w.spec, w.settings, w.device, w.gpu, w.unit, options["as_json"]
     extra = {}
     if max_batch or max_seq:
         from .planner import max_batch as find_batch, max_seq as find_seq
@@ -187,8 +199,7 @@ def estimate(model, params, recipe, optimizer, optimizer_impl, grad_accum, atten
 @click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
 @click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
 @click.option("--no-round", is_flag=True, help="Keep raw tensor sizes (CUDA rounds each allocation to 512 B).")
-def trace(model, params, recipe, optimizer, optimizer_impl, grad_accum, attention, checkpointing, dropout, loss,
-          activation_k, gpu, headroom, fragmentation, cuda_overhead, units, as_json, batch, seq, no_round) -> None:
+def trace(batch, seq, no_round, **options) -> None:
     """Run one real training step of MODEL's transformers implementation under FakeTensorMode on the CPU
     (no GPU, no memory), count every allocation, and compare with the estimate.
 
@@ -200,15 +211,10 @@ def trace(model, params, recipe, optimizer, optimizer_impl, grad_accum, attentio
     from .report import render_trace, trace_to_dict
     from .trace import trace_step
 
-    unit = parse_unit(units)
-    if params is not None:
-        raise ConfigError("trace needs a model config, not --params")
-    spec, settings = _model_and_settings(
-        model, None, recipe=recipe, optimizer=optimizer, batch=batch, seq=seq, grad_accum=grad_accum,
-        attention=attention, checkpointing=checkpointing, dropout=dropout, loss=loss, activation_k=activation_k,
-        optimizer_impl=optimizer_impl)
-    config, _, _ = load_config(model)
-    est = estimate_model(spec, settings, _device_options(headroom, fragmentation, cuda_overhead))
+    w = _workload(options, batch, seq, need_config="trace")
+    spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
+    config, _, _ = load_config(options["model"])
+    est = estimate_model(spec, settings, w.device)
     result = trace_step(config, settings, spec, round_to_cuda=not no_round)
     if as_json:
         _emit_json(trace_to_dict(est, result.phases, result.seconds, result.rounded))
@@ -220,25 +226,18 @@ def trace(model, params, recipe, optimizer, optimizer_impl, grad_accum, attentio
 @_workload_options
 @click.option("--batch", "batches", default="1,2,4,8", show_default=True, help="Micro-batch sizes, comma-separated.")
 @click.option("--seq", "seqs", default="1024,2048,4096", show_default=True, help="Sequence lengths, comma-separated.")
-def sweep(model, params, recipe, optimizer, optimizer_impl, grad_accum, attention, checkpointing, dropout, loss,
-          activation_k, gpu, headroom, fragmentation, cuda_overhead, units, as_json, batches, seqs) -> None:
+def sweep(batches, seqs, **options) -> None:
     """Estimate a grid of micro-batch sizes x sequence lengths.
 
     \b
     Example: trainmem sweep llama-2-7b --batch 1,2,4,8 --seq 1024,2048,4096 --gpu A100-80GB
     """
-    from .hardware import get_gpu
     from .planner import sweep as run_sweep
     from .report import render_sweep, to_dict
 
-    unit = parse_unit(units)
     batch_list, seq_list = _int_list(batches, "--batch"), _int_list(seqs, "--seq")
-    spec, settings = _model_and_settings(
-        model, params, recipe=recipe, optimizer=optimizer, batch=batch_list[0], seq=seq_list[0],
-        grad_accum=grad_accum, attention=attention, checkpointing=checkpointing, dropout=dropout, loss=loss,
-        activation_k=activation_k, optimizer_impl=optimizer_impl)
-    device = _device_options(headroom, fragmentation, cuda_overhead)
-    target = get_gpu(gpu) if gpu else None
+    w = _workload(options, batch_list[0], seq_list[0])
+    spec, settings, device, target, unit, as_json = w.spec, w.settings, w.device, w.gpu, w.unit, options["as_json"]
     estimates = run_sweep(spec, settings, batch_list, seq_list, device)
     if any(e.peak is None for e in estimates):
         raise ConfigError("a sweep needs activations: give a model config (or --activation-k with --params)")
@@ -256,9 +255,7 @@ def sweep(model, params, recipe, optimizer, optimizer_impl, grad_accum, attentio
 @click.option("--steps", type=int, default=2, show_default=True, help="Steps to run; the last one is measured.")
 @click.option("--snapshot", type=click.Path(dir_okay=False), help="CUDA only: write a memory snapshot for "
               "pytorch.org/memory_viz.")
-def measure(model, params, recipe, optimizer, optimizer_impl, grad_accum, attention, checkpointing, dropout, loss,
-            activation_k, gpu, headroom, fragmentation, cuda_overhead, units, as_json, batch, seq, device, steps,
-            snapshot) -> None:
+def measure(batch, seq, device, steps, snapshot, **options) -> None:
     """Build MODEL for real (random weights), run training steps on a device and report each phase's peak:
     torch.cuda.max_memory_allocated()/max_memory_reserved() on CUDA, the allocator's own events on the CPU.
 
@@ -270,17 +267,12 @@ def measure(model, params, recipe, optimizer, optimizer_impl, grad_accum, attent
     from .measure import measure_steps
     from .units import format_bytes
 
-    unit = parse_unit(units)
-    if params is not None:
-        raise ConfigError("measure needs a model config, not --params")
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
-    spec, settings = _model_and_settings(
-        model, None, recipe=recipe, optimizer=optimizer, batch=batch, seq=seq, grad_accum=grad_accum,
-        attention=attention, checkpointing=checkpointing, dropout=dropout, loss=loss, activation_k=activation_k,
-        optimizer_impl=optimizer_impl)
-    config, _, _ = load_config(model)
-    est = estimate_model(spec, settings, _device_options(headroom, fragmentation, cuda_overhead))
+    w = _workload(options, batch, seq, need_config="measure")
+    spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
+    config, _, _ = load_config(options["model"])
+    est = estimate_model(spec, settings, w.device)
     try:
         result = measure_steps(config, settings, device, steps, snapshot)
     except (RuntimeError, ValueError) as exc:  # device not available, out of memory, unsupported recipe

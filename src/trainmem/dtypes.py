@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from .errors import unknown_choice
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def get_format(name: str) -> FloatFormat:
     try:
         return FORMATS[name]
     except KeyError:
-        raise ConfigError(f"unknown format {name!r}; accepted: {', '.join(FORMATS)}") from None
+        raise unknown_choice("format", name, FORMATS) from None
 
 
 def describe(value: float) -> list[dict]:

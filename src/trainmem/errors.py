@@ -18,3 +18,13 @@ class ModelError(TrainmemError):
 
 class ConfigError(TrainmemError):
     """A training setting (recipe, optimizer, batch, ...) is invalid."""
+
+
+def unknown_choice(what: str, name: str, accepted) -> ConfigError:
+    """``unknown recipe 'bf16' (did you mean 'amp-bf16'?); accepted: ...``, for the caller to raise."""
+    import difflib
+
+    accepted = list(accepted)
+    close = difflib.get_close_matches(name, accepted, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown {what} {name!r}{hint}; accepted: {', '.join(accepted)}")

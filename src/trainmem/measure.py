@@ -253,58 +253,24 @@ def measure_steps(config: dict[str, Any], settings, device: str = "auto", steps:
     """Build the model for real (random weights), run ``steps`` training steps and measure the last one."""
     import torch
 
-    from .probe import build_model
-    from .recipes import get_recipe
-    from .trace import _Fp32StateAdamW, _make_optimizer  # the same optimizer choices as the trace
+    from .step import Fp32StateAdamW, TrainingStep
 
-    recipe = get_recipe(settings.recipe)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("no CUDA device is available (this torch build or machine has none); use --device cpu")
-    model = build_model(config, recipe, settings.attention, settings.dropout).to(dev)
-    if settings.checkpointing == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    params = [p for p in model.parameters() if p.requires_grad]
-    masters = [p.detach().float().requires_grad_(True) for p in params] if recipe.master_weights else None
-    fp32_states = recipe.optimizer_states == "fp32" and recipe.weights != "fp32" and masters is None
-    optimizer = _make_optimizer(torch, settings.optimizer, masters or params, settings.fused_optimizer, fp32_states)
-    if isinstance(optimizer, _Fp32StateAdamW):
+    run = TrainingStep(config, settings, str(dev))
+    if isinstance(run.optimizer, Fp32StateAdamW):
         raise ValueError("measure runs torch optimizers; pure-bf16 (fp32 states, no master) is trace-only")
-    ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq), device=dev)
-    autocast = (torch.autocast(dev.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[recipe.compute])
-                if recipe.autocast else contextlib.nullcontext())
-
-    recorder: list = []  # the running tracker's recorder, to mark the optimizer phase before the master copy
-
-    def one_step():
-        for _ in range(settings.grad_accum):
-            with autocast:
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            del loss
-        if masters is not None:
-            if recorder:
-                recorder[0].switch("optimizer")
-            for m, p in zip(masters, params):
-                m.grad = p.grad.float()
-        optimizer.step()
-        if masters is not None:
-            with torch.no_grad():
-                for m, p in zip(masters, params):
-                    p.copy_(m)
-                    m.grad = None
-            model.zero_grad(set_to_none=True)  # the half gradients; the optimizer's own are the masters'
-        optimizer.zero_grad(set_to_none=True)
-
     for _ in range(max(0, steps - 1)):
-        one_step()
+        run.forward_backward()
+        run.step()
     if snapshot and dev.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200_000)
-    with track(model, optimizer, dev) as tracker:
-        recorder.append(tracker.recorder)
-        one_step()
+    with track(run.model, run.optimizer, dev) as tracker:
+        run.forward_backward()
+        run.step(on_optimizer_start=lambda: tracker.recorder.switch("optimizer"))
     if snapshot and dev.type == "cuda":
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)

@@ -23,12 +23,11 @@ Sources:
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from .errors import ConfigError
+from .errors import unknown_choice
 from .models import ParamGroup, ParamTensor
 
 BNB_BLOCK_SIZE = 256
@@ -124,6 +123,4 @@ def get_optimizer(name: str) -> Optimizer:
     try:
         return OPTIMIZERS[name]
     except KeyError:
-        close = difflib.get_close_matches(name, OPTIMIZERS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown optimizer {name!r}{hint}; accepted: {', '.join(OPTIMIZERS)}") from None
+        raise unknown_choice("optimizer", name, OPTIMIZERS) from None

@@ -67,13 +67,16 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
 
 
 def saved_tensors(config: dict[str, Any], recipe: str | Recipe = "fp32", batch: int = 2, seq: int = 16,
-                  attention: str = "sdpa", dropout: float | None = None, seed: int = 0) -> list[SavedTensor]:
+                  attention: str = "sdpa", dropout: float | None = None, seed: int = 0,
+                  checkpointing: bool = False) -> list[SavedTensor]:
     """Every tensor saved for backward in one forward + loss, attributed to where it was first saved."""
     import torch
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     torch.manual_seed(seed)
     model = build_model(config, recipe, attention, dropout)
+    if checkpointing:  # what survives the forward is what the checkpoint keeps: each layer's inputs
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     where = ["embedding"]
     for index, layer in enumerate(decoder_layers(model)):

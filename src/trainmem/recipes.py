@@ -20,10 +20,9 @@ Sources for the byte counts (per parameter, with AdamW's two states):
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from .errors import unknown_choice
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
@@ -93,6 +92,4 @@ def get_recipe(name: str) -> Recipe:
     try:
         return RECIPES[name]
     except KeyError:
-        close = difflib.get_close_matches(name, RECIPES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown recipe {name!r}{hint}; accepted: {', '.join(RECIPES)}") from None
+        raise unknown_choice("recipe", name, RECIPES) from None

@@ -1,0 +1,142 @@
+"""One real training step of a transformers model under a precision recipe: what trace and measure both run.
+
+The model is built from its config in the recipe's weight dtype; recipes with fp32 master weights get an fp32
+copy of every parameter that the optimizer updates (the half gradients are copied to fp32 first, the masters
+copied back after); ``pure-bf16`` gets AdamW with fp32 states and no master copy; autocast recipes run forward
+and loss under ``torch.autocast``. Needs torch and transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+from .errors import ConfigError
+from .recipes import get_recipe
+from .settings import TrainingSettings
+
+TRACEABLE_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
+
+
+class Fp32StateAdamW:
+    """AdamW keeping fp32 states for half-precision parameters, with no master copy (the pure-bf16 recipe,
+    as torchao's and DeepSpeed's bf16-without-master optimizers do). foreach-style: one fp32
+    parameter-sized temporary (the denominator) at a time, like torch's _multi_tensor_adamw."""
+
+    def __init__(self, torch, params: list, lr: float = 1e-5, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01):
+        self.torch, self.params, self.lr, self.betas, self.eps, self.wd = torch, params, lr, betas, eps, weight_decay
+        self.state: dict = {}
+        self.param_groups = [{"params": params}]
+
+    def step(self):
+        torch = self.torch
+        params = [p for p in self.params if p.grad is not None]
+        if not self.state:
+            self.state = {p: {"exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                              "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)} for p in params}
+        exp_avgs = [self.state[p]["exp_avg"] for p in params]
+        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+        grads = [p.grad for p in params]
+        with torch.no_grad():
+            torch._foreach_mul_(params, 1 - self.lr * self.wd)
+            torch._foreach_mul_(exp_avgs, self.betas[0])
+            torch._foreach_add_(exp_avgs, grads, alpha=1 - self.betas[0])
+            torch._foreach_mul_(exp_avg_sqs, self.betas[1])
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - self.betas[1])
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_add_(denom, self.eps)
+            torch._foreach_reciprocal_(denom)
+            torch._foreach_mul_(denom, exp_avgs)
+            for p, update in zip(params, denom):
+                p.add_(update, alpha=-self.lr)
+            del denom
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            p.grad = None
+
+
+def make_optimizer(torch, name: str, params: list, fused: bool, fp32_states_for_half: bool = False):
+    if name == "adamw" and fp32_states_for_half:
+        return Fp32StateAdamW(torch, params)
+    if name in ("adamw", "adam"):
+        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+        return cls(params, lr=1e-5, foreach=not fused, fused=fused or None)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, foreach=True)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-3, foreach=True)
+    raise ConfigError(f"trace and measure support the optimizers {', '.join(TRACEABLE_OPTIMIZERS)}, not {name!r}")
+
+
+class TrainingStep:
+    """The model, optimizer and batch of one set-up; ``forward_backward()`` then ``step()`` is one step."""
+
+    def __init__(self, config: dict[str, Any], settings: TrainingSettings, device: str = "cpu", spec=None):
+        import torch
+
+        from .activations import effective_kernel
+        from .models import spec_from_config
+        from .probe import build_model
+
+        self.torch = torch
+        self.recipe = recipe = get_recipe(settings.recipe)
+        self.settings = settings
+        if settings.loss == "chunked":
+            raise ConfigError("trace and measure run transformers' standard loss; --loss chunked is estimate-only")
+        if settings.checkpointing == "selective":
+            raise ConfigError("trace and measure support checkpointing none and full (selective is Megatron's)")
+        kernel = effective_kernel(spec or spec_from_config(config), settings.attention)
+        # Built directly on the device (no .to(), which FakeTensorMode cannot apply to parameters).
+        with torch.device(device):
+            self.model = build_model(config, recipe, kernel, settings.dropout)
+        if settings.checkpointing == "full":
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.masters = ([p.detach().float().requires_grad_(True) for p in self.params]
+                        if recipe.master_weights else None)
+        fp32_states = recipe.optimizer_states == "fp32" and recipe.weights != "fp32" and self.masters is None
+        self.optimizer = make_optimizer(torch, settings.optimizer, self.masters or self.params,
+                                        settings.fused_optimizer, fp32_states)
+        self.ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq), device=device)
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.compute)
+        self.autocast_device = torch.device(device).type
+        self.autocast_dtype = half if recipe.autocast else None
+
+    def forward_backward(self) -> None:
+        torch = self.torch
+        for _ in range(self.settings.grad_accum):
+            ctx = (torch.autocast(self.autocast_device, dtype=self.autocast_dtype) if self.autocast_dtype
+                   else contextlib.nullcontext())
+            with ctx:
+                loss = self.model(input_ids=self.ids, labels=self.ids).loss
+            loss.backward()
+            del loss
+
+    def step(self, on_optimizer_start: Callable[[], None] | None = None) -> None:
+        """optimizer.step() and zero_grad(set_to_none=True); ``on_optimizer_start`` runs first (phase markers),
+        before the fp32 copies of the gradients that master-weight recipes make."""
+        if on_optimizer_start is not None:
+            on_optimizer_start()
+        if self.masters is not None:
+            for m, p in zip(self.masters, self.params):
+                m.grad = p.grad.float()
+        self.optimizer.step()
+        if self.masters is not None:
+            with self.torch.no_grad():
+                for m, p in zip(self.masters, self.params):
+                    p.copy_(m)
+                    m.grad = None
+            self.model.zero_grad(set_to_none=True)  # the half gradients; the optimizer's own are the masters'
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def tracked_objects(self) -> list:
+        """What MemTracker must know about: the model, the optimizer (or its state tensors), the masters."""
+        if isinstance(self.optimizer, self.torch.optim.Optimizer):
+            states = [self.optimizer]
+        else:
+            states = [t for st in self.optimizer.state.values() for t in st.values()]
+        return [self.model, *states, *(self.masters or [])]
