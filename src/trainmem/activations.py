@@ -82,13 +82,12 @@ def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_byt
     multiplication with the weight. Gemma's variant keeps the fp32 normalised value instead.
     LayerNorm (``native_layer_norm``): its input, mean and rstd (fp32 per row on CUDA).
     """
-    rows = width and 1
     if spec.norm == "layer":
-        return [Term(f"{label}: input", input_bytes * width), Term(f"{label}: mean, rstd", 2 * FP32 * rows)]
+        return [Term(f"{label}: input", input_bytes * width), Term(f"{label}: mean, rstd", 2 * FP32)]
     normed = FP32 if spec.model_type.startswith("gemma") else input_bytes
     return [
         Term(f"{label}: input in fp32", FP32 * width),
-        Term(f"{label}: rsqrt", FP32 * rows),
+        Term(f"{label}: rsqrt", FP32),
         Term(f"{label}: normalised", normed * width),
     ]
 
