@@ -61,9 +61,7 @@ def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens
     if layer.moe:
         mlp = 3 * c * layer.moe.top_k * layer.moe.expert_intermediate_size
     else:
-        # gelu_new's Python backward chains its intermediates: one more I-wide gradient alive.
-        wide = 4 if layer.mlp.activation == "gelu_new" else 3  # type: ignore[union-attr]
-        mlp = wide * c * layer.mlp.intermediate_size  # type: ignore[union-attr]
+        mlp = 3 * c * layer.mlp.intermediate_size  # type: ignore[union-attr]
     qkv = att.num_heads * att.head_dim + att.num_kv_heads * (att.head_dim + att.v_head_dim)
     attn = c * qkv + FP32 * att.num_heads * (att.head_dim + 1)
     if kernel == "eager":
@@ -157,7 +155,7 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     weights, grads = static["weights"], static["gradients"]
     states = static["optimizer_states"] + static["master_weights"]
     p = Precision.of(recipe)
-    tokens, v = acts.tokens, spec.vocab_size
+    tokens, v, h = acts.tokens, spec.vocab_size, spec.hidden_size
     accumulating = settings.grad_accum > 1
     # With gradient accumulation the gradients of earlier micro-batches are alive in every forward but the first.
     grads_in_forward = grads if accumulating else 0
@@ -215,6 +213,12 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
             "backward", f"layer {index} MLP", weights,
             max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
             live_acts - x.product, x.transient + tied_held))
+        if acts.checkpointing == "full":
+            # Just before the layer's backward: its forward has been recomputed whole (nothing freed yet) and
+            # the gradient of its output is waiting.
+            candidates.append(Phase(
+                "backward", f"layer {index} recomputed", weights, max(grads_in_forward, head_grad + grads_above),
+                states, base_kept + kept_below[index] + x.kept + x.full, tied_held + p.residual * h * tokens))
         grads_above += x.grads
     if tied_held:
         # The embedding's backward: its contribution and the sum of both exist beside the held one (3 x V x h),
