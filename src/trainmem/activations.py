@@ -329,6 +329,10 @@ class ActivationEstimate:
     loss_transient_bytes: int
     """Working memory of the loss on top of what is saved: fp32 upcast of the logits during forward."""
     checkpointing: str
+    kv_cache_bytes: int = 0
+    """Held by the KV cache the model returns (use_cache=True, the config default) but not saved for backward:
+    under autocast the cache keeps each layer's fp32 rotated keys while attention keeps their bf16 casts. Alive
+    until the output object is dropped, so it counts at the forward peak only."""
 
     def layer_saved_bytes(self, layer: LayerActivations) -> int:
         if self.checkpointing == "full":
@@ -425,8 +429,14 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     if p.autocast:
         head_weight = spec.vocab_size * (spec.embedding_dim or h)
         constant.append(Term("autocast copy of the LM head weight", p.compute * head_weight))
+    kv_cache = 0
+    if p.autocast and settings.checkpointing == "none" and _uses_rotary(spec) and spec.has_architecture:
+        # DynamicLayer.update torch.cat's the rotated keys, which are fp32 under autocast (cos/sin follow the fp32
+        # hidden states), into the cache; SDPA then casts them to bf16 and keeps only the cast.
+        kv_cache = sum(FP32 * layer.attention.num_kv_heads * layer.attention.head_dim * tokens * count
+                       for layer, count in spec.layer_runs if layer.attention.kind == "mha")
     return ActivationEstimate(
         tokens=tokens, layers=layers, embedding_terms=tuple(embedding), head_terms=tuple(head),
         constant_terms=tuple(constant), logits_bytes=logits_bytes, loss_transient_bytes=loss_transient,
-        checkpointing=settings.checkpointing,
+        checkpointing=settings.checkpointing, kv_cache_bytes=kv_cache,
     )

@@ -165,7 +165,7 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     # last layer's forward, where that layer's activations exist until it returns.
     saved = acts.saved_bytes
     candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
-                           saved + acts.logits_bytes + acts.loss_transient_bytes, 0)]
+                           saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes, 0)]
     layers = _expanded_layers(spec, acts, recipe, settings)
     if acts.checkpointing == "full" and layers:
         # Autocast's cast cache keeps every layer's half weight copies until the autocast region ends, even
