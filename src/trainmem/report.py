@@ -33,6 +33,7 @@ def _activations_dict(est: Estimate) -> dict[str, Any] | None:
         "embedding_bytes": acts.embedding_bytes,
         "head_bytes": acts.head_bytes,
         "constant_bytes": acts.constant_bytes,
+        "kv_cache_bytes": acts.kv_cache_bytes,
         "per_layer": [
             {"count": la.count, "bytes_per_token": la.bytes_per_token, "bytes": acts.layer_saved_bytes(la),
              "constant_bytes": la.constant_bytes,
