@@ -48,12 +48,12 @@ class Phase:
 
 
 def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int, seq: int,
-                     kernel: str) -> int:
+                     kernel: str, checkpointed: bool = False) -> int:
     """The largest set of gradient temporaries alive inside one layer's backward.
 
     MLP: while the product's backward runs, d(product), d(activation) and d(up) coexist (3 x I wide).
     Attention: dq, dk, dv plus the flash kernel's fp32 dq accumulator and softmax rowsums; eager adds the
-    s x s gradient of the scores in fp32. The residual-stream gradient (h wide) is alive throughout.
+    s x s gradient of the scores in fp32.
     """
     h, c, r = spec.hidden_size, p.compute, p.residual
     layer = la.layer
@@ -66,7 +66,9 @@ def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens
     attn = c * qkv + FP32 * att.num_heads * (att.head_dim + 1)
     if kernel == "eager":
         attn = c * qkv + (FP32 + c) * att.num_heads * seq
-    return (max(mlp, attn) + 2 * r * h) * tokens
+    # The residual stream's gradient is alive throughout; under checkpointing a second one (the recomputed
+    # layer's output gradient) is too (both measured with the trace).
+    return (max(mlp, attn) + (2 if checkpointed else 1) * r * h) * tokens
 
 
 def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
@@ -143,7 +145,8 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             kept=acts.layer_saved_bytes(la), full=full, product=p.compute * width * tokens,
             down_grad=_param_bytes(down, recipe.gradient_bytes),
             grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
-            transient=_layer_transient(spec, la, p, tokens, settings.seq, settings.attention),
+            transient=_layer_transient(spec, la, p, tokens, settings.seq, settings.attention,
+                                       checkpointed=acts.checkpointing == "full"),
             forward_transient=_forward_transient(spec, la, p, tokens),
         )
         out.extend([item] * la.count)
