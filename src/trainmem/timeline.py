@@ -51,7 +51,8 @@ def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens
                      kernel: str, checkpointed: bool = False) -> int:
     """The largest set of gradient temporaries alive inside one layer's backward.
 
-    MLP: while the product's backward runs, d(product), d(activation) and d(up) coexist (3 x I wide).
+    MLP: while the product's backward runs, d(product), d(activation) and d(up) coexist (3 x I wide; 2 for a
+    plain GELU/ReLU MLP).
     Attention: dq, dk, dv plus the flash kernel's fp32 dq accumulator and softmax rowsums; eager adds the
     s x s gradient of the scores in fp32.
     """
@@ -61,14 +62,20 @@ def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens
     if layer.moe:
         mlp = 3 * c * layer.moe.top_k * layer.moe.expert_intermediate_size
     else:
-        mlp = 3 * c * layer.mlp.intermediate_size  # type: ignore[union-attr]
+        # Gated: d(product), d(activation) and d(up) coexist; GPT-2's Python gelu_new also chains three; a plain
+        # activation (GELU, ReLU) turns one I-wide gradient into one.
+        mlp_layer = layer.mlp
+        wide = 3 if (mlp_layer.gated or mlp_layer.activation == "gelu_new") else 2  # type: ignore[union-attr]
+        mlp = wide * c * mlp_layer.intermediate_size  # type: ignore[union-attr]
     qkv = att.num_heads * att.head_dim + att.num_kv_heads * (att.head_dim + att.v_head_dim)
     attn = c * qkv + FP32 * att.num_heads * (att.head_dim + 1)
     if kernel == "eager":
         attn = c * qkv + (FP32 + c) * att.num_heads * seq
-    # The residual stream's gradient is alive throughout; under checkpointing a second one (the recomputed
-    # layer's output gradient) is too (both measured with the trace).
-    return (max(mlp, attn) + (2 if checkpointed else 1) * r * h) * tokens
+    # The residual stream's gradient is alive throughout; under checkpointing a second one (the gradient at the
+    # recomputed layer's mid-residual add) is too, except in parallel-residual layers, which have one add
+    # (both measured with the trace).
+    residual_grads = 2 if checkpointed and not layer.parallel_residual else 1
+    return (max(mlp, attn) + residual_grads * r * h) * tokens
 
 
 def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
