@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import unknown_choice
 
 
 @dataclass(frozen=True)
@@ -91,13 +90,6 @@ FORMATS: dict[str, FloatFormat] = {
         FloatFormat("fp8-e5m2", 5, 2, 1, torch_name="float8_e5m2"),
     )
 }
-
-
-def get_format(name: str) -> FloatFormat:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise unknown_choice("format", name, FORMATS) from None
 
 
 def describe(value: float) -> list[dict]:

@@ -243,7 +243,3 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     between = Phase("between_steps", "after zero_grad", weights,
                     grads if accumulating else 0, states, 0, 0)
     return (load, forward, backward, opt, between)
-
-
-def optimizer_temporaries_note(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, fused: bool) -> str:
-    return _optimizer_temporaries(spec, recipe, optimizer, fused)[1]
