@@ -121,3 +121,13 @@ def test_every_command_has_help_with_an_example(run_cli):
     for name in app.commands:
         code, out, _ = run_cli(name, "--help")
         assert code == 0 and "Example: trainmem" in out, name
+
+
+def test_commands_needing_torch_say_so_in_one_line_without_it():
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
+        "from trainmem.cli import main; sys.exit(main(['trace', 'gpt2']))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "needs torch" in proc.stderr and "trainmem[trace]" in proc.stderr

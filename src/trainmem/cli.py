@@ -571,6 +571,11 @@ def recipes(optimizer: Optional[str], as_json: bool) -> None:
         render_recipes(rows, _console())
 
 
+OPTIONAL_PACKAGES = {"torch": "trace", "transformers": "trace", "safetensors": "trace", "matplotlib": "plot",
+                     "huggingface_hub": "hub"}
+"""Packages the optional commands import, and the extra that installs each."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: one line and exit 2 for any bad input, never a traceback."""
     try:
@@ -581,6 +586,13 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.UsageError as exc:
         where = f"{exc.ctx.command_path}: " if exc.ctx and exc.ctx.parent else ""
         print(f"trainmem: error: {where}{exc.format_message()}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        extra = OPTIONAL_PACKAGES.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"trainmem: error: this command needs {exc.name.split('.')[0]}, which is not installed; "
+              f"pip install 'trainmem[{extra}]'", file=sys.stderr)
         return 2
     except click.exceptions.Abort:
         print("trainmem: aborted", file=sys.stderr)
