@@ -148,8 +148,15 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         layer = la.layer
         width = layer.moe.top_k * layer.moe.expert_intermediate_size if layer.moe else layer.mlp.intermediate_size  # type: ignore[union-attr]
         full = int(la.bytes_per_token * tokens) + la.constant_bytes
+        kept = acts.layer_saved_bytes(la)
+        if acts.checkpointing == "full":
+            # Gradient checkpointing turns use_cache off, so no KV-cache copy replaces v: in fused-qkv models with
+            # rotary (GPT-NeoX, Phi-3, Falcon) v stays a view of the whole q/k/v projection output.
+            att = la.layer.attention
+            if att.fused_qkv and spec.model_type in ("gpt_neox", "phi3", "falcon"):
+                full += p.compute * (att.num_heads + att.num_kv_heads) * att.head_dim * tokens
         item = _LayerBytes(
-            kept=acts.layer_saved_bytes(la), full=full, product=p.compute * width * tokens,
+            kept=kept, full=full, product=p.compute * width * tokens,
             down_grad=_param_bytes(down, recipe.gradient_bytes),
             grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
             transient=_layer_transient(spec, la, p, tokens, settings.seq, settings.attention,
