@@ -126,7 +126,8 @@ class _LayerBytes:
     full: int
     """Its full saved activations (recreated by the recompute under full checkpointing)."""
     product: int
-    """The MLP product (down_proj's input), freed when down_proj's backward has run."""
+    """Freed when down_proj's backward has run: its input (the MLP product) and, under autocast, the half copy of
+    its weight."""
     down_grad: int
     grads: int
     transient: int
@@ -155,8 +156,9 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             att = la.layer.attention
             if att.fused_qkv and spec.model_type in ("gpt_neox", "phi3", "falcon"):
                 full += p.compute * (att.num_heads + att.num_kv_heads) * att.head_dim * tokens
+        down_copy = p.compute * down if p.autocast else 0
         item = _LayerBytes(
-            kept=kept, full=full, product=p.compute * width * tokens,
+            kept=kept, full=full, product=p.compute * width * tokens + down_copy,
             down_grad=_param_bytes(down, recipe.gradient_bytes),
             grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
             transient=_layer_transient(spec, la, p, tokens, settings.seq, settings.attention,
