@@ -156,7 +156,8 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             att = la.layer.attention
             if att.fused_qkv and spec.model_type in ("gpt_neox", "phi3", "falcon"):
                 full += p.compute * (att.num_heads + att.num_kv_heads) * att.head_dim * tokens
-        down_copy = p.compute * down if p.autocast else 0
+        # (grouped_mm experts are not autocast: their weights get no half copy)
+        down_copy = p.compute * down if p.autocast and layer.mlp is not None else 0
         item = _LayerBytes(
             kept=kept, full=full, product=p.compute * width * tokens + down_copy,
             down_grad=_param_bytes(down, recipe.gradient_bytes),
