@@ -51,17 +51,28 @@ def layer_type(name: str) -> str:
 
 @dataclass
 class Distribution:
-    """Magnitudes of one quantity (absolute values, flattened), kept as a float64 tensor."""
+    """Magnitudes of one quantity (absolute values, flattened), as one float64 tensor. Pieces are collected and
+    concatenated once, on first read, rather than re-copied at every add."""
 
-    values: Any = None
+    pieces: list = field(default_factory=list)
+    _values: Any = None
 
     def add(self, torch, tensor) -> None:
-        flat = tensor.detach().abs().flatten().to(torch.float64)
-        self.values = flat if self.values is None else torch.cat([self.values, flat])
+        self.pieces.append(tensor.detach().abs().flatten().to(torch.float64))
+        self._values = None
+
+    @property
+    def values(self):
+        if self._values is None and self.pieces:
+            import torch
+
+            self._values = torch.cat(self.pieces)
+            self.pieces = [self._values]
+        return self._values
 
     @property
     def count(self) -> int:
-        return 0 if self.values is None else int(self.values.numel())
+        return sum(int(piece.numel()) for piece in self.pieces)
 
 
 @dataclass

@@ -7,10 +7,10 @@ A steady-state step (the second and later: optimizer states exist) of the usual 
     optimizer.step()                  # states updated; foreach implementations allocate temporaries
     optimizer.zero_grad(set_to_none=True)
 
-Each phase's peak is the static memory alive in it plus what that phase allocates at its worst moment.
-Backward's memory is linear in how far it has got (one layer's activations freed, one layer's gradients
-created), so its peak is at its start (all activations, the loss gradients) or its end (all gradients), plus the
-largest transient of one layer's backward. The numbers are checked against PyTorch by ``trainmem trace``.
+Each phase's peak is the static memory alive in it plus what that phase allocates at its worst moment. Backward
+is walked layer by layer from the last: layers below still hold their activations, layers above have released
+theirs and produced their gradients, and each layer contributes its own worst moment (its MLP backward, or its
+recompute under checkpointing). The numbers are checked against PyTorch by ``trainmem trace``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,13 @@ class Phase:
         return {c: getattr(self, c) for c in CATEGORIES}
 
 
+def _mlp_width(layer) -> int:
+    """I-wide tensors per token: the MLP's width, or top-k times an expert's width for MoE."""
+    if layer.moe:
+        return layer.moe.top_k * layer.moe.expert_intermediate_size
+    return layer.mlp.intermediate_size
+
+
 def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int, seq: int,
                      kernel: str, checkpointed: bool = False) -> int:
     """The largest set of gradient temporaries alive inside one layer's backward.
@@ -59,14 +66,10 @@ def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens
     h, c, r = spec.hidden_size, p.compute, p.residual
     layer = la.layer
     att = layer.attention
-    if layer.moe:
-        mlp = 3 * c * layer.moe.top_k * layer.moe.expert_intermediate_size
-    else:
-        # Gated: d(product), d(activation) and d(up) coexist; GPT-2's Python gelu_new also chains three; a plain
-        # activation (GELU, ReLU) turns one I-wide gradient into one.
-        mlp_layer = layer.mlp
-        wide = 3 if (mlp_layer.gated or mlp_layer.activation == "gelu_new") else 2  # type: ignore[union-attr]
-        mlp = wide * c * mlp_layer.intermediate_size  # type: ignore[union-attr]
+    # Gated (and MoE experts): d(product), d(activation) and d(up) coexist; GPT-2's Python gelu_new also chains
+    # three; a plain activation (GELU, ReLU) turns one I-wide gradient into one.
+    plain = layer.mlp is not None and not layer.mlp.gated and layer.mlp.activation != "gelu_new"
+    mlp = (2 if plain else 3) * c * _mlp_width(layer)
     qkv = att.num_heads * att.head_dim + att.num_kv_heads * (att.head_dim + att.v_head_dim)
     attn = c * qkv + FP32 * att.num_heads * (att.head_dim + 1)
     if kernel == "eager":
@@ -85,11 +88,10 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     c, w, h = p.compute, p.residual, spec.hidden_size
     layer = la.layer
     att = layer.attention
-    width = layer.moe.top_k * layer.moe.expert_intermediate_size if layer.moe else layer.mlp.intermediate_size  # type: ignore[union-attr]
     wide = 3  # gated: activation output, up output, product
     if layer.mlp is not None and not layer.mlp.gated:
         wide = 5 if layer.mlp.activation == "gelu_new" else 2  # gelu_new's Python intermediates
-    mlp = wide * c * width
+    mlp = wide * c * _mlp_width(layer)
     attn = c * (2 * att.num_heads * att.head_dim + 2 * att.num_kv_heads * att.head_dim)
     return (max(mlp, attn) + 2 * w * h) * tokens
 
@@ -98,23 +100,19 @@ def _param_bytes(numel: int, per_param: float) -> int:
     return int(numel * per_param)
 
 
-def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer,
-                           fused: bool) -> tuple[int, str]:
+def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, fused: bool) -> int:
     """Temporaries of optimizer.step(): the foreach implementations (CUDA's default) compute over all of a
     group's tensors at once, so one parameter-sized intermediate exists, e.g. AdamW's
     ``torch._foreach_sqrt(exp_avg_sqs)`` (torch/optim/adamw.py, _multi_tensor_adamw); fused kernels
     (``fused=True``, DeepSpeed's FusedAdam, bitsandbytes) update in place. Recipes with half gradients and fp32
     master weights make an fp32 copy of the gradients for the update."""
     n = spec.num_parameters
-    state = recipe.state_bytes
-    temp, what = 0, []
+    temp = 0
     if optimizer.name in ("adamw", "adam", "lion", "adafactor", "muon") and not fused:
-        temp += n * state
-        what.append("foreach intermediate (one parameter-sized buffer)")
+        temp += n * recipe.state_bytes
     if recipe.master_weights and recipe.gradients != recipe.master_weights:
         temp += n * 4
-        what.append("fp32 copy of the gradients for the master update")
-    return temp, ", ".join(what) or "none (in-place kernels)"
+    return temp
 
 
 @dataclass(frozen=True)
@@ -147,7 +145,6 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         tensors = layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors)
         down = sum(t.numel for t in tensors if t.name.startswith(("mlp.down_proj", "mlp.fc2", "mlp.experts.down_proj")))
         layer = la.layer
-        width = layer.moe.top_k * layer.moe.expert_intermediate_size if layer.moe else layer.mlp.intermediate_size  # type: ignore[union-attr]
         full = int(la.bytes_per_token * tokens) + la.constant_bytes
         kept = acts.layer_saved_bytes(la)
         if acts.checkpointing == "full":
@@ -159,7 +156,7 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         # (grouped_mm experts are not autocast: their weights get no half copy)
         down_copy = p.compute * down if p.autocast and layer.mlp is not None else 0
         item = _LayerBytes(
-            kept=kept, full=full, product=p.compute * width * tokens + down_copy,
+            kept=kept, full=full, product=p.compute * _mlp_width(layer) * tokens + down_copy,
             down_grad=_param_bytes(down, recipe.gradient_bytes),
             grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
             transient=_layer_transient(spec, la, p, tokens, settings.seq, settings.attention,
@@ -184,15 +181,15 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     # (all created in forward, so counted as activations). With full checkpointing it can instead be inside the
     # last layer's forward, where that layer's activations exist until it returns.
     saved = acts.saved_bytes
-    candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
-                           saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes, 0)]
     layers = _expanded_layers(spec, acts, recipe, settings)
-    if acts.checkpointing == "full" and layers:
-        # Autocast's cast cache keeps every layer's half weight copies until the autocast region ends, even
-        # though checkpointed layers save nothing.
-        cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if p.autocast else 0
-        candidates_fw[0] = Phase("forward", "at the loss", weights, grads_in_forward, states,
-                                 saved + acts.logits_bytes + acts.loss_transient_bytes + cast_cache, 0)
+    checkpointed = acts.checkpointing == "full" and bool(layers)
+    # Under checkpointing, autocast's cast cache keeps every layer's half weight copies until the autocast
+    # region ends, even though checkpointed layers save nothing (without it, backward keeps them: in saved).
+    cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if checkpointed and p.autocast else 0
+    candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
+                           saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache,
+                           0)]
+    if checkpointed:
         kept_before_last = acts.embedding_bytes + acts.constant_bytes + cast_cache + sum(x.kept for x in layers[:-1])
         candidates_fw.append(Phase("forward", "inside the last layer", weights, grads_in_forward, states,
                                    kept_before_last + layers[-1].forward_transient, 0))
@@ -247,7 +244,7 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                                 max(grads_in_forward, grads - tied_held), states, base_kept, 3 * tied_held))
     backward = max(candidates, key=lambda ph: ph.allocated_bytes)
 
-    temp, _ = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer)
+    temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer)
     opt = Phase("optimizer", "step()", weights, grads, states, 0, temp)
     load = Phase("load", "static state", weights, 0, states, 0, 0)
     between = Phase("between_steps", "after zero_grad", weights,
