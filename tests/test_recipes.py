@@ -1,7 +1,6 @@
 """Bytes per parameter: the seed article's worked numbers, the ZeRO/Megatron figures, and optimizer states
 checked against the state tensors real torch optimizers create."""
 
-import json
 
 import pytest
 

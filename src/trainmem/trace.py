@@ -64,7 +64,6 @@ def _device_snapshot(snapshot: dict) -> dict[str, int]:
 def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,
                round_to_cuda: bool = True) -> TraceResult:
     """Trace one steady-state training step; returns the peak of each phase by category."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools import mem_tracker
 
