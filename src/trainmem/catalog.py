@@ -112,12 +112,18 @@ def load_config(model: str) -> tuple[dict[str, Any], str, str]:
     )
 
 
-def resolve_model(model: str) -> ModelSpec:
-    """A ModelSpec for any model reference. Unknown model_types are counted by transformers if it is installed."""
+def resolve_model_and_config(model: str) -> tuple[ModelSpec, dict[str, Any]]:
+    """The ModelSpec of any model reference and the config it came from (read once). Unknown model_types are
+    counted by transformers if it is installed."""
     config, name, source = load_config(model)
     try:
-        return spec_from_config(config, name=name, source=source)
+        return spec_from_config(config, name=name, source=source), config
     except UnsupportedModelType as exc:
         from .meta_count import spec_by_building  # needs torch + transformers
 
-        return spec_by_building(config, name=name, source=source, reason=str(exc))
+        return spec_by_building(config, name=name, source=source, reason=str(exc)), config
+
+
+def resolve_model(model: str) -> ModelSpec:
+    """A ModelSpec for any model reference."""
+    return resolve_model_and_config(model)[0]

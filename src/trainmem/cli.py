@@ -54,6 +54,8 @@ class _Workload:
     """What the workload flags describe, validated: the model, the settings, the device allowances."""
 
     spec: object
+    config: dict | None
+    """The model's config.json (None for --params)."""
     settings: object
     device: object
     gpu: object
@@ -67,7 +69,7 @@ SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attenti
 def _workload(options: dict, batch: int, seq: int, need_config: str = "") -> _Workload:
     """Turn the shared flags into a validated workload. ``need_config`` names a command that cannot run on
     ``--params`` alone."""
-    from .catalog import resolve_model
+    from .catalog import resolve_model_and_config
     from .estimate import DeviceOptions
     from .hardware import MIB, get_gpu
     from .models import nominal_spec
@@ -90,10 +92,10 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "") -> _Wo
         raise ConfigError(f"--cuda-overhead must be non-negative MiB, got {overhead:g}")
     device = DeviceOptions(headroom=headroom, fragmentation=fragmentation, cuda_overhead_bytes=int(overhead * MIB))
     gpu = get_gpu(options["gpu"]) if options["gpu"] else None
-    spec = nominal_spec(_parse_params(params)) if params is not None else resolve_model(model)
+    spec, config = (nominal_spec(_parse_params(params)), None) if params is not None else resolve_model_and_config(model)
     if spec.model_type == "nominal" and get_optimizer(settings.optimizer).needs_shapes:
         raise ConfigError(f"optimizer {settings.optimizer!r} needs tensor shapes; give a model instead of --params")
-    return _Workload(spec, settings, device, gpu, unit)
+    return _Workload(spec, config, settings, device, gpu, unit)
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -206,14 +208,13 @@ def trace(batch, seq, no_round, **options) -> None:
     \b
     Example: trainmem trace llama-2-7b --batch 1 --seq 2048 --recipe mixed-bf16
     """
-    from .catalog import load_config
     from .estimate import estimate_model
     from .report import render_trace, trace_to_dict
     from .trace import trace_step
 
     w = _workload(options, batch, seq, need_config="trace")
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
-    config, _, _ = load_config(options["model"])
+    config = w.config
     est = estimate_model(spec, settings, w.device)
     result = trace_step(config, settings, spec, round_to_cuda=not no_round)
     if as_json:
@@ -262,7 +263,6 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     \b
     Example: trainmem measure gpt2 --batch 2 --seq 256 --recipe fp32 --device cpu
     """
-    from .catalog import load_config
     from .estimate import estimate_model
     from .measure import measure_steps
     from .units import format_bytes
@@ -271,7 +271,7 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     w = _workload(options, batch, seq, need_config="measure")
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
-    config, _, _ = load_config(options["model"])
+    config = w.config
     est = estimate_model(spec, settings, w.device)
     try:
         result = measure_steps(config, settings, device, steps, snapshot)
