@@ -65,7 +65,9 @@ def main() -> int:
         text = re.sub(rf"{HEADING}.*?(?=\n## |\Z)", section, text, flags=re.S)
     else:
         text = text.rstrip() + "\n\n" + section
-    DOC.write_text(text)
+    tmp = DOC.with_suffix(".md.tmp")  # written whole, then renamed: an interrupted run leaves the old report
+    tmp.write_text(text)
+    tmp.replace(DOC)
     print(f"updated {DOC}")
     return 0
 

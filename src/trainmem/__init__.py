@@ -20,8 +20,16 @@ def track(model, optimizer, device=None):
 
     return _track(model, optimizer, device)
 
+
+def trainer_callback():
+    """A transformers TrainerCallback measuring each Trainer step by phase (see trainmem.measure.trainer_callback)."""
+    from .measure import trainer_callback as _trainer_callback
+
+    return _trainer_callback()
+
+
 __all__ = [
     "ConfigError", "Estimate", "ModelError", "ModelSpec", "OPTIMIZERS", "Optimizer", "RECIPES", "Recipe",
     "TrainingSettings", "TrainmemError", "__version__", "catalog_names", "estimate", "estimate_model",
-    "resolve_model", "spec_from_config", "track",
+    "resolve_model", "spec_from_config", "track", "trainer_callback",
 ]

@@ -407,6 +407,12 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         # cos and sin, (1, 1, s, rotary dim) in the residual dtype, shared by every layer.
         constant.append(Term("rotary cos, sin", 2 * p.residual * s * rot))
 
+    if settings.checkpointing == "full" and settings.attention == "eager" and spec.has_architecture:
+        # Eager attention adds a dense (batch, 1, s, s) causal mask in the hidden states' dtype. Checkpointed
+        # layers receive it as a keyword argument, which the checkpoint keeps for the recompute, so it lives
+        # until the first layer's backward (traced); without checkpointing it dies with the forward.
+        constant.append(Term("causal mask kept for the recompute (eager attention)", p.residual * settings.batch * s * s))
+
     head = _norm_terms(spec, h, p, "final norm", p.residual) if spec.final_norm and spec.norm_vectors else []
     if spec.model_type.startswith("gemma"):
         constant.append(Term("final norm (1 + weight) in fp32", FP32 * h))

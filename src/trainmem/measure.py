@@ -37,6 +37,18 @@ class Measurement:
     def peak(self) -> PhasePeak:
         return max(self.phases, key=lambda p: p.allocated_bytes)
 
+    def compare(self, estimate) -> list[dict[str, Any]]:
+        """Each measured phase beside the estimate's (an ``Estimate`` of the same set-up): bytes and the
+        estimate's relative error."""
+        estimated = {p.name: p.allocated_bytes for p in estimate.phases}
+        rows = []
+        for p in self.phases:
+            e = estimated.get(p.name)
+            rows.append({"phase": p.name, "measured_bytes": p.allocated_bytes, "estimate_bytes": e,
+                         "error": (e - p.allocated_bytes) / p.allocated_bytes if e is not None and p.allocated_bytes
+                         else None})
+        return rows
+
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "seconds": round(self.seconds, 3),
                 "phases": [{"name": p.name, "allocated_bytes": p.allocated_bytes,
@@ -135,16 +147,23 @@ def _storage_bytes(torch, tensors) -> int:
 class Tracker:
     """Splits a training loop into phases with hooks: the model's forward pre-hook starts "forward", its forward
     hook starts "backward" (the loss and backward follow), the optimizer's step pre-hook starts "optimizer" and
-    ``optimizer.zero_grad()`` returning starts "between_steps"."""
+    ``optimizer.zero_grad()`` returning starts "between_steps". With ``hook_optimizer=False`` the caller marks
+    the optimizer phases itself with ``switch()`` (the Trainer callback does, from the Trainer's events)."""
 
-    def __init__(self, model, optimizer, device=None):
+    def __init__(self, model, optimizer, device=None, hook_optimizer: bool = True):
         import torch
 
         self.torch, self.model, self.optimizer = torch, model, optimizer
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.measurement = Measurement(self.device.type)
+        self.hook_optimizer = hook_optimizer
         self._handles: list = []
+        self._restore = lambda: None
+
+    def switch(self, phase: str) -> None:
+        """Start ``phase`` (one of PHASES) now."""
+        self.recorder.switch(phase)
 
     def _baseline(self) -> int:
         tensors = list(self.model.parameters()) + list(self.model.buffers())
@@ -165,18 +184,19 @@ class Tracker:
         self._handles = [
             self.model.register_forward_pre_hook(lambda m, a: switch("forward")),
             self.model.register_forward_hook(lambda m, a, o: switch("backward")),
-            self.optimizer.register_step_pre_hook(lambda o, a, k: switch("optimizer")),
         ]
-        # "between_steps" starts when the gradients are released: after zero_grad, not right after step().
-        original_zero_grad = self.optimizer.zero_grad
+        if self.hook_optimizer:
+            self._handles.append(self.optimizer.register_step_pre_hook(lambda o, a, k: switch("optimizer")))
+            # "between_steps" starts when the gradients are released: after zero_grad, not right after step().
+            original_zero_grad = self.optimizer.zero_grad
 
-        def zero_grad(*args, **kwargs):
-            result = original_zero_grad(*args, **kwargs)
-            switch("between_steps")
-            return result
+            def zero_grad(*args, **kwargs):
+                result = original_zero_grad(*args, **kwargs)
+                switch("between_steps")
+                return result
 
-        self.optimizer.zero_grad = zero_grad
-        self._restore = lambda: delattr(self.optimizer, "zero_grad")
+            self.optimizer.zero_grad = zero_grad
+            self._restore = lambda: delattr(self.optimizer, "zero_grad")
         self._started = time.perf_counter()
         self.recorder.start()
         return self
@@ -210,35 +230,54 @@ def track(model, optimizer, device=None) -> Iterator[Tracker]:
 
 
 def trainer_callback():
-    """A transformers TrainerCallback recording max_memory_allocated() for each step's forward+backward and
-    optimizer phases on CUDA (the Trainer exposes no hook between forward and backward)."""
-    import torch
+    """A ``transformers.TrainerCallback`` that measures each optimizer step of the Hugging Face Trainer by phase,
+    as ``track()`` does around a plain loop: CUDA's peak counters, or the CPU allocator's events::
+
+        callback = trainmem.trainer_callback()
+        Trainer(model, args, train_dataset=data, callbacks=[callback]).train()
+        print(callback.report().compare(trainmem.estimate("my-model", batch=8, seq=1024)))
+
+    Forward and backward are split by hooks on the model; the optimizer phase runs from the Trainer's
+    ``on_pre_optimizer_step`` (after gradient clipping) to ``on_optimizer_step``, and "between_steps" is the
+    memory left at ``on_step_end``, after the Trainer's ``model.zero_grad()``."""
     from transformers import TrainerCallback
 
     class TrainmemCallback(TrainerCallback):
         def __init__(self):
-            self.steps: list[dict[str, int]] = []
+            self.steps: list[Measurement] = []
+            """One Measurement per optimizer step, in order."""
+            self._tracker: Tracker | None = None
 
-        def _mark(self) -> int:
-            if not torch.cuda.is_available():
-                return 0
-            peak = torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            return peak
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._mark()
-            self._current: dict[str, int] = {}
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self._close()
+            # accelerate wraps the torch optimizer (AcceleratedOptimizer.optimizer); its states live in the inner one.
+            inner = getattr(optimizer, "optimizer", optimizer)
+            self._tracker = Tracker(model, inner, hook_optimizer=False)
+            self._tracker.__enter__()
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            self._current["forward_backward"] = self._mark()
-
-        def on_optimizer_step(self, args, state, control, **kwargs):
-            self._current["optimizer"] = self._mark()
+            if self._tracker is not None:
+                self._tracker.switch("optimizer")
 
         def on_step_end(self, args, state, control, **kwargs):
-            self._current["between_steps"] = self._mark()
-            self.steps.append(self._current)
+            if self._tracker is not None:
+                self._tracker.switch("between_steps")
+            self._close()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self._close()
+
+        def _close(self) -> None:
+            if self._tracker is not None:
+                self._tracker.__exit__(None, None, None)
+                self.steps.append(self._tracker.report())
+                self._tracker = None
+
+        def report(self) -> Measurement:
+            """The last complete step (the first one creates the optimizer states and is not steady)."""
+            if not self.steps:
+                raise ValueError("no training step has been measured yet")
+            return self.steps[-1]
 
     return TrainmemCallback()
 

@@ -93,8 +93,11 @@ class TrainingStep:
         # Built directly on the device (no .to(), which FakeTensorMode cannot apply to parameters).
         with torch.device(device):
             self.model = build_model(config, recipe, kernel, settings.dropout)
+        self.recomputing = False
+        """True while a checkpointed layer's forward is being recomputed inside backward."""
         if settings.checkpointing == "full":
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._mark_recomputes()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.masters = ([p.detach().float().requires_grad_(True) for p in self.params]
                         if recipe.master_weights else None)
@@ -105,6 +108,29 @@ class TrainingStep:
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.compute)
         self.autocast_device = torch.device(device).type
         self.autocast_dtype = half if recipe.autocast else None
+
+    def _mark_recomputes(self) -> None:
+        """Wrap each layer's checkpoint function so that ``self.recomputing`` tells when its forward runs again in
+        backward. (MemTracker's own marker starts at the first submodule hook inside the recompute, so it misses
+        the layer's own ops such as the residual adds, and it stays set after an early-stopped recompute.)"""
+        torch = self.torch
+
+        def marked(checkpoint_func):
+            def checkpoint_with_marker(function, *args, **kwargs):
+                def body(*a, **k):
+                    if torch._C._current_graph_task_id() == -1:  # the first forward, not the recompute
+                        return function(*a, **k)
+                    self.recomputing = True
+                    try:
+                        return function(*a, **k)
+                    finally:  # also when the recompute stops early (torch.utils.checkpoint's early stop)
+                        self.recomputing = False
+                return checkpoint_func(body, *args, **kwargs)
+            return checkpoint_with_marker
+
+        for module in self.model.modules():
+            if getattr(module, "_gradient_checkpointing_func", None) is not None:
+                module._gradient_checkpointing_func = marked(module._gradient_checkpointing_func)
 
     def forward_backward(self) -> None:
         torch = self.torch

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import FP32, ActivationEstimate, LayerActivations, Precision
+from .activations import FP32, INDEX, ActivationEstimate, LayerActivations, Precision
 from .models import ModelSpec, layer_tensors
 from .optimizers import Optimizer
 from .recipes import Recipe
@@ -55,7 +55,7 @@ def _mlp_width(layer) -> int:
 
 
 def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int, seq: int,
-                     kernel: str, checkpointed: bool = False) -> int:
+                     kernel: str) -> int:
     """The largest set of gradient temporaries alive inside one layer's backward.
 
     MLP: while the product's backward runs, d(product), d(activation) and d(up) coexist (3 x I wide; 2 for a
@@ -74,11 +74,24 @@ def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens
     attn = c * qkv + FP32 * att.num_heads * (att.head_dim + 1)
     if kernel == "eager":
         attn = c * qkv + (FP32 + c) * att.num_heads * seq
-    # The residual stream's gradient is alive throughout; under checkpointing a second one (the gradient at the
-    # recomputed layer's mid-residual add) is too, except in parallel-residual layers, which have one add
-    # (both measured with the trace).
-    residual_grads = 2 if checkpointed and not layer.parallel_residual else 1
-    return (max(mlp, attn) + residual_grads * r * h) * tokens
+    # The residual stream's gradient is alive throughout (measured with the trace, with and without checkpointing).
+    return (max(mlp, attn) + r * h) * tokens
+
+
+_EXPERT_TERMS_FREED = ("expert gate_up outputs", "expert activation and product",
+                       "expert outputs (weighted by the router)")
+
+
+def _experts_transient(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Recipe, tokens: int) -> int:
+    """The routed experts' gate_up backward (transformers' grouped_mm experts, traced): d(gate_up output),
+    d(gathered input), the router weights' gradient and the gate_up weight gradient, beside the residual one."""
+    moe = la.layer.moe
+    if moe is None:
+        return 0
+    w = p.residual if p.autocast else p.compute  # grouped_mm is not autocast: it runs in the weights' dtype
+    k, i, h = moe.top_k, moe.expert_intermediate_size, spec.hidden_size
+    weight_grad = _param_bytes(moe.num_experts * 2 * i * h, recipe.gradient_bytes)
+    return (k * (2 * w * i + w * h + FP32) + p.residual * h) * tokens + weight_grad
 
 
 def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
@@ -124,14 +137,25 @@ class _LayerBytes:
     full: int
     """Its full saved activations (recreated by the recompute under full checkpointing)."""
     product: int
-    """Freed when down_proj's backward has run: its input (the MLP product) and, under autocast, the half copy of
-    its weight."""
+    """Freed when down_proj's backward has run: its input (the MLP product), under autocast the half copy of its
+    weight, what a norm on the layer's output saved, and MoE's router-weighted expert outputs."""
     down_grad: int
     grads: int
     transient: int
     """Largest gradient temporaries inside its backward."""
     forward_transient: int
     """Largest set of its forward's own tensors alive at once when nothing is saved (checkpointed forward)."""
+    experts_freed: int
+    """MoE layers: what the routed experts saved beyond their gathered input (gate_up outputs, activation and
+    product, expert outputs), all freed when the experts' gate_up backward runs; 0 for a dense MLP."""
+    experts_transient: int
+    """MoE layers: the gate_up grouped_mm backward's gradients, of its output, of its input and of its weight
+    (the weight's is a temporary until autograd accumulates it into .grad)."""
+    output_norm_transient: int
+    """Gradient temporaries of a norm on the layer's output (Gemma 2/3's post-feedforward norm), whose backward
+    runs first, while all of the layer's activations are alive; 0 where the layer ends with the residual add."""
+    output_norm_freed: int
+    """What that norm's backward has freed of its own saved tensors by its worst moment."""
 
 
 def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
@@ -153,15 +177,36 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             att = la.layer.attention
             if att.fused_qkv and spec.model_type in ("gpt_neox", "phi3", "falcon"):
                 full += p.compute * (att.num_heads + att.num_kv_heads) * att.head_dim * tokens
+            # The recompute's first norm reads the kept layer input. Where it saves that tensor itself (LayerNorm;
+            # RMSNorm when the stream is already fp32, so its upcast is a no-op) the recomputed activations share
+            # it with what the checkpoint kept.
+            if spec.norm == "layer" or p.residual == FP32:
+                full -= p.residual * spec.hidden_size * tokens
         # (grouped_mm experts are not autocast: their weights get no half copy)
         down_copy = p.compute * down if p.autocast and layer.mlp is not None else 0
+        # A norm on the layer's output (Gemma's post-feedforward norm) has run its backward, and freed what it
+        # saved, before the MLP's backward starts.
+        output_norm = [t for t in la.terms if t.name.startswith("post-feedforward norm")]
+        freed_before_mlp = int(sum(t.bytes_per_token for t in output_norm) * tokens)
+        if layer.moe:
+            # The experts' weighted outputs and each (token, expert) pair's weight and index are freed by the
+            # backward of the router-weighted sum, which runs before the experts' down_proj backward (traced).
+            w = p.residual if p.autocast else p.compute
+            freed_before_mlp += int(layer.moe.top_k * (w * spec.hidden_size + INDEX + FP32) * tokens)
         item = _LayerBytes(
-            kept=kept, full=full, product=p.compute * _mlp_width(layer) * tokens + down_copy,
+            kept=kept, full=full, product=p.compute * _mlp_width(layer) * tokens + down_copy + freed_before_mlp,
             down_grad=_param_bytes(down, recipe.gradient_bytes),
             grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
-            transient=_layer_transient(spec, la, p, tokens, settings.seq, settings.attention,
-                                       checkpointed=acts.checkpointing == "full"),
+            transient=_layer_transient(spec, la, p, tokens, settings.seq, settings.attention),
             forward_transient=_forward_transient(spec, la, p, tokens),
+            # Gemma's RMSNorm backward in fp32: the upcast output gradient, its product with (1 + weight), and the
+            # rsqrt and input branches, five h-wide fp32 tensors at once (traced), beside the residual gradient.
+            experts_freed=int(sum(t.bytes_per_token for t in la.terms if t.name in _EXPERT_TERMS_FREED) * tokens),
+            experts_transient=_experts_transient(spec, la, p, recipe, tokens),
+            output_norm_transient=(5 * FP32 * spec.hidden_size * tokens if output_norm else 0),
+            # At that moment its rsqrt and normalised value are already freed; its fp32 input is not.
+            output_norm_freed=int(sum(t.bytes_per_token for t in output_norm if not t.name.endswith("input in fp32"))
+                                  * tokens),
         )
         out.extend([item] * la.count)
     return out
@@ -186,9 +231,12 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     # Under checkpointing, autocast's cast cache keeps every layer's half weight copies until the autocast
     # region ends, even though checkpointed layers save nothing (without it, backward keeps them: in saved).
     cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if checkpointed and p.autocast else 0
+    # The CausalLM forward holds the base model's output (the final norm's) while it computes the logits and the
+    # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
+    final_hidden = p.residual * h * tokens if p.autocast and p.residual == FP32 and layers else 0
     candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
-                           saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache,
-                           0)]
+                           saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache
+                           + final_hidden, 0)]
     if checkpointed:
         kept_before_last = acts.embedding_bytes + acts.constant_bytes + cast_cache + sum(x.kept for x in layers[:-1])
         candidates_fw.append(Phase("forward", "inside the last layer", weights, grads_in_forward, states,
@@ -230,6 +278,15 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
             "backward", f"layer {index} MLP", weights,
             max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
             live_acts - x.product, x.transient + tied_held))
+        if x.experts_transient:
+            candidates.append(Phase(
+                "backward", f"layer {index} experts' gate_up", weights,
+                max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
+                live_acts - x.experts_freed, x.experts_transient + tied_held))
+        if x.output_norm_transient:
+            candidates.append(Phase(
+                "backward", f"layer {index} output norm", weights, max(grads_in_forward, head_grad + grads_above),
+                states, live_acts - x.output_norm_freed, tied_held + p.residual * h * tokens + x.output_norm_transient))
         if acts.checkpointing == "full":
             # Just before the layer's backward: its forward has been recomputed whole (nothing freed yet) and
             # the gradient of its output is waiting.

@@ -10,13 +10,17 @@ caching allocator does (``--no-round`` keeps raw sizes).
 What differs from a GPU run: the CPU kernels' fake implementations stand in for CUDA's (the SDPA CPU flash kernel
 saves the same output and logsumexp as CUDA's flash kernel; with attention dropout the CPU takes the math path);
 CPU autocast's op lists are close to, not identical with, CUDA's; dropout masks are float on CPU, bool on CUDA.
-docs/accuracy.md lists the estimate-vs-trace differences.
+Two corrections to a plain MemTracker run: the whole of a checkpointed layer's recompute is tagged as activations
+(``_recompute_aware_tracker``), and transformers' packed-sequence check, which fake tensors cannot answer, is
+answered as a real run with one sequence per row does (``_unpacked_batches``). docs/accuracy.md lists the
+estimate-vs-trace differences.
 
 Needs torch and transformers (``pip install 'trainmem[trace]'``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +65,46 @@ def _device_snapshot(snapshot: dict) -> dict[str, int]:
     return merged
 
 
+@contextlib.contextmanager
+def _unpacked_batches():
+    """Without a KV cache (use_cache is off under checkpointing) transformers checks position_ids for packed
+    sequences, a data-dependent check that fake tensors cannot answer, so it would build a dense causal mask (and
+    SDPA would then repeat k and v to every head) where a real run with one sequence per row builds none. The
+    trace's batches are one sequence per row, which is what the real check finds."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers is required by the trace anyway
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:  # older transformers: no packed-sequence detection
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _recompute_aware_tracker(mem_tracker, run):
+    """A MemTracker that tags what a checkpointed layer's recompute allocates as activations, as MemTracker
+    documents (its own ``_in_ac`` flag is set only inside the submodules the recompute calls: the layer's own ops,
+    e.g. the residual adds, were tagged as temporaries, and an early-stopped recompute left it set for the rest
+    of backward)."""
+
+    class RecomputeAwareTracker(mem_tracker.MemTracker):
+        @property
+        def _in_ac(self) -> bool:
+            return run.recomputing
+
+        @_in_ac.setter
+        def _in_ac(self, value: bool) -> None:
+            pass  # MemTracker's own marker is replaced by the step's
+
+    return RecomputeAwareTracker()
+
+
 def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,
                round_to_cuda: bool = True) -> TraceResult:
     """Trace one steady-state training step; returns the peak of each phase by category."""
@@ -80,12 +124,12 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
     if round_to_cuda:
         mem_tracker._WeakRefInfo._calculate_mem_consumed = lambda self: -(-self.size * self.element_size // 512) * 512
     try:
-        with FakeTensorMode():
+        with FakeTensorMode(), _unpacked_batches():
             run = TrainingStep(config, settings, "cpu", spec)
             run.forward_backward()  # warm-up: creates the optimizer states
             run.step()
 
-            tracker = mem_tracker.MemTracker()
+            tracker = _recompute_aware_tracker(mem_tracker, run)
             tracker.track_external(*run.tracked_objects())
             with tracker:
                 load = _device_snapshot(tracker.get_tracker_snapshot("current"))
