@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from trainmem.validate import CATEGORY_TOLERANCE, TOTAL_TOLERANCE, markdown, validate  # noqa: E402
+from trainmem.validate import CATEGORY_TOLERANCE, TOTAL_TOLERANCE, Row, markdown, validate  # noqa: E402
 
 
 def test_quick_matrix_is_within_tolerance():
@@ -20,3 +20,46 @@ def test_quick_matrix_is_within_tolerance():
     assert all(abs(r.total_error) <= TOTAL_TOLERANCE for r in rows)
     report = markdown(rows)
     assert "14 of 14 rows within tolerance" in report and f"{CATEGORY_TOLERANCE:.0%}" in report
+
+
+def _row(family: str, trace_acts: int, estimate_acts: int) -> Row:
+    base = dict(parameters=1000, gradients=1000, optimizer_states=0, temporaries=100)
+    return Row(family, "fp32", "none", 1, 128, "sgd", "backward", dict(base, activations=estimate_acts),
+               dict(base, activations=trace_acts))
+
+
+def test_tolerance_is_scored_per_category_and_in_total():
+    assert _row("llama", 1000, 1040).within_tolerance  # activations +4%, total +1.3%
+    assert not _row("llama", 1000, 1060).within_tolerance  # activations +6% (total +1.9%)
+    tiny = Row("llama", "fp32", "none", 1, 128, "sgd", "backward",
+               dict(parameters=10_000, gradients=0, optimizer_states=0, activations=0, temporaries=50),
+               dict(parameters=10_000, gradients=0, optimizer_states=0, activations=0, temporaries=90))
+    assert tiny.category_error("temporaries") is None and tiny.within_tolerance  # under 1% of the peak: noise
+
+
+def test_report_rewrites_its_own_matrix_and_keeps_the_other_sections():
+    existing = markdown([_row("gpt2", 1000, 1000)], full_size=True) + (
+        "## CUDA measurements\n\n2026-11-29, NVIDIA H200: measured rows\n\n"
+        "## Tracing full-size models: time and memory\n\ntrace timings\n\n## A note someone wrote\n\nkept\n")
+    report = markdown([_row("llama", 1000, 1060)], existing=existing)
+    assert report.count("## Matrix: scaled-down configs") == 1 and "| llama |" in report
+    assert "**0 of 1 rows within tolerance.**" in report and "Largest category error: +6.00% (activations" in report
+    # The full-size matrix, the benchmark sections and an unknown section survive, in the documented order.
+    assert "| gpt2 |" in report and "NVIDIA H200: measured rows" in report and "trace timings" in report
+    assert "## A note someone wrote\n\nkept" in report
+    headings = [line for line in report.splitlines() if line.startswith("## ")]
+    assert headings[:4] == ["## Tracing full-size models: time and memory", "## CUDA measurements", "## Matrix: full-size configs",
+                            "## Matrix: scaled-down configs"]
+    # Rewriting again with the same rows changes nothing (no section is duplicated).
+    assert markdown([_row("llama", 1000, 1060)], existing=report) == report
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--jobs", "0"], "--jobs must be at least 1, got 0"),
+    (["--quick", "--full-size"], "--quick and --full-size are two different matrices"),
+])
+def test_validate_bad_options_are_one_line(run_cli, tmp_path, args, message):
+    out = tmp_path / "accuracy.md"
+    code, _, err = run_cli("validate", *args, "-o", str(out))
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not out.exists()  # nothing written

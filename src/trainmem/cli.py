@@ -499,10 +499,13 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
 
 
 @app.command()
-@click.option("--quick", is_flag=True, help="A reduced matrix (3 families, 2 recipes).")
+@click.option("--quick", is_flag=True, help="The reduced matrix CI runs (14 rows, about 15 s).")
+@click.option("--full-size", is_flag=True, help="The real configs up to 9B instead of scaled-down ones (112 rows, "
+              "8-80 s each).")
+@click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Rows traced in parallel processes.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default="docs/accuracy.md", show_default=True,
-              help="Markdown report to write.")
-def validate(quick: bool, output: str) -> None:
+              help="Markdown report to write; its other sections (the other matrix, benchmark results) are kept.")
+def validate(quick: bool, full_size: bool, jobs: int, output: str) -> None:
     """Trace and estimate a matrix of families x recipes x checkpointing x shapes x optimizers and write the
     comparison as Markdown. Exit code 1 when a row is outside its tolerance.
 
@@ -514,11 +517,19 @@ def validate(quick: bool, output: str) -> None:
 
     from .validate import markdown, validate as run_validate
 
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be at least 1, got {jobs}")
+    if quick and full_size:
+        raise ConfigError("--quick and --full-size are two different matrices: give one")
+    existing = None
+    if os.path.exists(output):
+        with open(output, encoding="utf-8") as handle:
+            existing = handle.read()
     console = _console()
-    rows = run_validate(quick=quick, progress=lambda r: console.print(
+    rows = run_validate(quick=quick, full_size=full_size, jobs=jobs, progress=lambda r: console.print(
         f"{r.family:9s} {r.recipe:11s} ckpt={r.checkpointing:5s} {r.batch}x{r.seq:<4d} {r.optimizer:6s} "
         f"{r.phase:9s} total {r.total_error:+.2%} {'ok' if r.within_tolerance else 'OUT OF TOLERANCE'}"))
-    text = markdown(rows)
+    text = markdown(rows, full_size=full_size, quick=quick, existing=existing)
     folder = os.path.dirname(os.path.abspath(output))
     os.makedirs(folder, exist_ok=True)
     # Written to a temporary file and renamed, so an interrupted run never leaves half a report.

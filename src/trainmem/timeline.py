@@ -199,10 +199,10 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
             transient=_layer_transient(spec, la, p, tokens, settings.seq, settings.attention),
             forward_transient=_forward_transient(spec, la, p, tokens),
-            # Gemma's RMSNorm backward in fp32: the upcast output gradient, its product with (1 + weight), and the
-            # rsqrt and input branches, five h-wide fp32 tensors at once (traced), beside the residual gradient.
             experts_freed=int(sum(t.bytes_per_token for t in la.terms if t.name in _EXPERT_TERMS_FREED) * tokens),
             experts_transient=_experts_transient(spec, la, p, recipe, tokens),
+            # Gemma's RMSNorm backward in fp32: the upcast output gradient, its product with (1 + weight), and the
+            # rsqrt and input branches, five h-wide fp32 tensors at once (traced), beside the residual gradient.
             output_norm_transient=(5 * FP32 * spec.hidden_size * tokens if output_norm else 0),
             # At that moment its rsqrt and normalised value are already freed; its fp32 input is not.
             output_norm_freed=int(sum(t.bytes_per_token for t in output_norm if not t.name.endswith("input in fp32"))
@@ -294,11 +294,19 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                 "backward", f"layer {index} recomputed", weights, max(grads_in_forward, head_grad + grads_above),
                 states, base_kept + kept_below[index] + x.kept + x.full, tied_held + p.residual * h * tokens))
         grads_above += x.grads
+    # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
+    # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights its
+    # contribution and the sum of both exist beside the held LM-head one (3 x V x h). Only a large vocabulary
+    # with small activations (checkpointing, short sequences) makes this the peak, e.g. Llama-3-8B (traced).
+    emb_input_grad = p.residual * h * tokens if layers else 0
     if tied_held:
-        # The embedding's backward: its contribution and the sum of both exist beside the held one (3 x V x h),
-        # while every other gradient is done.
         candidates.append(Phase("backward", "embedding (tied weights)", weights,
-                                max(grads_in_forward, grads - tied_held), states, base_kept, 3 * tied_held))
+                                max(grads_in_forward, grads - tied_held), states, base_kept,
+                                3 * tied_held + emb_input_grad))
+    elif layers:
+        emb_grad = _param_bytes(spec.param_groups[0].tensors[0].numel, recipe.gradient_bytes)
+        candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, grads - emb_grad), states,
+                                acts.embedding_bytes, emb_grad + emb_input_grad))
     backward = max(candidates, key=lambda ph: ph.allocated_bytes)
 
     temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer)

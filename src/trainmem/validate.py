@@ -100,25 +100,61 @@ def run_row(config: dict, family: str, recipe: str, checkpointing: str, batch: i
                peak.by_category())
 
 
-def matrix(quick: bool = False):
-    """The full matrix, or the reduced one CI runs: SGD, whose small states leave the peak in forward or backward
-    where the activation model is tested (AdamW's peak is mostly its optimizer step, static memory only)."""
-    families = ("llama", "gpt2", "gemma2", "mixtral") if quick else tuple(FAMILIES)
-    recipes = ("fp32", "pure-bf16") if quick else RECIPES
-    shapes = SHAPES[:1] if quick else SHAPES
-    optimizers = ("sgd",) if quick else OPTIMIZERS
-    return itertools.product(families, recipes, CHECKPOINTING, shapes, optimizers)
+FULL_SIZE_FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_neox", "phi3")
+"""Families traced at their real size (up to 9B: a row takes 8-80 s); Mixtral (47B) only scaled down."""
+FULL_SIZE_SHAPES = ((1, 1024), (8, 1024))  # GPT-2's context is 1,024; 8 x 1,024 puts activations at the peak
 
 
-def validate(quick: bool = False, progress=None) -> list[Row]:
-    rows = []
-    for family, recipe, ckpt, (batch, seq), optimizer in matrix(quick):
+def matrix(quick: bool = False, full_size: bool = False):
+    """The rows to run: (family, recipe, checkpointing, (batch, seq), optimizer).
+
+    Scaled-down (default): every family, recipe, checkpointing, shape and optimizer. ``quick``, what CI runs:
+    SGD, whose small states leave the peak in forward or backward where the activation model is tested (AdamW's
+    peak is mostly its optimizer step, static memory only). ``full_size``: the real configs up to 9B with SGD and
+    longer sequences."""
+    if full_size:
+        families, recipes, shapes, optimizers = FULL_SIZE_FAMILIES, RECIPES, FULL_SIZE_SHAPES, ("sgd",)
+    elif quick:
+        families, recipes, shapes, optimizers = ("llama", "gpt2", "gemma2", "mixtral"), ("fp32", "pure-bf16"), \
+            SHAPES[:1], ("sgd",)
+    else:
+        families, recipes, shapes, optimizers = tuple(FAMILIES), RECIPES, SHAPES, OPTIMIZERS
+    for family, recipe, ckpt, shape, optimizer in itertools.product(families, recipes, CHECKPOINTING, shapes,
+                                                                    optimizers):
         if family == "mixtral" and recipe in ("fp32", "amp-bf16"):
             continue  # not traceable: grouped_mm needs bf16 under FakeTensorMode (trace.py)
-        config = scale_down(catalog_config(FAMILIES[family]))
-        rows.append(run_row(config, family, recipe, ckpt, batch, seq, optimizer))
-        if progress:
-            progress(rows[-1])
+        yield family, recipe, ckpt, shape, optimizer
+
+
+def _run(task: tuple, full_size: bool) -> Row:
+    family, recipe, ckpt, (batch, seq), optimizer = task
+    config = catalog_config(FAMILIES[family])
+    if not full_size:
+        config = scale_down(config)
+    return run_row(config, family, recipe, ckpt, batch, seq, optimizer)
+
+
+def validate(quick: bool = False, progress=None, full_size: bool = False, jobs: int = 1) -> list[Row]:
+    """Run the matrix; ``jobs`` > 1 traces rows in that many worker processes (results in matrix order)."""
+    tasks = list(matrix(quick, full_size))
+    if jobs <= 1:
+        rows = []
+        for task in tasks:
+            rows.append(_run(task, full_size))
+            if progress:
+                progress(rows[-1])
+        return rows
+    import functools
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: each worker imports torch afresh instead of inheriting a forked interpreter's threads.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        rows = []
+        for row in pool.map(functools.partial(_run, full_size=full_size), tasks):
+            rows.append(row)
+            if progress:
+                progress(row)
     return rows
 
 
@@ -126,7 +162,27 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x:+.2%}"
 
 
-def markdown(rows: list[Row], full_size: list[str] | None = None) -> str:
+MATRIX_FULL_SIZE = "## Matrix: full-size configs"
+MATRIX_SCALED = "## Matrix: scaled-down configs"
+KEPT_SECTIONS = ("## Tracing full-size models: time and memory", "## CUDA measurements")
+"""From benchmarks/ scripts (trace timings, CUDA measurements): kept as they are when the report is rewritten."""
+
+
+def _sections(text: str) -> tuple[str, dict[str, str]]:
+    """A Markdown document as its intro and its "## " sections (heading line -> whole section text)."""
+    intro, sections, current = [], {}, None
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## "):
+            current = line.rstrip("\n")
+            sections[current] = ""
+        if current is None:
+            intro.append(line)
+        else:
+            sections[current] += line
+    return "".join(intro), sections
+
+
+def _matrix_section(rows: list[Row], full_size: bool, quick: bool) -> str:
     import torch
     import transformers
 
@@ -134,27 +190,22 @@ def markdown(rows: list[Row], full_size: list[str] | None = None) -> str:
     worst = max(rows, key=lambda r: abs(r.total_error))
     scored = [(abs(e), e, c, r) for r in rows for c in CATEGORIES if (e := r.category_error(c)) is not None]
     _, cat_error, cat, cat_row = max(scored, key=lambda x: x[0])
+    command = "trainmem validate" + (" --full-size" if full_size else "") + (" --quick" if quick else "")
+    what = ("The real configs of the catalog (Llama-3-8B, Mistral-7B, Qwen2.5-0.5B, Gemma-2-9B, GPT-2, Pythia-1B, "
+            "Phi-3-mini), SGD. At these shapes most peaks are the optimizer step or the end of backward (the "
+            "embedding's V x h gradient), where activations are under 1% of the peak and not scored: this matrix "
+            "checks the timeline at real size, the scaled-down one the activation terms." if full_size else
+            "Scaled-down configs of each family (3 layers, 4+ heads of 16, vocabulary 512; `validate.scale_down`).")
     lines = [
-        "# Accuracy: estimate vs trace",
+        MATRIX_FULL_SIZE if full_size else MATRIX_SCALED,
         "",
-        f"Generated by `trainmem validate` on {_dt.date.today().isoformat()} with torch {torch.__version__}, "
-        f"transformers {transformers.__version__}. Each row traces one steady-state training step of the "
-        "transformers model (FakeTensorMode, MemTracker, allocations rounded to 512 bytes like CUDA) and compares "
-        "the estimate with it at the traced peak phase, in total and per category. Scaled-down configs of each "
-        "family (3 layers, 4+ heads of 16, vocabulary 512; `validate.scale_down`), dropout 0.",
+        f"`{command}` on {_dt.date.today().isoformat()} with torch {torch.__version__}, transformers "
+        f"{transformers.__version__}. {what} Dropout 0.",
         "",
-        f"**{ok} of {len(rows)} rows within tolerance** (total {TOTAL_TOLERANCE:.0%}, each category "
-        f"{CATEGORY_TOLERANCE:.0%}; a category under 1% of the peak is not scored). Largest total error: "
-        f"{worst.total_error:+.2%} ({worst.family}, {worst.recipe}, checkpointing {worst.checkpointing}, "
-        f"b={worst.batch} s={worst.seq}, {worst.optimizer}). Largest category error: {cat_error:+.2%} ({cat}; "
-        f"{cat_row.family}, {cat_row.recipe}, checkpointing {cat_row.checkpointing}, b={cat_row.batch} "
-        f"s={cat_row.seq}, {cat_row.optimizer}).",
-        "",
-    ]
-    if full_size:
-        lines += ["## Full-size models", "", *full_size, ""]
-    lines += [
-        "## Matrix",
+        f"**{ok} of {len(rows)} rows within tolerance.** Largest total error: {worst.total_error:+.2%} "
+        f"({worst.family}, {worst.recipe}, checkpointing {worst.checkpointing}, b={worst.batch} s={worst.seq}, "
+        f"{worst.optimizer}). Largest category error: {cat_error:+.2%} ({cat}; {cat_row.family}, {cat_row.recipe}, "
+        f"checkpointing {cat_row.checkpointing}, b={cat_row.batch} s={cat_row.seq}, {cat_row.optimizer}).",
         "",
         "| family | recipe | ckpt | b x s | optimizer | peak phase | estimate | trace | total | params | grads | "
         "states | activations | temporaries | ok |",
@@ -166,25 +217,60 @@ def markdown(rows: list[Row], full_size: list[str] | None = None) -> str:
             f"| {r.family} | {r.recipe} | {r.checkpointing} | {r.batch}x{r.seq} | {r.optimizer} | {r.phase} | "
             f"{sum(r.estimate.values()):,} | {sum(r.trace.values()):,} | {_pct(r.total_error)} | {cats} | "
             f"{'yes' if r.within_tolerance else '**no**'} |")
-    lines += [
-        "",
-        "## Where the trace corrects a plain MemTracker run",
-        "",
-        "- Recomputed activations: MemTracker tags what a checkpointed layer's recompute allocates as activations "
-        "only inside the submodules it calls (the layer's own ops, e.g. the residual adds, became temporaries) and "
-        "leaves its marker set after an early-stopped recompute; the trace marks the whole recompute itself "
-        "(`TrainingStep.recomputing`).",
-        "- Packed-sequence check: without a KV cache (checkpointing) transformers inspects `position_ids` for packed "
-        "sequences, which fake tensors cannot answer, and would build a dense causal mask (and repeat k and v for "
-        "SDPA) that a real run with one sequence per row does not build; the trace answers the check as a real "
-        "run does.",
-        "",
-        "## What the trace does not see",
-        "",
-        "- Dropout on the CPU keeps float masks (CUDA: bool) and sends SDPA to the math kernel (CUDA: flash with",
-        "  an RNG state); the matrix runs with dropout 0 and the estimate models CUDA.",
-        "- CPU autocast's op lists differ slightly from CUDA's.",
-        "- The CUDA context, cuBLAS workspaces and the caching allocator's fragmentation are not allocations: the",
-        "  estimate's `reserved` and `device` figures add them (docs/method.md section 5).",
-    ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n"
+
+
+_INTRO = f"""# Accuracy: estimate vs trace
+
+Each row traces one steady-state training step of the transformers model (FakeTensorMode, MemTracker,
+allocations rounded to 512 bytes like CUDA; `trainmem trace`) and compares the estimate with it at the traced
+peak phase, in total and per category. Tolerance: {TOTAL_TOLERANCE:.0%} on the total, {CATEGORY_TOLERANCE:.0%} on each
+category (parameters, gradients, optimizer states, activations, temporaries); a category under 1% of the peak is
+not scored. `trainmem validate` rewrites the scaled-down matrix, `trainmem validate --full-size --jobs 2` the
+full-size one, each keeping the other sections; `benchmarks/cuda_accuracy.py` rewrites the CUDA section and
+`benchmarks/trace_full_size.py` prints the trace timings.
+
+"""
+
+_STATIC_SECTIONS = {
+    "## CI": """## CI
+
+CI runs the reduced matrix (`trainmem validate --quick`, 14 rows: Llama, GPT-2 and Gemma 2 in fp32 and pure-bf16,
+Mixtral in pure-bf16, checkpointing none and full, batch 1 x 128, SGD so that the peak falls in forward or
+backward) and fails when one of its rows leaves its tolerance (tests/test_validate.py).
+
+""",
+    "## Where the trace corrects a plain MemTracker run": """## Where the trace corrects a plain MemTracker run
+
+- Recomputed activations: MemTracker tags what a checkpointed layer's recompute allocates as activations only
+  inside the submodules it calls (the layer's own ops, e.g. the residual adds, became temporaries) and leaves its
+  marker set after an early-stopped recompute; the trace marks the whole recompute itself
+  (`TrainingStep.recomputing`).
+- Packed-sequence check: without a KV cache (checkpointing) transformers inspects `position_ids` for packed
+  sequences, which fake tensors cannot answer, and would build a dense causal mask (and repeat k and v for SDPA)
+  that a real run with one sequence per row does not build; the trace answers the check as a real run does.
+
+""",
+    "## What the trace does not see": """## What the trace does not see
+
+- Dropout on the CPU keeps float masks (CUDA: bool) and sends SDPA to the math kernel (CUDA: flash with an RNG
+  state); the matrix runs with dropout 0 and the estimate models CUDA.
+- CPU autocast's op lists differ slightly from CUDA's.
+- The CUDA context, cuBLAS workspaces and the caching allocator's fragmentation are not allocations: the
+  estimate's `reserved` and `device` figures add them (docs/method.md section 5).
+- Host memory: non-reentrant checkpointing keeps each layer's CPU RNG state (5,056 bytes), on the host.
+""",
+}
+
+_ORDER = (*KEPT_SECTIONS, MATRIX_FULL_SIZE, MATRIX_SCALED, *_STATIC_SECTIONS)
+
+
+def markdown(rows: list[Row], full_size: bool = False, quick: bool = False, existing: str | None = None) -> str:
+    """The accuracy report with this run's matrix section; every other section of ``existing`` (the report
+    being rewritten) is kept: the other matrix, the trace timings and the CUDA measurements."""
+    _, sections = _sections(existing or "")
+    sections.update(_STATIC_SECTIONS)
+    sections[MATRIX_FULL_SIZE if full_size else MATRIX_SCALED] = _matrix_section(rows, full_size, quick)
+    ordered = [h for h in _ORDER if h in sections] + [h for h in sections if h not in _ORDER]
+    return _INTRO + "".join(sections[h] if sections[h].endswith("\n\n") or h == ordered[-1]
+                            else sections[h].rstrip("\n") + "\n\n" for h in ordered)
