@@ -26,11 +26,13 @@ def test_static_memory_grows_with_parameters(n, extra, recipe, optimizer):
     s = make_settings(recipe=recipe, optimizer=optimizer)
     small, big = estimate_model(nominal_spec(n), s), estimate_model(nominal_spec(n + extra), s)
     assert all(c.bytes >= 0 for c in small.static)
-    assert big.static_bytes >= small.static_bytes
+    # bitsandbytes keeps fp32 states for tensors under 4096 elements, so its states (and the total with them)
+    # genuinely shrink when a tensor crosses that threshold (4095 elements: 32,760 B; 4096: 8,320 B). Every other
+    # part grows.
+    crosses_8bit_threshold = optimizer.endswith("8bit") and n < 4096 <= n + extra
+    if not crosses_8bit_threshold:
+        assert big.static_bytes >= small.static_bytes
     for a, b in zip(small.static, big.static):
-        # bitsandbytes keeps fp32 states for tensors under 4096 elements, so its states genuinely shrink when
-        # a tensor crosses that threshold (4095 elements: 32,760 B; 4096: 8,320 B). Every other part grows.
-        crosses_8bit_threshold = optimizer.endswith("8bit") and n < 4096 <= n + extra
         if not (a.name == "optimizer_states" and crosses_8bit_threshold):
             assert b.bytes >= a.bytes
 
