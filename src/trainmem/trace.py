@@ -71,11 +71,8 @@ def _unpacked_batches():
     sequences, a data-dependent check that fake tensors cannot answer, so it would build a dense causal mask (and
     SDPA would then repeat k and v to every head) where a real run with one sequence per row builds none. The
     trace's batches are one sequence per row, which is what the real check finds."""
-    try:
-        from transformers import masking_utils
-    except ImportError:  # pragma: no cover - transformers is required by the trace anyway
-        yield
-        return
+    from transformers import masking_utils
+
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
     if original is None:  # older transformers: no packed-sequence detection
         yield
