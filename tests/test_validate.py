@@ -63,3 +63,34 @@ def test_validate_bad_options_are_one_line(run_cli, tmp_path, args, message):
     code, _, err = run_cli("validate", *args, "-o", str(out))
     assert code == 2 and message in err and err.count("\n") == 1
     assert not out.exists()  # nothing written
+
+
+def test_cuda_benchmark_section_replaces_only_its_own():
+    """benchmarks/cuda_accuracy.py runs only on a GPU; its table and its rewrite of the report are checked here
+    with a measurement of known values."""
+    import importlib.util
+    from pathlib import Path
+
+    from trainmem.estimate import estimate
+    from trainmem.measure import Measurement, PhasePeak
+
+    path = Path(__file__).parent.parent / "benchmarks" / "cuda_accuracy.py"
+    spec = importlib.util.spec_from_file_location("cuda_accuracy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    est = estimate("gpt2", recipe="amp-bf16", batch=8, seq=1024)
+    by_phase = {p.name: p.allocated_bytes for p in est.phases}
+    measured = Measurement("cuda", [PhasePeak(name, int(b * 1.02), int(b * 1.1)) for name, b in by_phase.items()])
+    section = bench.cuda_section([("gpt2", dict(recipe="amp-bf16", batch=8, seq=1024), measured, est),
+                                  ("llama-3-8b", dict(recipe="mixed-bf16"), None, est)],
+                                 "NVIDIA H200", "2.13.0", "2026-11-29")
+    assert section.startswith(bench.HEADING + "\n\n2026-11-29, NVIDIA H200, torch 2.13.0.")
+    rows = [line for line in section.splitlines() if line.startswith("| gpt2 |")]
+    assert len(rows) == len(est.phases) and all(line.endswith("| -1.96% |") for line in rows)  # 1/1.02 - 1
+    assert "| llama-3-8b | recipe=mixed-bf16 | out of memory |" in section
+
+    existing = markdown([_row("llama", 1000, 1000)]) + "## CUDA measurements\n\nNone yet.\n"
+    report = bench.replace_sections(existing, {bench.HEADING: section})
+    assert report.count(bench.HEADING) == 1 and "None yet." not in report and "NVIDIA H200" in report
+    assert "| llama |" in report  # the matrix is kept

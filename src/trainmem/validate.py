@@ -265,12 +265,20 @@ backward) and fails when one of its rows leaves its tolerance (tests/test_valida
 _ORDER = (*KEPT_SECTIONS, MATRIX_FULL_SIZE, MATRIX_SCALED, *_STATIC_SECTIONS)
 
 
-def markdown(rows: list[Row], full_size: bool = False, quick: bool = False, existing: str | None = None) -> str:
-    """The accuracy report with this run's matrix section; every other section of ``existing`` (the report
-    being rewritten) is kept: the other matrix, the trace timings and the CUDA measurements."""
+def replace_sections(existing: str | None, new_sections: dict[str, str]) -> str:
+    """The accuracy report ``existing`` with ``new_sections`` (heading -> section text, heading line included)
+    put in place and the generated static sections refreshed; every other section is kept, in the report's order.
+    ``benchmarks/cuda_accuracy.py`` writes its section through this too."""
     _, sections = _sections(existing or "")
     sections.update(_STATIC_SECTIONS)
-    sections[MATRIX_FULL_SIZE if full_size else MATRIX_SCALED] = _matrix_section(rows, full_size, quick)
+    sections.update(new_sections)
     ordered = [h for h in _ORDER if h in sections] + [h for h in sections if h not in _ORDER]
     return _INTRO + "".join(sections[h] if sections[h].endswith("\n\n") or h == ordered[-1]
                             else sections[h].rstrip("\n") + "\n\n" for h in ordered)
+
+
+def markdown(rows: list[Row], full_size: bool = False, quick: bool = False, existing: str | None = None) -> str:
+    """The accuracy report with this run's matrix section; every other section of ``existing`` (the report
+    being rewritten) is kept: the other matrix, the trace timings and the CUDA measurements."""
+    heading = MATRIX_FULL_SIZE if full_size else MATRIX_SCALED
+    return replace_sections(existing, {heading: _matrix_section(rows, full_size, quick)})
