@@ -94,3 +94,17 @@ def test_cuda_benchmark_section_replaces_only_its_own():
     report = bench.replace_sections(existing, {bench.HEADING: section})
     assert report.count(bench.HEADING) == 1 and "None yet." not in report and "NVIDIA H200" in report
     assert "| llama |" in report  # the matrix is kept
+
+
+@pytest.mark.parametrize("family, recipe, checkpointing", [
+    ("gpt2", "amp-bf16", "none"), ("llama", "amp-bf16", "full"), ("gemma2", "pure-bf16", "none"),
+    ("phi3", "fp32", "none"), ("mixtral", "pure-bf16", "full")])
+def test_dropout_rows_are_traced_as_on_a_gpu(family, recipe, checkpointing):
+    """With dropout the CPU would fall back to SDPA's math kernel and keep float masks; the trace runs CUDA's
+    flash kernel and bool-mask dropout instead, which is what the estimate models (dropout 0.1, batch 4 x 64)."""
+    from trainmem.catalog import catalog_config
+    from trainmem.validate import FAMILIES, run_row, scale_down
+
+    config = scale_down(catalog_config(FAMILIES[family]))
+    row = run_row(config, family, recipe, checkpointing, 4, 64, "sgd", dropout=0.1)
+    assert row.within_tolerance, (row.total_error, {c: row.category_error(c) for c in row.trace})

@@ -8,12 +8,13 @@ parameter, buffer, gradient, activation, temporary or optimizer state. Sizes are
 caching allocator does (``--no-round`` keeps raw sizes).
 
 What differs from a GPU run: the CPU kernels' fake implementations stand in for CUDA's (the SDPA CPU flash kernel
-saves the same output and logsumexp as CUDA's flash kernel; with attention dropout the CPU takes the math path);
-CPU autocast's op lists are close to, not identical with, CUDA's; dropout masks are float on CPU, bool on CUDA.
-Two corrections to a plain MemTracker run: the whole of a checkpointed layer's recompute is tagged as activations
-(``_recompute_aware_tracker``), and transformers' packed-sequence check, which fake tensors cannot answer, is
-answered as a real run with one sequence per row does (``_unpacked_batches``). docs/accuracy.md lists the
-estimate-vs-trace differences.
+saves the same output and logsumexp as CUDA's flash kernel); CPU autocast's op lists are close to, not identical
+with, CUDA's. Where the CPU would run something a GPU does not, the trace runs what the GPU runs: with dropout,
+the flash kernel and the fused bool-mask dropout instead of the CPU's math-path fallback and float masks
+(``_cuda_dropout_kernels``). Two corrections to a plain MemTracker run: the whole of a checkpointed layer's
+recompute is tagged as activations (``_recompute_aware_tracker``), and transformers' packed-sequence check, which
+fake tensors cannot answer, is answered as a real run with one sequence per row does (``_unpacked_batches``).
+docs/accuracy.md lists the estimate-vs-trace differences.
 
 Needs torch and transformers (``pip install 'trainmem[trace]'``).
 """
@@ -84,6 +85,42 @@ def _unpacked_batches():
         masking_utils.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def _cuda_dropout_kernels():
+    """With dropout the CPU runs what no GPU does: SDPA falls back to the math kernel (s x s scores, probabilities
+    and a float mask kept) and F.dropout keeps a float mask. On CUDA, SDPA keeps the flash kernel (output and
+    logsumexp; the RNG seed and offset are a few bytes) and dropout is the fused native_dropout with a bool mask.
+    The trace calls those same kernels (the CPU flash op takes dropout_p; native_dropout returns a bool mask); under
+    FakeTensorMode only their shapes and dtypes matter."""
+    import torch
+    import torch.nn.functional as F
+
+    original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                     enable_gqa=False):
+        if dropout_p > 0 and attn_mask is None:
+            device = query.device.type
+            if torch.is_autocast_enabled(device):  # SDPA is on autocast's lower-precision list; the raw op is not
+                half = torch.get_autocast_dtype(device)
+                query, key, value = (t.to(half) for t in (query, key, value))
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, scale=scale)[0]
+        return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                             scale=scale, enable_gqa=enable_gqa)
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and p > 0 and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return original_dropout(input, p, training, inplace)
+
+    F.scaled_dot_product_attention, F.dropout = scaled_dot_product_attention, dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = original_sdpa, original_dropout
+
+
 def _recompute_aware_tracker(mem_tracker, run):
     """A MemTracker that tags what a checkpointed layer's recompute allocates as activations, as MemTracker
     documents (its own ``_in_ac`` flag is set only inside the submodules the recompute calls: the layer's own ops,
@@ -121,7 +158,7 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
     if round_to_cuda:
         mem_tracker._WeakRefInfo._calculate_mem_consumed = lambda self: -(-self.size * self.element_size // 512) * 512
     try:
-        with FakeTensorMode(), _unpacked_batches():
+        with FakeTensorMode(), _unpacked_batches(), _cuda_dropout_kernels():
             run = TrainingStep(config, settings, "cpu", spec)
             run.forward_backward()  # warm-up: creates the optimizer states
             run.step()
