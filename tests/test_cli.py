@@ -74,6 +74,15 @@ def test_recipes_table(run_cli):
         (["estimate", "--params", "seven"], "is not a number"),
         (["estimate", "--params", "7e9", "--optimizer", "muon"], "needs tensor shapes"),
         (["nosuch"], "No such command"),
+        (["estimate", "gpt2", "--gpu", "TPU"], "unknown GPU 'TPU'"),
+        (["estimate", "gpt2", "--max-batch"], "need --gpu"),
+        (["estimate", "gpt2", "--attention", "xformers"], "unknown attention 'xformers'; accepted: eager, sdpa, flash"),
+        (["estimate", "gpt2", "--checkpointing", "some"], "unknown checkpointing 'some'"),
+        (["estimate", "gpt2", "--headroom", "0.5"], "--headroom must be at least 1.0"),
+        (["estimate", "gpt2", "--dropout", "1.5"], "dropout must be in [0, 1)"),
+        (["estimate", "gpt2", "--grad-accum", "0"], "grad_accum must be a positive integer"),
+        (["sweep", "gpt2", "--batch", "1,x"], "not a comma-separated list"),
+        (["trace", "--params", "7e9"], "trace needs a model config"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(run_cli, args, message):
