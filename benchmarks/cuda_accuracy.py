@@ -28,12 +28,10 @@ DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "accuracy.md"
 HEADING = "## CUDA measurements"
 
 
-def cuda_section(results, gpu: str, torch_version: str, date: str) -> str:
-    """``results``: (model, settings kwargs, Measurement or None when it ran out of memory, Estimate)."""
-    lines = [HEADING, "", f"{date}, {gpu}, torch {torch_version}. Two steps, the second measured; dropout 0. "
-             "The estimate is compared with `max_memory_allocated()`; `reserved` is `max_memory_reserved()`.", "",
-             "| model | settings | phase | measured allocated | reserved | estimate | error |",
-             "|---|---|---|---|---|---|---|"]
+def cuda_rows(results) -> list[str]:
+    """Table rows for ``results``: (model, settings kwargs, Measurement or None when it ran out of memory,
+    Estimate)."""
+    lines = []
     for name, kw, measured, estimate in results:
         settings = ", ".join(f"{k}={v}" for k, v in kw.items())
         if measured is None:
@@ -45,6 +43,14 @@ def cuda_section(results, gpu: str, torch_version: str, date: str) -> str:
             reserved = f"{p.reserved_bytes / 2**30:.3f} GiB" if p.reserved_bytes is not None else "-"
             lines.append(f"| {name} | {settings} | {p.name} | {p.allocated_bytes / 2**30:.3f} GiB | {reserved} | "
                          f"{e / 2**30:.3f} GiB | {(e - p.allocated_bytes) / p.allocated_bytes:+.2%} |")
+    return lines
+
+
+def cuda_section(results, gpu: str, torch_version: str, date: str) -> str:
+    lines = [HEADING, "", f"{date}, {gpu}, torch {torch_version}. Two steps, the second measured; dropout 0. "
+             "The estimate is compared with `max_memory_allocated()`; `reserved` is `max_memory_reserved()`.", "",
+             "| model | settings | phase | measured allocated | reserved | estimate | error |",
+             "|---|---|---|---|---|---|---|", *cuda_rows(results)]
     return "\n".join(lines) + "\n\n"
 
 
@@ -70,7 +76,7 @@ def main() -> int:
             measured = None
         torch.cuda.empty_cache()
         results.append((name, kw, measured, estimate))
-        print("\n".join(cuda_section(results[-1:], "", "", "").splitlines()[6:]), flush=True)  # its table rows
+        print("\n".join(cuda_rows(results[-1:])), flush=True)
     section = cuda_section(results, torch.cuda.get_device_name(), torch.__version__,
                            datetime.date.today().isoformat())
     print(section)

@@ -44,6 +44,11 @@ class Precision:
     """The residual stream and norm outputs: fp32 under autocast (weights are fp32), else the weights' dtype."""
     autocast: bool
 
+    @property
+    def experts(self) -> int:
+        """Routed experts (transformers' grouped_mm): not an autocast op, so they run in the weights' dtype."""
+        return self.residual if self.autocast else self.compute
+
     @classmethod
     def of(cls, recipe: Recipe) -> "Precision":
         compute = DTYPE_BYTES[recipe.compute]
@@ -198,7 +203,7 @@ def _moe_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
     ``grouped_mm`` experts path (integrations/moe.py, grouped_mm_experts_forward). grouped_mm is not an
     autocast op and casts its input to the weights' dtype, so under autocast the experts run in fp32."""
     e, k, i = moe.num_experts, moe.top_k, moe.expert_intermediate_size
-    w = p.residual if p.autocast else p.compute
+    w = p.experts
     terms = [
         Term("router softmax (fp32)", FP32 * e),
         Term("top-k indices, weights and their sum", k * (INDEX + FP32) + FP32),

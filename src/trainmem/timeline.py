@@ -88,8 +88,7 @@ def _experts_transient(spec: ModelSpec, la: LayerActivations, p: Precision, reci
     moe = la.layer.moe
     if moe is None:
         return 0
-    w = p.residual if p.autocast else p.compute  # grouped_mm is not autocast: it runs in the weights' dtype
-    k, i, h = moe.top_k, moe.expert_intermediate_size, spec.hidden_size
+    w, k, i, h = p.experts, moe.top_k, moe.expert_intermediate_size, spec.hidden_size
     weight_grad = _param_bytes(moe.num_experts * 2 * i * h, recipe.gradient_bytes)
     return (k * (2 * w * i + w * h + FP32) + p.residual * h) * tokens + weight_grad
 
@@ -191,8 +190,7 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         if layer.moe:
             # The experts' weighted outputs and each (token, expert) pair's weight and index are freed by the
             # backward of the router-weighted sum, which runs before the experts' down_proj backward (traced).
-            w = p.residual if p.autocast else p.compute
-            freed_before_mlp += int(layer.moe.top_k * (w * spec.hidden_size + INDEX + FP32) * tokens)
+            freed_before_mlp += int(layer.moe.top_k * (p.experts * spec.hidden_size + INDEX + FP32) * tokens)
         item = _LayerBytes(
             kept=kept, full=full, product=p.compute * _mlp_width(layer) * tokens + down_copy + freed_before_mlp,
             down_grad=_param_bytes(down, recipe.gradient_bytes),

@@ -277,8 +277,8 @@ def replace_sections(existing: str | None, new_sections: dict[str, str]) -> str:
     sections.update(_STATIC_SECTIONS)
     sections.update(new_sections)
     ordered = [h for h in _ORDER if h in sections] + [h for h in sections if h not in _ORDER]
-    return _INTRO + "".join(sections[h] if sections[h].endswith("\n\n") or h == ordered[-1]
-                            else sections[h].rstrip("\n") + "\n\n" for h in ordered)
+    body = "\n\n".join(sections[h].rstrip("\n") for h in ordered)  # one blank line between sections
+    return _INTRO + body + "\n"
 
 
 def markdown(rows: list[Row], full_size: bool = False, quick: bool = False, existing: str | None = None) -> str:
