@@ -18,32 +18,37 @@ CASES = [("Llama-2-7B", dict(recipe="fp32")), ("Llama-3-8B", dict(recipe="mixed-
          ("GPT-2", dict(recipe="amp-bf16", optimizer="sgd")),
          # Checkpointed: no KV cache, so transformers runs its packed-sequence check, which the trace must answer
          # as this real run does (no dense mask, k and v not repeated), and the recompute runs in backward.
-         ("Llama-3-8B", dict(recipe="amp-bf16", optimizer="sgd", checkpointing="full"))]
+         ("Llama-3-8B", dict(recipe="amp-bf16", optimizer="sgd", checkpointing="full")),
+         ("Mixtral-8x7B", dict(recipe="pure-bf16")), ("GPT-2", dict(recipe="fp32", dropout=0.1, attention="eager"))]
+IDS = [f"{c[0]}-{c[1]['recipe']}-{c[1].get('checkpointing', 'none')}-{c[1].get('attention', 'sdpa')}" for c in CASES]
 
 
-@pytest.mark.parametrize("family, kw", CASES, ids=[f"{c[0]}-{c[1]['recipe']}-{c[1].get('checkpointing', 'none')}"
-                                                   for c in CASES])
-def test_cpu_measure_agrees_with_the_trace(family, kw):
-    """The CPU allocator's events and MemTracker under FakeTensorMode see the same step: every phase agrees
-    to the byte, or within 512 bytes per tensor for the few tensors (position ids) the trace sizes differently."""
+@pytest.mark.parametrize("family, kw", CASES, ids=IDS)
+def test_a_real_cpu_step_holds_exactly_the_tensors_the_trace_counts(family, kw):
+    """The same step on real CPU tensors and on fake ones, tracked the same way: every phase and category agrees to
+    the byte. This compares tensors only (never the CPU kernels' own scratch buffers, which depend on the
+    processor), so it holds on any machine."""
+    cfg = SCALED[family]
+    s = make_settings(batch=2, seq=64, **({"dropout": 0.0} | kw))
+    real = trace_step(cfg, s, spec_from_config(cfg), round_to_cuda=False, emulate="cpu", fake=False)
+    fake = trace_step(cfg, s, spec_from_config(cfg), round_to_cuda=False, emulate="cpu")
+    assert [p.by_category() for p in real.phases] == [p.by_category() for p in fake.phases]
+
+
+@pytest.mark.parametrize("family, kw", CASES[:4], ids=IDS[:4])
+def test_the_cpu_allocator_sees_at_least_the_tensors(family, kw):
+    """``measure --device cpu`` reads the allocator's own events, which are the step's tensors plus whatever the
+    CPU kernels allocate for themselves (oneDNN's packed matmul operands, the flash-attention backward's per-thread
+    buffers) and, with checkpointing, the CPU RNG state each checkpoint keeps (host memory on a GPU too). Those
+    extras depend on the processor, so only their sign is asserted: each phase's allocator peak covers the traced
+    tensors, less at most 2 x 512 bytes where the trace sizes GPT-2's position ids differently."""
     cfg = SCALED[family]
     s = make_settings(batch=2, seq=64, dropout=0.0, **kw)
     measured = measure_steps(cfg, s, "cpu")
-    traced = trace_step(cfg, s, spec_from_config(cfg), round_to_cuda=False)
+    traced = trace_step(cfg, s, spec_from_config(cfg), round_to_cuda=False, emulate="cpu")
     assert [p.name for p in measured.phases] == list(PHASES) == [p.name for p in traced.phases]
-    if kw.get("checkpointing") == "full":
-        # Two things the CPU allocator sees that are not tensors of the step: each checkpointed layer keeps the
-        # CPU RNG state (torch.get_rng_state(), preserve_rng_state=True: host memory on a GPU run too), and the
-        # CPU kernels' own scratch (oneDNN matmul packing, the flash-attention backward's per-thread buffers)
-        # can coincide with the backward's peak.
-        rng_states = cfg["num_hidden_layers"] * torch.get_rng_state().numel()
-        diff = {m.name: m.allocated_bytes - t.allocated_bytes for m, t in zip(measured.phases, traced.phases)}
-        assert diff["forward"] == rng_states
-        assert 0 <= diff["backward"] - rng_states <= 48 * 1024
-        assert diff["load"] == diff["optimizer"] == diff["between_steps"] == 0
-        return
     for m, t in zip(measured.phases, traced.phases):
-        assert abs(m.allocated_bytes - t.allocated_bytes) <= 2 * 512, m.name
+        assert m.allocated_bytes >= t.allocated_bytes - 2 * 512, m.name
 
 
 def test_track_around_a_plain_loop():
@@ -155,7 +160,7 @@ def test_trainer_callback_inside_a_real_trainer(tmp_path):
     assert len(callback.steps) == 3
     measured = {p.name: p.allocated_bytes for p in callback.report().phases}
     traced = {p.name: p.allocated_bytes for p in trace_step(cfg, settings, spec_from_config(cfg),
-                                                             round_to_cuda=False).phases}
+                                                             round_to_cuda=False, emulate="cpu").phases}
     assert set(measured) == set(PHASES)
     for phase in PHASES:  # measured 2026-11-29: within 12 bytes in every phase
         assert abs(measured[phase] - traced[phase]) <= 512, phase

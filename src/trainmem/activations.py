@@ -15,8 +15,11 @@ the residual stream (fp32 under autocast, else the weights' dtype). A tensor tha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from .kernels import (EAGER, EFFICIENT, EFFICIENT_MASK_MULTIPLE, FLASH, FLASH_MAX_HEAD_DIM, MATH,
+                      efficient_lse_per_token, efficient_mask_width, flash_head_dim, sdpa_backend)
 from .models import MLP, Attention, Layer, ModelSpec, MoE
 from .recipes import DTYPE_BYTES, Recipe
 from .settings import TrainingSettings
@@ -24,6 +27,8 @@ from .settings import TrainingSettings
 FP32 = 4
 INDEX = 8  # int64 indices (embedding input, routing indices, labels)
 MASK = 1  # torch.bool dropout masks
+AUTOCAST_HEAD_COPY = "autocast copy of the LM head weight"
+"""The constant term timeline.py looks for: freed once the LM head's backward has run."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,24 @@ class LayerActivations:
     backward keeps, and Gemma's fp32 ``1 + weight`` of each RMSNorm."""
     checkpoint_terms: tuple[Term, ...]
     """What a checkpointed layer keeps instead of ``terms`` (its input)."""
+    kernel: str = EAGER
+    """The attention kernel a GPU runs for this layer (kernels.py)."""
+    cache_extra: float = 0.0
+    """Bytes per token its KV cache holds beyond what backward keeps (use_cache, no checkpointing)."""
+    returned_extra: float = 0.0
+    """Bytes per token of attention weights the layer holds until it returns (AttentionTerms.returned_extra)."""
+    attention_bytes_per_token: float = 0.0
+    """The part of ``terms`` from the input norm to o_proj's input (the rest is the MLP block's)."""
+    attention_released: float = 0.0
+    """Of that, bytes per token freed before the attention kernel's backward (AttentionTerms.released)."""
+    attention_backward: float = 0.0
+    """Bytes per token of the attention kernel backward's temporaries (AttentionTerms.backward)."""
+    attention_forward: float = 0.0
+    """Bytes per token of a checkpointed attention forward's worst moment (AttentionTerms.forward)."""
+    softmax_extra: float = 0.0
+    """AttentionTerms.softmax_extra of this layer."""
+    after_softmax: float = 0.0
+    """AttentionTerms.after_softmax of this layer."""
 
     @property
     def bytes_per_token(self) -> float:
@@ -108,80 +131,433 @@ def _linear_inputs(p: Precision, width: int, consumers: int, label: str, input_b
     return [Term(f"{label}", input_bytes * width)]
 
 
-def _attention_terms(att: Attention, h: int, s: int, p: Precision, kernel: str, dropout: float,
-                     rotary: bool, fused_qkv_storage: bool, gemma_norm: bool = False,
-                     softmax_fp32: bool = True, batch: int = 2, use_cache_copies: bool = False) -> list[Term]:
+@dataclass(frozen=True)
+class AttentionTerms:
+    """What one layer's attention keeps for backward, the kernel that keeps it, and what its KV cache holds on top."""
+
+    terms: tuple[Term, ...]
+    kernel: str
+    """eager, flash, efficient or math (kernels.py)."""
+    cache_extra: float = 0.0
+    """Bytes per token the KV cache (use_cache) holds that backward does not keep: alive until the model's output
+    is dropped, so counted at the forward peak only."""
+    returned_extra: float = 0.0
+    """Bytes per token of the attention weights eager attention returns, when backward does not keep that tensor:
+    the decoder layer holds them (``hidden_states, _ = self.self_attn(...)``) until it returns."""
+    released: float = 0.0
+    """Bytes per token of these terms freed before the kernel's own backward runs (o_proj's input, and for eager and
+    math attention what the matmul with v and the dropout kept)."""
+    backward: float = 0.0
+    """Bytes per token of the kernel backward's temporaries at its worst moment."""
+    forward: float = 0.0
+    """Bytes per token alive at the attention forward's worst moment when nothing is saved (a checkpointed layer's
+    first forward): the kernel's inputs and, for eager and math attention, two s x s tensors at once."""
+    forward_inputs: float = 0.0
+    """Bytes per token the attention forward holds beside the kernel's own tensors: its input (the norm output,
+    an argument alive until it returns), the projections' outputs and q, k and v as the kernel reads them."""
+    softmax_extra: float = 0.0
+    """Eager and math attention, without checkpointing: bytes per token alive at the softmax beyond what is saved
+    (its s x s input, and the fp32 upcast of a half input)."""
+    after_softmax: float = 0.0
+    """Of the terms, bytes per token created after the softmax (the probabilities the matmul with v keeps, the
+    dropout mask, the output copy)."""
+
+
+def sdpa_mask(spec: ModelSpec, layer: Layer, seq: int) -> bool:
+    """Whether transformers hands SDPA a mask for this layer: a sliding window the sequence reaches
+    (masking_utils._ignore_causal_mask_sdpa: ``kv_length >= local_attention_size``), or Falcon, which always
+    materialises its mask (modeling_falcon.py, ``allow_is_causal_skip=False``); otherwise SDPA runs with
+    ``is_causal`` and no mask."""
+    if spec.model_type == "falcon":
+        return True
+    return layer.sliding_window is not None and seq >= layer.sliding_window
+
+
+def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Precision, kernel: str,
+                     dropout: float) -> AttentionTerms:
+    """Self-attention from the projections' outputs to o_proj's input, for the families that use transformers'
+    shared attention functions (integrations/sdpa_attention.py, each modeling file's eager_attention_forward).
+
+    The kernel is the one a GPU runs (kernels.sdpa_backend). What each keeps (derivatives.yaml and the kernels'
+    autograd formulas, checked with saved_tensors_hooks on the CUDA-emulating trace):
+    - flash: q, k, v and the output at the head dim padded to a multiple of 8, and the fp32 logsumexp (4a);
+    - memory-efficient: q, k, v, the output, the fp32 logsumexp padded to 32 rows, and the float mask it converted
+      from the boolean one (padded to 16 columns);
+    - math: fp32 copies of q and k scaled and of v (k and v expanded to every query head), the fp32 s x s
+      probabilities, and with dropout its bool mask and the dropped probabilities;
+    - eager: q, k and v as its matmuls read them (k and v repeated to every head), the softmax output, the
+      probabilities in the matmul's dtype, the dropout mask, and the output copied contiguous for o_proj.
+    """
+    att = layer.attention
     a, kv, d, dv, c = att.num_heads, att.num_kv_heads, att.head_dim, att.v_head_dim, p.compute
+    s, batch = settings.seq, settings.batch
     terms: list[Term] = []
-    if att.kind == "mla":
-        return _mla_terms(att, h, s, p, kernel)
     if att.qk_norm:
         # Qwen3/Gemma3 q_norm and k_norm: RMSNorm over each head, input = projection output (compute dtype);
         # Gemma's RMSNorm keeps its normalised value in fp32.
-        normed = FP32 if gemma_norm else c
+        normed = FP32 if spec.model_type.startswith("gemma") else c
         for name, heads in (("q_norm", a), ("k_norm", kv)):
             terms += [Term(f"{name}: input in fp32", FP32 * heads * d), Term(f"{name}: rsqrt", FP32 * heads),
                       Term(f"{name}: normalised", normed * heads * d)]
-    # eager_attention_forward repeats k and v to every query head (repeat_kv: expand + reshape) and its
-    # matmuls keep the copies, not the originals; SDPA takes the kv heads as they are (enable_gqa). With one
-    # kv head and one sequence the expanded tensor reshapes without a copy.
-    kv_kept = a if kernel == "eager" and not (kv == 1 and batch == 1) else kv
-    if fused_qkv_storage and not rotary:
-        # GPT-2 / BLOOM: q, k and v are views of one projection output; its storage is what is kept, unless
-        # eager's batched matmul must copy q (batch > 1), which then keeps the copy instead.
+    rotary = att.rotary_dim > 0
+    use_cache = settings.checkpointing == "none"  # gradient checkpointing turns use_cache off
+    # Under autocast the rotary tables follow the fp32 hidden states, so the rotated q and k are fp32.
+    qk_bytes = p.residual if p.autocast and rotary else c
+    # GPT-2: q, k and v are views of one projection output (c_attn); with use_cache, DynamicLayer.update torch.cat's
+    # k and v into the cache and attention reads those copies.
+    fused_views = att.fused_qkv and not rotary
+    # Partial-rotary families build q with torch.cat, laid out (b, a, s, d): flash's output follows q's layout.
+    q_by_cat = spec.model_type in ("gpt_neox", "phi3")
+    mask = kernel == EAGER or sdpa_mask(spec, layer, s)
+    repeat = kv < a and (kernel == EAGER or mask or d != dv or d > FLASH_MAX_HEAD_DIM)
+    kv_passed = a if repeat else kv
+    if kernel != EAGER:
+        offsets = (0, 0, 0)
+        if not use_cache and fused_views:
+            offsets = (0, a * d, (a + kv) * d)
+        elif not use_cache and spec.model_type == "gpt_neox":
+            offsets = (0, 0, 2 * d)
+        elif not use_cache and spec.model_type == "phi3":
+            offsets = (0, 0, (a + kv) * d)
+        if repeat or (p.autocast and qk_bytes != c):
+            offsets = (0, 0, offsets[2] if not repeat else 0)
+        kernel = sdpa_backend(dtype=_DTYPE_OF_BYTES[c], head_dim_qk=d, head_dim_v=dv, q_heads=a, kv_heads=kv_passed,
+                              has_mask=mask, enable_gqa=kv_passed < a, q_len=s, kv_len=s, is_causal=not mask,
+                              storage_offsets=offsets)
+    repeated = " repeated to every head" if kv_passed != kv else ""
+    rot = " after rotary" if rotary else ""
+    k_cache = qk_bytes * kv * d if use_cache else 0.0
+    v_cache = c * kv * dv if use_cache else 0.0
+    k_kept = v_kept = False  # whether attention keeps the cache's own tensors (then the cache adds nothing)
+    returned = released = backward = softmax_extra = after_softmax = 0.0
+
+    if kernel == FLASH:
+        d8, dv8 = flash_head_dim(d), flash_head_dim(dv)
+        pad = d8 != d or dv8 != dv
+        padded = " padded to a multiple of 8" if pad else ""
+        if fused_views and not pad:
+            terms.append(Term("q, k, v (one fused projection output, kept by q's view)", c * (a * d + 2 * kv * d)))
+            if use_cache:
+                terms.append(Term("k, v copied into the KV cache (use_cache)", c * kv * (d + dv)))
+            k_kept = v_kept = True
+        else:
+            terms += [Term("q" + rot + padded, c * a * d8), Term("k" + rot + repeated + padded, c * kv_passed * d8),
+                      Term("v" + repeated + padded, c * kv_passed * dv8)]
+            k_kept = not repeat and not pad and qk_bytes == c
+            v_kept = not repeat and not pad
+        terms += [Term("attention output" + padded, c * a * dv8), Term("softmax logsumexp (fp32)", FP32 * a)]
+        if pad or q_by_cat:
+            terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv))
+            released = c * a * dv
+        backward = flash_backward_per_token(c, a, kv_passed, d, dv, s)
+    elif kernel == EFFICIENT:
+        if fused_views:
+            terms.append(Term("q, k, v (one fused projection output, kept by q's view)", c * (a * d + 2 * kv * d)))
+            if use_cache:
+                terms.append(Term("k, v copied into the KV cache (use_cache)", c * kv * (d + dv)))
+            k_kept = v_kept = True
+        else:
+            terms += [Term("q" + rot, c * a * d), Term("k" + rot + repeated, c * kv_passed * d),
+                      Term("v" + repeated, c * kv_passed * dv)]
+            k_kept, v_kept = not repeat and qk_bytes == c, not repeat
+        terms += [Term("attention output (o_proj input)", c * a * dv),
+                  Term("softmax logsumexp (fp32, padded to 32 rows)", efficient_lse_per_token(a, s))]
+        if mask:
+            terms.append(Term("attention mask converted to the compute dtype (padded to 16 columns)",
+                              c * efficient_mask_width(s)))
+        backward = c * (a * d + kv_passed * (d + dv))
+    elif kernel == MATH:
+        terms += [Term("q scaled (fp32)", FP32 * a * d), Term("k scaled, every head (fp32)", FP32 * a * d),
+                  Term("v, every head (fp32)", FP32 * a * dv), Term("softmax probabilities (fp32)", FP32 * a * s)]
+        if dropout > 0:
+            terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
+        v_kept = c == FP32 and kv == a
+        terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv))
+        released, backward = math_backward_per_token(c, a, dv, s, dropout)
+        softmax_extra = FP32 * a * s
+        after_softmax = c * a * dv + ((MASK + FP32) * a * s if dropout > 0 else 0)
+    else:  # eager
+        eager = _eager_terms(spec, att, p, s, batch, dropout, qk_bytes, kv_passed, fused_views, use_cache)
+        terms += eager
+        released, backward = eager_backward_per_token(eager, c, a, dv, s)
+        softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s)
+        if spec.model_type == "bloom":  # BloomAttention keeps the baddbmm scores in a local beside the masked ones
+            softmax_extra += c * a * s
+        k_kept = fused_views or (kv_passed == kv and qk_bytes == c)
+        v_kept = fused_views or kv_passed == kv
+        # Llama-style eager attention returns the dropped-out probabilities; when they are fp32 (autocast with
+        # rotary q) the matmul with v keeps a half cast instead, so the returned tensor is extra.
+        if dropout > 0 and p.autocast and qk_bytes == FP32 and spec.model_type != "gpt2":
+            returned = FP32 * a * s
+    if not use_cache and att.fused_qkv and rotary and kernel in (FLASH, EFFICIENT) and v_kept:
+        # Without a cache copy (gradient checkpointing turns use_cache off) v is a view of the fused q/k/v
+        # projection output (GPT-NeoX, Phi-3), and the kernel keeping v keeps all of it.
+        terms.append(Term("rest of the fused q/k/v output (kept by v's view)", c * (a + kv) * d))
+    cache_extra = (0.0 if k_kept else k_cache) + (0.0 if v_kept else v_cache)
+    # The checkpointed forward: the norm output (the attention's argument), the fused projection output a local
+    # keeps (fused-qkv families), q and k after rotary, v, and the copies repeat_kv makes.
+    inputs = p.residual * spec.hidden_size + qk_bytes * (a * d + kv * d) + c * kv * dv
+    if att.fused_qkv:
+        inputs += c * (a * d + kv * (d + dv))
+    if kv_passed != kv:
+        inputs += c * a * (d + dv)
+    return AttentionTerms(tuple(terms), kernel, cache_extra, returned, released, backward, forward_inputs=inputs,
+                          softmax_extra=softmax_extra, after_softmax=after_softmax)
+
+
+def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precision, s: int, dropout: float) -> float:
+    """A checkpointed layer's attention forward keeps nothing for backward, so its worst moment is the kernel's:
+    q, k and v with the fused kernels' output; for eager and math attention two s x s tensors (the softmax's input
+    and output, or the dropout's input and output with its mask) in the softmax's dtype."""
+    a, kv, d, dv, c = att.num_heads, att.num_kv_heads, att.head_dim, att.v_head_dim, p.compute
+    inputs = attention.forward_inputs or c * (a * d + 2 * a * dv)
+    if attention.kernel in (FLASH, EFFICIENT):
+        return inputs + c * a * dv
+    if attention.kernel == MATH:
+        return inputs + FP32 * a * (2 * d + dv) + 2 * FP32 * a * s + (MASK * a * s if dropout > 0 else 0)
+    # Eager, at the softmax: under autocast or in fp32 the scores (plus the fp32 mask) are fp32, so input and output
+    # are; in half precision a family that asks for an fp32 softmax also holds the upcast copy of its half input;
+    # GPT-2 and Falcon take it in the half dtype.
+    upcasts = any(t.name == "softmax probabilities (fp32)" for t in attention.terms)
+    if p.autocast or c == FP32:
+        scores = 2 * FP32
+    else:
+        scores = c + 2 * FP32 if upcasts else 2 * c
+    if dropout > 0:  # at the dropout: the probabilities, their dropped copy and the mask
+        probs = FP32 if p.autocast or c == FP32 or upcasts and spec_softmax_stays_fp32(p) else c
+        scores = max(scores, 2 * probs + MASK)
+    return inputs + scores * a * s
+
+
+def spec_softmax_stays_fp32(p: Precision) -> bool:
+    """Eager attention's dropout sees fp32 probabilities only where the softmax's fp32 output is not cast back
+    (autocast with fp32 queries); in half precision ``.to(query.dtype)`` casts it first."""
+    return p.autocast
+
+
+def flash_backward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int) -> float:
+    """The flash kernel's backward (flash_api.cpp ``mha_bwd``): dq, dk, dv at the padded head dim; an fp32 dq
+    accumulator of (b, round128(s), a, round(d, 32 or 64)) and fp32 softmax_d of (b, a, round128(s)); with fewer
+    key/value heads, dk and dv expanded to every query head before they are summed back."""
+    d8, dv8 = flash_head_dim(d), flash_head_dim(dv)
+    rows = math.ceil(s / 128) * 128 / s
+    d_rounded = math.ceil(d8 / (32 if d8 <= 128 else 64)) * (32 if d8 <= 128 else 64)
+    expanded = c * a * (d8 + dv8) if kv < a else 0
+    return c * (a * d8 + kv * (d8 + dv8)) + FP32 * a * (d_rounded + 1) * rows + expanded
+
+
+def math_backward_per_token(c: int, a: int, dv: int, s: int, dropout: float) -> tuple[float, float]:
+    """The math kernel's backward at its softmax (or dropout, whose mask is then still alive): the gradient of the
+    probabilities and of the scores (fp32, s x s each) and of v (fp32, every head); by then o_proj's input copy, v
+    and the dropped probabilities are freed."""
+    released = c * a * dv + FP32 * a * dv + (FP32 * a * s if dropout > 0 else 0)
+    return released, 2 * FP32 * a * s + FP32 * a * dv
+
+
+def eager_softmax_moment(terms: list[Term], p: Precision, a: int, s: int) -> tuple[float, float]:
+    """Eager attention's forward at its softmax, without checkpointing: the scores (its input, in the scores' dtype:
+    fp32 under autocast or in fp32, where the fp32 mask promotes them) and, for an fp32 softmax of half scores, the
+    upcast copy are alive beside what is saved; the terms after the softmax do not exist yet."""
+    c = p.compute
+    probs = next(t.bytes_per_token for t in terms if t.name.startswith("softmax probabilities")) / (a * s)
+    scores = FP32 if p.autocast or c == FP32 else c
+    extra = scores + (FP32 if probs == FP32 and scores != FP32 else 0)
+    after = sum(t.bytes_per_token for t in terms if t.name in (
+        "probabilities in compute dtype (matmul with v)", "attention dropout mask",
+        "attention output, contiguous (o_proj input)"))
+    return extra * a * s, after
+
+
+def eager_backward_per_token(terms: list[Term], c: int, a: int, dv: int, s: int) -> tuple[float, float]:
+    """Eager attention's backward at its softmax: the gradient of the probabilities (in the softmax's dtype) and of
+    the scores, s x s each, and the gradient of v (every head); by then the output copy, v, the probabilities the
+    matmul with v kept and the dropout mask are freed."""
+    by_name = {t.name.split(" repeated")[0]: t.bytes_per_token for t in terms}
+    probs = next(t.bytes_per_token for t in terms if t.name.startswith("softmax probabilities")) / (a * s)
+    # With dropout the worst moment is its backward (the mask still alive, released right after), without it the
+    # softmax's; either way two s x s gradients coexist.
+    released = sum(by_name.get(name, 0.0) for name in (
+        "v", "attention output, contiguous (o_proj input)", "probabilities in compute dtype (matmul with v)"))
+    return released, 2 * probs * a * s + c * a * dv
+
+
+def _eager_terms(spec: ModelSpec, att: Attention, p: Precision, s: int, batch: int, dropout: float, qk_bytes: int,
+                 kv_passed: int, fused_views: bool, use_cache: bool) -> list[Term]:
+    """Eager attention: ``softmax(q @ k.T * scale + mask)`` then dropout then ``@ v``, with matmuls under autocast
+    casting fp32 operands to half (and keeping the copies)."""
+    a, kv, d, dv, c = att.num_heads, att.num_kv_heads, att.head_dim, att.v_head_dim, p.compute
+    terms: list[Term] = []
+    if fused_views:
+        # GPT-2: q (and without a cache k and v) are views of the fused projection output, whose storage is kept,
+        # unless the batched matmul must copy q (batch > 1), which then keeps the copy instead.
         terms.append(Term("q, k, v (one fused projection output)", c * (a * d + 2 * kv * d)))
-        if use_cache_copies and (kernel != "eager" or batch == 1):
-            # use_cache=True (the config default; gradient checkpointing turns it off): DynamicLayer.update
-            # torch.cat's k and v into the cache and attention keeps those copies, while q keeps the fused
-            # projection output alive.
+        if use_cache and batch == 1:
             terms.append(Term("k, v copied into the KV cache (use_cache)", c * kv * (d + dv)))
     else:
-        repeated = " repeated to every head" if kv_kept != kv else ""
-        terms.append(Term("q" + (" after rotary" if rotary else ""), c * a * d))
-        terms.append(Term("k" + (" after rotary" if rotary else "") + repeated, c * kv_kept * d))
-        terms.append(Term("v" + repeated, c * kv_kept * dv))
-    if kernel == "eager":
-        # Softmax in fp32 kept for its backward, cast back to the compute dtype and kept by the matmul
-        # with v, the dropout mask, and the transposed output copied contiguous for o_proj.
-        if softmax_fp32:
-            terms.append(Term("softmax probabilities (fp32)", FP32 * a * s))
-        if c != FP32 or dropout > 0 or not softmax_fp32:
+        repeated = " repeated to every head" if kv_passed != kv else ""
+        # repeat_kv's expand + reshape copies, except one kv head with batch 1, which reshapes without a copy
+        kept = a if kv_passed != kv and not (kv == 1 and batch == 1) else kv
+        terms += [Term("q", c * a * d), Term("k" + repeated, c * kept * d), Term("v" + repeated, c * kept * dv)]
+    # The softmax's dtype: fp32 where the family upcasts (Llama and most) or autocast does (CUDA's list), else the
+    # scores' dtype (GPT-2, Falcon, OPT compute it in the matmul's dtype without autocast).
+    softmax_fp32 = p.autocast or spec.model_type != "gpt2"
+    probs = FP32 if softmax_fp32 else c
+    terms.append(Term("softmax probabilities" + (" (fp32)" if probs == FP32 else ""), probs * a * s))
+    if probs != c or dropout > 0:
+        # the probabilities cast to the compute dtype, or dropped out, are what the matmul with v keeps
+        terms.append(Term("probabilities in compute dtype (matmul with v)", c * a * s))
+    if dropout > 0:
+        terms.append(Term("attention dropout mask", MASK * a * s))
+    if att.logit_softcap:
+        # attn_logit_softcapping: scores / cap -> tanh -> * cap; tanh keeps its output.
+        terms.append(Term("attention softcapping tanh output", c * a * s))
+    terms.append(Term("attention output, contiguous (o_proj input)", c * a * dv))
+    return terms
+
+
+def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Precision, kernel: str,
+                            dropout: float) -> AttentionTerms:
+    """FalconAttention (modeling_falcon.py), which calls SDPA itself: always with a materialised mask, never with
+    ``enable_gqa``, so multi-query keys (one head) rule out both fused kernels and the math kernel runs; the new
+    decoder architecture broadcasts k and v to every head first. Its eager path takes the softmax in the hidden
+    states' dtype and, without ALiBi, applies no attention dropout."""
+    att = layer.attention
+    a, kv, d, c, r = att.num_heads, att.num_kv_heads, att.head_dim, p.compute, p.residual
+    s = settings.seq
+    rotary = att.rotary_dim > 0
+    use_cache = settings.checkpointing == "none"
+    # FalconLinear adds its bias after the (autocast) matmul, so with a bias q, k and v come out in fp32.
+    v_bytes = r if p.autocast and att.qkv_bias else c
+    qk_bytes = r if p.autocast and (rotary or att.qkv_bias) else c
+    kv_heads = a if att.kv_broadcast else kv
+    k_cache = qk_bytes * kv_heads * d if use_cache else 0.0
+    v_cache = v_bytes * kv_heads * d if use_cache else 0.0
+    terms: list[Term] = []
+    if kernel == EAGER:
+        dropout = dropout if not rotary else 0.0
+        terms += [Term("q", c * a * d), Term("k, every head", c * a * d), Term("v, every head", c * a * d),
+                  Term("softmax probabilities" + (" (fp32)" if r == FP32 else ""), r * a * s)]
+        if dropout > 0:
+            terms.append(Term("attention dropout mask", MASK * a * s))
+        if r != c or dropout > 0:
+            terms.append(Term("probabilities in compute dtype (matmul with v)", c * a * s))
+        terms.append(Term("attention output, merged (dense input)", c * a * d))
+        released = c * a * d * 2 + (c * a * s if r != c or dropout > 0 else 0)
+        return AttentionTerms(tuple(terms), EAGER, k_cache + v_cache, 0.0, released, 2 * r * a * s + c * a * d)
+    backend = sdpa_backend(dtype=_DTYPE_OF_BYTES[c], head_dim_qk=d, head_dim_v=d, q_heads=a, kv_heads=kv_heads,
+                           has_mask=True, enable_gqa=False, q_len=s, kv_len=s, is_causal=False)
+    sdpa_dropout = dropout if not rotary else 0.0  # the rotary path calls SDPA with dropout_p=0.0
+    if backend == EFFICIENT:
+        # Which of q, k and v reach the kernel as views of the fused query_key_value output (then that whole output
+        # is kept): without rotary, a cache or an autocast cast, the old multi-head layout's q, k and v all are.
+        proj_bytes = v_bytes
+        multi_head_views = kv == a and not att.kv_broadcast
+        q_view = not rotary and proj_bytes == c
+        k_view = multi_head_views and not rotary and not use_cache and proj_bytes == c
+        v_view = multi_head_views and not use_cache and proj_bytes == c
+        views = [name for name, is_view in (("q", q_view), ("k", k_view), ("v", v_view)) if is_view]
+        if views:
+            terms.append(Term(f"query_key_value output (kept by the view{'s' if len(views) > 1 else ''} "
+                              f"{', '.join(views)})", c * (a + 2 * kv) * d))
+        terms += [Term(name, c * a * d) for name, is_view in (("q" + (" after rotary" if rotary else ""), q_view),
+                                                              ("k", k_view), ("v", v_view)) if not is_view]
+        terms += [Term("attention output (dense input)", c * a * d),
+                  Term("softmax logsumexp (fp32, padded to 32 rows)", efficient_lse_per_token(a, s))]
+        if rotary:  # the boolean (b, 1, s, s) mask, converted to a float one per call
+            terms.append(Term("attention mask converted to the compute dtype (padded to 16 columns)",
+                              c * efficient_mask_width(s)))
+        elif r != c or s % EFFICIENT_MASK_MULTIPLE:  # the ALiBi float mask, cast or padded per call
+            terms.append(Term("ALiBi mask cast/padded per layer (heads x padded columns)",
+                              c * a * efficient_mask_width(s)))
+        extra = (0.0 if qk_bytes == c else k_cache) + (0.0 if v_bytes == c else v_cache)
+        return AttentionTerms(tuple(terms), EFFICIENT, extra, 0.0, 0.0, c * 3 * a * d)
+    terms += [Term("q scaled (fp32)", FP32 * a * d), Term("k scaled, every head (fp32)", FP32 * a * d),
+              Term("v, every head (fp32)", FP32 * a * d), Term("softmax probabilities (fp32)", FP32 * a * s)]
+    if sdpa_dropout > 0:
+        terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
+    terms.append(Term("attention output copied contiguous (dense input)", c * a * d))
+    released, backward = math_backward_per_token(c, a, d, s, sdpa_dropout)
+    return AttentionTerms(tuple(terms), MATH, k_cache + v_cache, 0.0, released, backward)
+
+
+_DTYPE_OF_BYTES = {4: "fp32", 2: "bf16", 1: "fp8"}
+
+
+def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Precision, kernel: str,
+               dropout: float) -> AttentionTerms:
+    """DeepSeek-V3 multi-head latent attention (modeling_deepseek_v3.py, DeepseekV3Attention, transformers 5): the
+    low-rank query and the compressed key/value pass through RMSNorms; ``expand_kv`` builds k as a new tensor and v
+    as a view of kv_b_proj's output (so keeping v keeps that whole output); q is a torch.cat of its two parts, so
+    flash's output follows its (b, a, s, d) layout and is copied for o_proj. q/k and v head dims differ, so flash
+    runs only when they happen to be equal."""
+    att = layer.attention
+    a, c, rope, dv, qk = att.num_heads, p.compute, att.qk_rope_head_dim, att.v_head_dim, att.head_dim
+    nope = qk - rope
+    s = settings.seq
+    use_cache = settings.checkpointing == "none"
+    terms: list[Term] = []
+    kvr = att.kv_lora_rank
+    if att.q_lora_rank:
+        q = att.q_lora_rank
+        terms += [Term("q_a_layernorm: input in fp32, rsqrt, normalised", FP32 * q + FP32 + c * q),
+                  Term("q_a_layernorm output (q_b_proj input)", c * q)]
+    # kv_a_layernorm reads a view of kv_a_proj_with_mqa's output; in fp32 its no-op upcast keeps that whole output.
+    terms += [Term("kv_a_layernorm: input in fp32, rsqrt, normalised",
+                   FP32 * (kvr + rope if c == FP32 else kvr) + FP32 + c * kvr),
+              Term("kv_a_layernorm output (kv_b_proj input)", c * kvr)]
+    kv_b_out = c * a * (nope + dv)
+    q_bytes = p.residual if p.autocast else c  # the rotated half is fp32 under autocast, and the cat promotes
+    # The cache (use_cache) keeps the latents: the normalised kv (fp32 under autocast, where kv_b_proj keeps a
+    # half cast instead) and the rotated shared key.
+    cache_extra = ((FP32 * kvr if p.autocast else 0) + q_bytes * rope) if use_cache else 0.0
+    if kernel == EAGER:
+        terms += [Term("q", c * a * qk), Term("k", c * a * qk),
+                  Term("softmax probabilities (fp32)", FP32 * a * s)]
+        if c != FP32 or dropout > 0:
             terms.append(Term("probabilities in compute dtype (matmul with v)", c * a * s))
         if dropout > 0:
             terms.append(Term("attention dropout mask", MASK * a * s))
-        terms.append(Term("attention output, contiguous (o_proj input)", c * a * dv))
+        # the batched matmul with v copies the strided view of kv_b_proj's output
+        terms += [Term("v, contiguous copy", c * a * dv), Term("attention output, contiguous (o_proj input)",
+                                                                c * a * dv)]
+        released = 2 * c * a * dv + (c * a * s if c != FP32 or dropout > 0 else 0)
+        return AttentionTerms(tuple(terms), EAGER, cache_extra, 0.0, released, 2 * FP32 * a * s + c * a * dv)
+    backend = sdpa_backend(dtype=_DTYPE_OF_BYTES[c], head_dim_qk=qk, head_dim_v=dv, q_heads=a, kv_heads=a,
+                           has_mask=False, enable_gqa=False, q_len=s, kv_len=s, is_causal=True,
+                           storage_offsets=(0, 0, nope))
+    if backend == FLASH:
+        d8 = flash_head_dim(qk)
+        pad = d8 != qk
+        terms += [Term("q" + (" padded" if pad else ""), c * a * d8), Term("k" + (" padded" if pad else ""),
+                                                                           c * a * d8),
+                  Term("v padded" if pad else "v (a view of kv_b_proj's output, which it keeps)",
+                       c * a * d8 if pad else kv_b_out),
+                  Term("attention output", c * a * d8), Term("softmax logsumexp (fp32)", FP32 * a),
+                  Term("attention output copied contiguous (o_proj input)", c * a * dv)]
+        released, backward = c * a * dv, flash_backward_per_token(c, a, a, qk, dv, s)
+    elif backend == EFFICIENT:
+        terms += [Term("q", c * a * qk), Term("k", c * a * qk),
+                  Term("v (a view of kv_b_proj's output, which it keeps)", kv_b_out),
+                  Term("attention output (o_proj input)", c * a * dv),
+                  Term("softmax logsumexp (fp32, padded to 32 rows)", efficient_lse_per_token(a, s))]
+        released, backward = 0.0, c * a * (2 * qk + dv)
     else:
-        # SDPA (flash / memory-efficient kernels on CUDA, the flash CPU kernel): output and logsumexp.
-        # The output's memory is laid out (b, s, a, d), so o_proj reads it without a copy.
-        terms.append(Term("attention output (o_proj input)", c * a * dv))
-        terms.append(Term("softmax logsumexp (fp32)", FP32 * a))
-    return terms
+        v_kept = Term("v (a view of kv_b_proj's output, which it keeps)", kv_b_out) if c == FP32 else \
+            Term("v (fp32)", FP32 * a * dv)
+        terms += [Term("q scaled (fp32)", FP32 * a * qk), Term("k scaled (fp32)", FP32 * a * qk), v_kept,
+                  Term("softmax probabilities (fp32)", FP32 * a * s)]
+        if dropout > 0:
+            terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
+        terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv))
+        released, backward = math_backward_per_token(c, a, dv, s, dropout)
+    return AttentionTerms(tuple(terms), backend, cache_extra, 0.0, released, backward)
 
 
-def _mla_terms(att: Attention, h: int, s: int, p: Precision, kernel: str) -> list[Term]:
-    """DeepSeek-V3 multi-head latent attention (modeling_deepseek_v3.py, DeepseekV3Attention)."""
-    a, c, rope, dv = att.num_heads, p.compute, att.qk_rope_head_dim, att.v_head_dim
-    qk = att.head_dim
-    terms = []
-    if att.q_lora_rank:
-        q = att.q_lora_rank
-        terms += [Term("q_a_proj output -> q_a_layernorm (fp32, rsqrt, normalised)", FP32 * q + FP32 + c * q),
-                  Term("q_a_layernorm output (q_b_proj input)", c * q)]
-    kvr = att.kv_lora_rank
-    terms += [
-        Term("kv_a_layernorm (fp32, rsqrt, normalised)", FP32 * kvr + FP32 + c * kvr),
-        Term("kv_a_layernorm output (kv_b_proj input)", c * kvr),
-        Term("q, k after rotary (cat of nope and rope parts)", c * 2 * a * qk),
-        Term("v (padded to the q/k head dim for SDPA)", c * a * max(qk, dv) if kernel != "eager" else c * a * dv),
-        Term("attention output (o_proj input)", c * a * dv),
-        Term("softmax logsumexp (fp32)", FP32 * a),
-        Term("rotary inputs (k_pe, q_pe)", c * (a + 1) * rope),
-    ]
-    return terms
-
-
-def _mlp_terms(mlp: MLP, p: Precision) -> list[Term]:
+def _mlp_terms(mlp: MLP, p: Precision, fc1_bytes: int | None = None) -> list[Term]:
+    """``fc1_bytes``: the dtype fc1 returns when it is not the compute dtype (FalconLinear adds its fp32 bias after
+    the autocast matmul, so under autocast its output is fp32)."""
     c, i = p.compute, mlp.intermediate_size
+    f = fc1_bytes or c
     act = mlp.activation
     if mlp.gated:
         # gate and up outputs (kept by the activation and the product), the activation output, the product
@@ -189,13 +565,17 @@ def _mlp_terms(mlp: MLP, p: Precision) -> list[Term]:
         return [Term("gate, up projections", 2 * c * i), Term(f"{act}(gate)", c * i),
                 Term("gate*up (down_proj input)", c * i)]
     if act == "relu":
-        # relu keeps its output only, which is also fc2's input (OPT).
-        return [Term("relu output (fc2 input)", c * i)]
+        # relu keeps its output only, which is also fc2's input (OPT); under autocast fc2 casts an fp32 one.
+        return [Term("relu output (fc2 input)", f * i)] + ([Term("fc2 input cast", c * i)] if f != c else [])
     if act == "gelu_new":
-        # NewGELUActivation is written in Python: x, tanh(...), 0.5*x and 1+tanh(...) are kept.
-        return [Term("fc1 output", c * i), Term("gelu_new intermediates (tanh, 0.5*x, 1+tanh)", 3 * c * i),
+        # NewGELUActivation is Python: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3)))). pow keeps x,
+        # tanh its output, the last product 0.5*x and 1+tanh. On CUDA pow is on autocast's fp32 list, so under
+        # autocast x is upcast and the chain after it runs in fp32; fc2 casts the result back.
+        w = FP32 if p.autocast else c
+        return [Term("fc1 output (pow's input)" + (" upcast to fp32" if p.autocast else ""), w * i),
+                Term("tanh output, 1 + tanh", 2 * w * i), Term("0.5 * x", c * i),
                 Term("gelu output (fc2 input)", c * i)]
-    return [Term("fc1 output", c * i), Term(f"{act} output (fc2 input)", c * i)]
+    return [Term("fc1 output", f * i), Term(f"{act} output (fc2 input)", c * i)]
 
 
 def _moe_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
@@ -204,10 +584,11 @@ def _moe_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
     autocast op and casts its input to the weights' dtype, so under autocast the experts run in fp32."""
     e, k, i = moe.num_experts, moe.top_k, moe.expert_intermediate_size
     w = p.experts
-    terms = [
-        Term("router softmax (fp32)", FP32 * e),
-        Term("top-k indices, weights and their sum", k * (INDEX + FP32) + FP32),
-        Term("routing bookkeeping per (token, expert) pair (3 int64 indices, 1 fp32 weight)", k * (3 * INDEX + FP32)),
+    terms = _router_terms(moe, h, p)
+    weight_bytes = p.compute if moe.weights_in_compute_dtype else _router_score_bytes(moe, p)
+    terms += [
+        Term("routing bookkeeping per (token, expert) pair (3 int64 indices and the weight)",
+             k * (3 * INDEX + weight_bytes)),
         Term("tokens gathered per selected expert", k * w * h),
         Term("expert gate_up outputs", k * 2 * w * i),
         Term("expert activation and product", k * 2 * w * i),
@@ -216,16 +597,40 @@ def _moe_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
     if moe.shared_intermediate_size:
         shared = MLP(moe.shared_intermediate_size, True, moe.activation)
         terms += [Term(f"shared expert: {t.name}", t.bytes_per_token) for t in _mlp_terms(shared, p)]
+    if moe.shared_expert_gate:
+        # sigmoid(shared_expert_gate(x)) * shared_expert(x): the product keeps both factors.
+        terms.append(Term("shared expert output and its sigmoid gate", p.compute * (h + 1)))
     return terms
+
+
+def _router_score_bytes(moe: MoE, p: Precision) -> int:
+    """dtype of the router's scores: fp32 softmax, or DeepSeek's sigmoid of the logits (half under autocast)."""
+    return p.compute if moe.router == "sigmoid_grouped" and p.autocast else FP32
+
+
+def _router_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
+    """What the router keeps. Softmax routers (MixtralTopKRouter, Qwen2MoeTopKRouter): the fp32 softmax, the top-k
+    indices, and with normalisation the divided weights and their sum. DeepseekV3TopkRouter: its fp32 upcast input
+    (under autocast F.linear casts it back to half instead), the sigmoid scores, the per-group top-2 and group
+    indices, the group mask, the top-k indices, and with normalisation the divided weights and their sum."""
+    e, k = moe.num_experts, moe.top_k
+    scores = _router_score_bytes(moe, p)
+    norm = [Term("top-k weights divided by their sum, and the sum (fp32)", scores * k + FP32)] \
+        if moe.normalize_top_k else []
+    if moe.router == "softmax":
+        return [Term("router softmax (fp32)", FP32 * e), Term("top-k indices (int64)", INDEX * k)] + norm
+    # Under autocast F.linear casts the fp32 upcast back to half: that copy is one of the MLP input's casts.
+    upcast = FP32 * h if p.compute != FP32 and not p.autocast else 0
+    terms = [Term("router input in fp32", upcast), Term("router sigmoid scores", scores * e),
+             Term("per-group top-2 indices, selected groups, group mask",
+                  INDEX * 2 * moe.groups + INDEX * moe.top_groups + MASK * e),
+             Term("top-k indices (int64)", INDEX * k)]
+    return [t for t in terms if t.bytes_per_token] + norm
 
 
 # --------------------------------------------------------------------------------------------------------
 # One layer
 # --------------------------------------------------------------------------------------------------------
-
-
-def _uses_rotary(spec: ModelSpec) -> bool:
-    return spec.position_table_rows == 0 and spec.model_type not in ("bloom",)
 
 
 def _hidden_dropout_sites(spec: ModelSpec, layer: Layer) -> int:
@@ -254,23 +659,18 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     qkv_consumers = 1 if att.fused_qkv else 2 if att.kind == "mla" else 3
     terms += _linear_inputs(p, h, qkv_consumers, "input norm output (q/k/v projections' input)", r)
     gemma = spec.model_type.startswith("gemma")
-    # GPT-2's and Falcon's own eager attention take the softmax in the compute dtype (autocast still runs
-    # softmax in fp32); the others upcast to fp32 explicitly.
-    softmax_fp32 = p.autocast or spec.model_type not in ("gpt2", "falcon")
-    terms += _attention_terms(att, h, s, p, kernel, attn_dropout, _uses_rotary(spec), att.fused_qkv,
-                              gemma_norm=gemma, softmax_fp32=softmax_fp32, batch=settings.batch,
-                              use_cache_copies=spec.model_type == "gpt2" and settings.checkpointing == "none")
-    if kernel != "eager" and spec.model_type in ("gpt_neox", "phi3"):
-        # Partial-rotary models build q with torch.cat, so q is laid out (b, a, s, d); SDPA's output follows
-        # q's layout (flash: empty_like(q)), and transpose(1, 2).contiguous() copies it for o_proj.
-        terms.append(Term("attention output copied contiguous (o_proj input)", p.compute * att.num_heads * att.v_head_dim))
-    if kernel == "eager" and spec.model_type == "gemma2":
-        # attn_logit_softcapping: scores / cap -> tanh -> * cap; tanh keeps its output.
-        terms.append(Term("attention softcapping tanh output", p.compute * att.num_heads * s))
+    if att.kind == "mla":
+        attention = _mla_terms(spec, layer, settings, p, kernel, attn_dropout)
+    elif spec.model_type == "falcon":
+        attention = _falcon_attention_terms(spec, layer, settings, p, kernel, attn_dropout)
+    else:
+        attention = _attention_terms(spec, layer, settings, p, kernel, attn_dropout)
+    terms += attention.terms
+    attention_bytes = sum(t.bytes_per_token for t in terms)
 
     # --- MLP block: its norm (if it has its own), then the MLP's input ------------------------------------
-    if layer.moe:  # the router, and the shared expert's gate and up projections
-        mlp_consumers = 1 + (2 if layer.moe.shared_intermediate_size else 0)
+    if layer.moe:  # the router, the shared expert's gate and up projections, and its sigmoid gate
+        mlp_consumers = 1 + (2 if layer.moe.shared_intermediate_size else 0) + int(layer.moe.shared_expert_gate)
     else:
         mlp_consumers = 2 if (layer.mlp and layer.mlp.gated and not layer.mlp.fused_gate_up) else 1
     if gemma and layer.num_norms == 4:
@@ -292,7 +692,11 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
             terms += _linear_inputs(p, h, mlp_consumers, "input norm output (MLP input)", r)
     else:
         terms += _linear_inputs(p, h, mlp_consumers, "MLP norm output (MLP input)", r)
-    terms += _mlp_terms(layer.mlp, p) if layer.mlp else _moe_terms(layer.moe, h, p)  # type: ignore[arg-type]
+    falcon_bias = spec.model_type == "falcon" and p.autocast and att.qkv_bias
+    if layer.mlp:
+        terms += _mlp_terms(layer.mlp, p, fc1_bytes=p.residual if falcon_bias else None)
+    else:
+        terms += _moe_terms(layer.moe, h, p)  # type: ignore[arg-type]
     sites = _hidden_dropout_sites(spec, layer)
     if hidden_dropout > 0 and sites:
         terms.append(Term(f"residual dropout masks x{sites}", sites * MASK * h))
@@ -308,7 +712,10 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         if att.qk_norm:
             constant += FP32 * 2 * att.head_dim
     checkpoint = (Term("layer input (checkpoint)", r * h),)
-    return LayerActivations(layer, count, tuple(terms), constant, checkpoint)
+    return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention.kernel, attention.cache_extra,
+                            attention.returned_extra, attention_bytes, attention.released, attention.backward,
+                            attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout),
+                            attention.softmax_extra, attention.after_softmax)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -338,6 +745,8 @@ class ActivationEstimate:
     """Held by the KV cache the model returns (use_cache=True, the config default) but not saved for backward:
     under autocast the cache keeps each layer's fp32 rotated keys while attention keeps their bf16 casts. Alive
     until the output object is dropped, so it counts at the forward peak only."""
+    mask_bytes: int = 0
+    """Attention masks alive while the decoder layers run (without checkpointing; with it they are constants)."""
 
     def layer_saved_bytes(self, layer: LayerActivations) -> int:
         if self.checkpointing == "full":
@@ -404,25 +813,24 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         embedding += _norm_terms(spec, h, p, "embedding norm", p.residual)
     if emb_dropout > 0 and spec.model_type in ("gpt2", "phi3"):
         embedding.append(Term("embedding dropout mask", MASK * h))
-    if _uses_rotary(spec) and spec.layer_runs:
-        att = spec.layer_runs[0][0].attention
-        rot = att.qk_rope_head_dim if att.kind == "mla" else att.head_dim
-        if spec.model_type == "gpt_neox":
-            rot = int(att.head_dim * 0.25)
-        # cos and sin, (1, 1, s, rotary dim) in the residual dtype, shared by every layer.
-        constant.append(Term("rotary cos, sin", 2 * p.residual * s * rot))
+    rotary_dims = {layer.attention.rotary_dim for layer, _ in spec.layer_runs if layer.attention.rotary_dim}
+    if rotary_dims:
+        # cos and sin, (1, s, rotary dim) in the residual dtype, shared by every layer; Gemma 3 has one pair for its
+        # local layers and one for its global ones.
+        tables = 2 if spec.model_type == "gemma3_text" else 1
+        constant.append(Term("rotary cos, sin", tables * 2 * p.residual * s * max(rotary_dims)))
 
-    if settings.checkpointing == "full" and settings.attention == "eager" and spec.has_architecture:
-        # Eager attention adds a dense (batch, 1, s, s) causal mask in the hidden states' dtype. Checkpointed
-        # layers receive it as a keyword argument, which the checkpoint keeps for the recompute, so it lives
-        # until the first layer's backward (traced); without checkpointing it dies with the forward.
-        constant.append(Term("causal mask kept for the recompute (eager attention)", p.residual * settings.batch * s * s))
+    masks = _mask_bytes(spec, settings, p)
+    if masks and settings.checkpointing == "full":
+        # Checkpointed layers receive the masks as keyword arguments, which the checkpoints keep for the recompute,
+        # so they live until the first layer's backward (traced); without checkpointing they die with the forward.
+        constant.append(Term("attention masks kept for the recompute", masks))
 
     head = _norm_terms(spec, h, p, "final norm", p.residual) if spec.final_norm and spec.norm_vectors else []
     if spec.model_type.startswith("gemma"):
         constant.append(Term("final norm (1 + weight) in fp32", FP32 * h))
     head += _linear_inputs(p, h, 1, "final norm output (LM head input)", p.residual)
-    if spec.model_type == "gemma2":
+    if spec.final_logit_softcap:
         head.append(Term("final logit softcapping tanh output", p.compute * v))
     if settings.loss == "chunked":
         # Liger-Kernel's fused linear cross-entropy: the gradient of the hidden states is computed chunk by
@@ -439,15 +847,33 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     constant.append(Term("loss total_weight", FP32))
     if p.autocast:
         head_weight = spec.vocab_size * (spec.embedding_dim or h)
-        constant.append(Term("autocast copy of the LM head weight", p.compute * head_weight))
-    kv_cache = 0
-    if p.autocast and settings.checkpointing == "none" and _uses_rotary(spec) and spec.has_architecture:
-        # DynamicLayer.update torch.cat's the rotated keys, which are fp32 under autocast (cos/sin follow the fp32
-        # hidden states), into the cache; SDPA then casts them to bf16 and keeps only the cast.
-        kv_cache = sum(FP32 * layer.attention.num_kv_heads * layer.attention.head_dim * tokens * count
-                       for layer, count in spec.layer_runs if layer.attention.kind == "mha")
+        constant.append(Term(AUTOCAST_HEAD_COPY, p.compute * head_weight))
+    # DynamicLayer.update torch.cat's each layer's keys and values into the cache the model returns; what attention
+    # does not keep itself (fp32 rotated keys under autocast, k and v a kernel copies) is alive until the output is
+    # dropped.
+    kv_cache = int(sum(la.cache_extra * tokens * la.count for la in layers))
     return ActivationEstimate(
         tokens=tokens, layers=layers, embedding_terms=tuple(embedding), head_terms=tuple(head),
         constant_terms=tuple(constant), logits_bytes=logits_bytes, loss_transient_bytes=loss_transient,
         checkpointing=settings.checkpointing, kv_cache_bytes=kv_cache,
+        mask_bytes=masks if settings.checkpointing != "full" else 0,
     )
+
+
+def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> int:
+    """The attention masks the base model builds once per forward and hands every layer (masking_utils.py): for
+    eager attention a float (batch, 1, s, s) mask in the hidden states' dtype per attention type (full, sliding);
+    for SDPA a boolean one where a layer needs a mask (sdpa_mask); Falcon with ALiBi folds the bias in, a float
+    (batch, heads, s, s) one."""
+    if not spec.has_architecture:
+        return 0
+    b, s = settings.batch, settings.seq
+    eager = settings.attention == EAGER
+    kinds = set()
+    for layer, _ in spec.layer_runs:
+        if eager or sdpa_mask(spec, layer, s):
+            kinds.add(layer.sliding_window is not None and s >= layer.sliding_window)
+    att = spec.layer_runs[0][0].attention
+    if spec.model_type == "falcon" and att.rotary_dim == 0:
+        return p.residual * b * att.num_heads * s * s  # the ALiBi bias with the causal mask folded in
+    return len(kinds) * (p.residual if eager else MASK) * b * s * s

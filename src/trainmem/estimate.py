@@ -99,8 +99,10 @@ def static_components(model: ModelSpec, settings: TrainingSettings) -> tuple[Sta
     recipe = get_recipe(settings.recipe)
     optimizer = get_optimizer(settings.optimizer)
     n = model.num_parameters
-    states = optimizer.state_bytes(model.param_groups, recipe.state_bytes)
-    state_dtype = "uint8+fp32" if optimizer.name.endswith("8bit") else recipe.optimizer_states
+    state_bytes = recipe.state_bytes_for(optimizer.name)
+    states = optimizer.state_bytes(model.param_groups, state_bytes)
+    state_dtype = "uint8+fp32" if optimizer.name.endswith("8bit") else \
+        recipe.optimizer_states if state_bytes == recipe.state_bytes else recipe.weights
     note = optimizer.states + (" (paged: evictable to CPU)" if optimizer.paged else "")
     return (
         StaticComponent("weights", recipe.weights, n * recipe.weight_bytes, recipe.weight_bytes, "model parameters"),

@@ -48,6 +48,12 @@ class Attention:
     """One ``query_key_value`` Linear instead of three (GPT-2, GPT-NeoX, Falcon, BLOOM, Phi-3)."""
     qk_norm: bool = False
     """RMSNorm over each query and key head (Qwen3, Gemma 3)."""
+    rotary_dim: int = 0
+    """Head dims rotated by RoPE (0: no rotary embedding; less than head_dim: partial rotary, GPT-NeoX/Phi-3)."""
+    kv_broadcast: bool = False
+    """Keys and values are broadcast to every query head before attention (Falcon's new decoder architecture)."""
+    logit_softcap: float | None = None
+    """Gemma 2/3's ``attn_logit_softcapping``: eager attention squashes the scores with cap * tanh(scores / cap)."""
     # Multi-head latent attention (DeepSeek-V2/V3): low-rank query and compressed key/value.
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -79,6 +85,16 @@ class MoE:
     """Width of the always-on shared expert MLP (0 when there is none)."""
     shared_expert_gate: bool = False
     """Qwen2-MoE's sigmoid gate (a Linear hidden->1) on the shared expert."""
+    router: Literal["softmax", "sigmoid_grouped"] = "softmax"
+    """softmax over all experts then top-k (Mixtral, Qwen-MoE), or DeepSeek-V3's sigmoid scores with group-limited
+    top-k (DeepseekV3TopkRouter)."""
+    normalize_top_k: bool = True
+    """Top-k weights divided by their sum (Mixtral always; ``norm_topk_prob`` elsewhere)."""
+    weights_in_compute_dtype: bool = False
+    """The routing weights are cast to the router logits' dtype (Qwen-MoE); else they stay fp32."""
+    groups: int = 1
+    """DeepSeek-V3's expert groups (``n_group``) and the groups each token may use (``topk_group``)."""
+    top_groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,9 @@ class Layer:
     """Norm modules in the layer (2 for pre-norm, 4 for Gemma 2/3's sandwich norms, 1 for Falcon-7B)."""
     parallel_residual: bool = False
     """Attention and MLP read the same input (GPT-NeoX, Falcon): no norm between them is saved twice."""
+    sliding_window: int | None = None
+    """Tokens a query attends back to in this layer (Mistral, Gemma 2/3 local layers, Qwen with
+    use_sliding_window); None for full causal attention."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +174,8 @@ class ModelSpec:
     embedding_norm: bool = False
     """A LayerNorm right after the embedding (BLOOM)."""
     final_norm: bool = True
+    final_logit_softcap: float | None = None
+    """Gemma 2/3's ``final_logit_softcapping`` on the LM head's output (one more tanh output kept, V wide)."""
     dropout: Dropout = field(default_factory=Dropout)
     source: str = ""
     """Where the config came from: a catalog name, a file path or a Hub repo id."""
@@ -376,6 +397,35 @@ def _act(c: _Config, default: str) -> str:
     return default
 
 
+def _rotary_fraction(c: _Config, default: float) -> float:
+    """The fraction of each head RoPE rotates: ``partial_rotary_factor`` (top level, or inside ``rope_parameters`` /
+    ``rope_scaling`` as transformers 5 stores it) or GPT-NeoX's ``rotary_pct``."""
+    for holder in (c.raw, c.raw.get("rope_parameters"), c.raw.get("rope_scaling")):
+        if isinstance(holder, dict):
+            for key in ("partial_rotary_factor", "rotary_pct"):
+                if holder.get(key) is not None:
+                    value = float(holder[key])
+                    if not 0.0 < value <= 1.0:
+                        raise ModelError(f"{c.origin}: {key}={value} must be in (0, 1]")
+                    return value
+    return default
+
+
+def _layer_windows(c: _Config, n_layers: int, window: int | None, sliding: Callable[[int], bool]) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), from ``layer_types`` when the config lists them, else
+    from the family's default pattern ``sliding(i)`` (each configuration_<family>.py's ``__post_init__``)."""
+    types = c.raw.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n_layers:
+            raise ModelError(f"{c.origin}: layer_types must list one type per layer ({n_layers})")
+        flags = [t == "sliding_attention" for t in types]
+    else:
+        flags = [sliding(i) for i in range(n_layers)]
+    if window is not None and window <= 0 and any(flags):
+        raise ModelError(f"{c.origin}: sliding_window must be positive, got {window}")
+    return [window if flag and window else None for flag in flags]
+
+
 def _sparse_layer(c: _Config, idx: int) -> bool:
     """Qwen2-MoE / Qwen3-MoE rule (modeling_qwen2_moe.py, Qwen2MoeDecoderLayer)."""
     step = c.get("decoder_sparse_step", 1)
@@ -395,18 +445,23 @@ def _llama_like(
     fused: bool = False,
     moe_for_layer: Callable[[int], MoE | None] | None = None,
     default_tied: bool = False,
+    rotary_fraction: float = 1.0,
+    windows: Callable[[int], list[int | None]] | None = None,
+    softcaps: tuple[float | None, float | None] = (None, None),
 ) -> dict[str, Any]:
     hidden, heads, kv, head_dim = _heads(c)
     n_layers = _positive(c, c.req("num_hidden_layers"), "num_hidden_layers")
     act = _act(c, default_act)
-    att = Attention("mha", heads, kv, head_dim, head_dim, qkv_bias, o_bias, fused_qkv=fused, qk_norm=qk_norm)
+    att = Attention("mha", heads, kv, head_dim, head_dim, qkv_bias, o_bias, fused_qkv=fused, qk_norm=qk_norm,
+                    rotary_dim=int(head_dim * rotary_fraction), logit_softcap=softcaps[0])
+    layer_windows = windows(n_layers) if windows else [None] * n_layers
     layers = []
     for idx in range(n_layers):
         moe = moe_for_layer(idx) if moe_for_layer else None
         mlp = None
         if moe is None:
             mlp = MLP(c.req("intermediate_size"), True, act, mlp_bias, fused_gate_up=fused)
-        layers.append(Layer(att, mlp, moe, num_norms))
+        layers.append(Layer(att, mlp, moe, num_norms, sliding_window=layer_windows[idx]))
     return dict(
         hidden_size=hidden,
         vocab_size=_positive(c, c.req("vocab_size"), "vocab_size"),
@@ -416,7 +471,13 @@ def _llama_like(
         tied_embeddings=bool(c.get("tie_word_embeddings", default_tied)),
         max_position_embeddings=c.get("max_position_embeddings", 0),
         dropout=Dropout(attention=c.get("attention_dropout", 0.0)),
+        final_logit_softcap=softcaps[1],
     )
+
+
+def _softcaps(c: _Config, attention: float | None, final: float | None) -> tuple[float | None, float | None]:
+    """Gemma's (attn_logit_softcapping, final_logit_softcapping); an explicit null turns one off."""
+    return (c.raw.get("attn_logit_softcapping", attention), c.raw.get("final_logit_softcapping", final))
 
 
 def _parse_llama(c: _Config) -> dict[str, Any]:
@@ -424,18 +485,35 @@ def _parse_llama(c: _Config) -> dict[str, Any]:
     return _llama_like(c, qkv_bias=bias, o_bias=bias, mlp_bias=bool(c.get("mlp_bias", False)))
 
 
+def _all_layers(window: int | None) -> Callable[[int], list[int | None]]:
+    """One sliding window (or None) for every layer: the families whose model picks one mask function for all
+    layers (``create_sliding_window_causal_mask`` when ``config.sliding_window`` is set)."""
+    def windows(n_layers: int) -> list[int | None]:
+        if window is not None and window <= 0:
+            raise ModelError(f"sliding_window must be positive, got {window}")
+        return [window] * n_layers
+    return windows
+
+
 def _parse_mistral(c: _Config) -> dict[str, Any]:
-    return _llama_like(c, qkv_bias=False, o_bias=False)
+    return _llama_like(c, qkv_bias=False, o_bias=False, windows=_all_layers(c.get("sliding_window", 4096)))
+
+
+def _qwen_windows(c: _Config) -> Callable[[int], list[int | None]]:
+    """configuration_qwen2.py / qwen3: with use_sliding_window, layers from max_window_layers on are sliding."""
+    window = c.get("sliding_window", 4096) if c.get("use_sliding_window", False) else None
+    first = c.get("max_window_layers", 28)
+    return lambda n: _layer_windows(c, n, window, lambda i: window is not None and i >= first)
 
 
 def _parse_qwen2(c: _Config) -> dict[str, Any]:
     # modeling_qwen2.py: q/k/v always have a bias, o_proj never does.
-    return _llama_like(c, qkv_bias=True, o_bias=False)
+    return _llama_like(c, qkv_bias=True, o_bias=False, windows=_qwen_windows(c))
 
 
 def _parse_qwen3(c: _Config) -> dict[str, Any]:
     bias = bool(c.get("attention_bias", False))
-    return _llama_like(c, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return _llama_like(c, qkv_bias=bias, o_bias=bias, qk_norm=True, windows=_qwen_windows(c))
 
 
 def _moe_fields(c: _Config, *, experts_keys: tuple[str, ...]) -> tuple[int, int]:
@@ -450,25 +528,36 @@ def _moe_fields(c: _Config, *, experts_keys: tuple[str, ...]) -> tuple[int, int]
 def _parse_mixtral(c: _Config) -> dict[str, Any]:
     experts, top_k = _moe_fields(c, experts_keys=("num_local_experts", "num_experts"))
     moe = MoE(experts, top_k, c.req("intermediate_size"), _act(c, "silu"))
-    return _llama_like(c, qkv_bias=False, o_bias=False, moe_for_layer=lambda _: moe)
+    return _llama_like(c, qkv_bias=False, o_bias=False, moe_for_layer=lambda _: moe,
+                       windows=_all_layers(c.get("sliding_window", None)))
 
 
 def _parse_qwen2_moe(c: _Config) -> dict[str, Any]:
     experts, top_k = _moe_fields(c, experts_keys=("num_experts", "num_local_experts"))
-    shared = c.get("shared_expert_intermediate_size", 0)
-    moe = MoE(experts, top_k, c.req("moe_intermediate_size"), _act(c, "silu"), shared, bool(shared))
+    shared = c.get("shared_expert_intermediate_size", 5632)
+    # Qwen2MoeSparseMoeBlock always builds shared_expert_gate, even for a zero-width shared expert.
+    moe = MoE(experts, top_k, c.req("moe_intermediate_size"), _act(c, "silu"), shared, True,
+              normalize_top_k=bool(c.get("norm_topk_prob", False)), weights_in_compute_dtype=True)
     bias = bool(c.get("qkv_bias", True))
+    # configuration_qwen2_moe.py: sliding layers are the odd-numbered ones below max_window_layers.
+    use_window = bool(c.get("use_sliding_window", False))
+    window = c.get("sliding_window", 4096) if use_window else None
+    first = c.get("max_window_layers", 28)
     return _llama_like(
-        c, qkv_bias=bias, o_bias=False, moe_for_layer=lambda i: moe if _sparse_layer(c, i) else None
+        c, qkv_bias=bias, o_bias=False, moe_for_layer=lambda i: moe if _sparse_layer(c, i) else None,
+        windows=lambda n: _layer_windows(c, n, window, lambda i: use_window and bool((i + 1) % 2) and i < first),
     )
 
 
 def _parse_qwen3_moe(c: _Config) -> dict[str, Any]:
     experts, top_k = _moe_fields(c, experts_keys=("num_experts", "num_local_experts"))
-    moe = MoE(experts, top_k, c.req("moe_intermediate_size"), _act(c, "silu"))
+    moe = MoE(experts, top_k, c.req("moe_intermediate_size"), _act(c, "silu"),
+              normalize_top_k=bool(c.get("norm_topk_prob", False)), weights_in_compute_dtype=True)
     bias = bool(c.get("attention_bias", False))
+    window = c.get("sliding_window", 4096) if c.get("use_sliding_window", False) else None
     return _llama_like(
-        c, qkv_bias=bias, o_bias=bias, qk_norm=True, moe_for_layer=lambda i: moe if _sparse_layer(c, i) else None
+        c, qkv_bias=bias, o_bias=bias, qk_norm=True, moe_for_layer=lambda i: moe if _sparse_layer(c, i) else None,
+        windows=_all_layers(window),
     )
 
 
@@ -479,20 +568,29 @@ def _parse_gemma(c: _Config) -> dict[str, Any]:
 
 def _parse_gemma2(c: _Config) -> dict[str, Any]:
     bias = bool(c.get("attention_bias", False))
+    window = c.get("sliding_window", 4096)  # configuration_gemma2.py: even-indexed layers are sliding
     return _llama_like(
-        c, qkv_bias=bias, o_bias=bias, num_norms=4, default_act="gelu_pytorch_tanh", default_tied=True
+        c, qkv_bias=bias, o_bias=bias, num_norms=4, default_act="gelu_pytorch_tanh", default_tied=True,
+        windows=lambda n: _layer_windows(c, n, window, lambda i: bool((i + 1) % 2)), softcaps=_softcaps(c, 50.0, 30.0),
     )
 
 
 def _parse_gemma3_text(c: _Config) -> dict[str, Any]:
     bias = bool(c.get("attention_bias", False))
+    window = c.get("sliding_window", 4096)
+    if c.get("use_bidirectional_attention", False):
+        window = window // 2 + 1  # configuration_gemma3.py
+    pattern = c.get("sliding_window_pattern", 6)  # every pattern-th layer is global
     return _llama_like(
-        c, qkv_bias=bias, o_bias=bias, qk_norm=True, num_norms=4, default_act="gelu_pytorch_tanh", default_tied=True
+        c, qkv_bias=bias, o_bias=bias, qk_norm=True, num_norms=4, default_act="gelu_pytorch_tanh", default_tied=True,
+        windows=lambda n: _layer_windows(c, n, window, lambda i: bool((i + 1) % pattern)),
+        softcaps=_softcaps(c, None, None),
     )
 
 
 def _parse_phi3(c: _Config) -> dict[str, Any]:
-    spec = _llama_like(c, qkv_bias=False, o_bias=False, fused=True)
+    spec = _llama_like(c, qkv_bias=False, o_bias=False, fused=True, rotary_fraction=_rotary_fraction(c, 1.0),
+                       windows=_all_layers(c.get("sliding_window", None)))
     spec["dropout"] = Dropout(
         attention=c.get("attention_dropout", 0.0), hidden=c.get("resid_pdrop", 0.0), embedding=c.get("embd_pdrop", 0.0)
     )
@@ -507,12 +605,18 @@ def _parse_deepseek_v3(c: _Config) -> dict[str, Any]:
     att = Attention(
         "mla", heads, heads, nope + rope, v, qkv_bias=bias, o_bias=bias,
         q_lora_rank=c.get("q_lora_rank", None), kv_lora_rank=c.req("kv_lora_rank"), qk_rope_head_dim=rope,
+        rotary_dim=rope,
     )
     experts, top_k = _moe_fields(c, experts_keys=("n_routed_experts",))
     act = _act(c, "silu")
     moe_i = c.req("moe_intermediate_size")
-    moe = MoE(experts, top_k, moe_i, act,
-              shared_intermediate_size=moe_i * c.get("n_shared_experts", 0))
+    groups, top_groups = c.get("n_group", 8), c.get("topk_group", 4)
+    if groups <= 0 or experts % groups or not 0 < top_groups <= groups:
+        raise ModelError(f"{c.origin}: n_group={groups} must divide n_routed_experts={experts} and topk_group="
+                         f"{top_groups} must be between 1 and n_group")
+    moe = MoE(experts, top_k, moe_i, act, shared_intermediate_size=moe_i * c.get("n_shared_experts", 1),
+              router="sigmoid_grouped", normalize_top_k=bool(c.get("norm_topk_prob", True)), groups=groups,
+              top_groups=top_groups)
     dense = MLP(c.req("intermediate_size"), True, act)
     first_dense = c.get("first_k_dense_replace", 0)
     n_layers = _positive(c, c.req("num_hidden_layers"), "num_hidden_layers")
@@ -546,7 +650,9 @@ def _parse_gpt_neox(c: _Config) -> dict[str, Any]:
     hidden = _positive(c, c.req("hidden_size"), "hidden_size")
     heads = _positive(c, c.req("num_attention_heads"), "num_attention_heads")
     bias = bool(c.get("attention_bias", True))
-    att = Attention("mha", heads, heads, hidden // heads, hidden // heads, bias, bias, fused_qkv=True)
+    d = hidden // heads
+    att = Attention("mha", heads, heads, d, d, bias, bias, fused_qkv=True,
+                    rotary_dim=int(d * _rotary_fraction(c, 0.25)))
     mlp = MLP(c.req("intermediate_size"), False, _act(c, "gelu"), bias=True)
     layer = Layer(att, mlp, None, 2, parallel_residual=bool(c.get("use_parallel_residual", True)))
     return dict(
@@ -568,7 +674,9 @@ def _parse_falcon(c: _Config) -> dict[str, Any]:
         kv = 1 if c.get("multi_query", True) else heads
     bias = bool(c.get("bias", False))
     d = hidden // heads
-    att = Attention("mha", heads, kv, d, d, bias, bias, fused_qkv=True)
+    alibi = bool(c.get("alibi", False))
+    att = Attention("mha", heads, kv, d, d, bias, bias, fused_qkv=True, rotary_dim=0 if alibi else d,
+                    kv_broadcast=new_arch)
     parallel = bool(c.get("parallel_attn", True))
     if new_arch:
         norms = c.get("num_ln_in_parallel_attn", 2) or 2

@@ -79,6 +79,12 @@ class Optimizer:
     """Bytes per parameter at 4-byte states, for the recipes table (None where it depends on shapes)."""
     paged: bool = False
     source: str = ""
+    fused_available: bool = False
+    """A fused implementation exists (``fused=True`` in torch.optim, bitsandbytes' kernels): no parameter-sized
+    temporaries in step(). Without one, ``--optimizer-impl fused`` is rejected."""
+    foreach_temporaries: int = 0
+    """Parameter-sized temporaries (in the state dtype) of the foreach implementation's step: AdamW's
+    ``_foreach_sqrt(exp_avg_sqs)``, Adafactor's ``row_var @ col_var`` estimates; 0 for SGD."""
 
     def state_bytes(self, groups: Iterable[ParamGroup], state_dtype_bytes: int) -> int:
         total = self.fixed_bytes
@@ -102,19 +108,24 @@ class Optimizer:
 OPTIMIZERS: dict[str, Optimizer] = {
     o.name: o
     for o in (
-        Optimizer("adamw", "exp_avg + exp_avg_sq", _adam, source="torch/optim/adamw.py"),
-        Optimizer("adam", "exp_avg + exp_avg_sq", _adam, source="torch/optim/adam.py"),
-        Optimizer("sgd", "none (momentum=0)", _no_state, source="torch/optim/sgd.py"),
-        Optimizer("sgd-momentum", "momentum_buffer", _one_state, source="torch/optim/sgd.py"),
-        Optimizer("lion", "exp_avg", _one_state, source="Chen et al. 2023; lion-pytorch"),
+        Optimizer("adamw", "exp_avg + exp_avg_sq", _adam, source="torch/optim/adamw.py", fused_available=True,
+                  foreach_temporaries=1),
+        Optimizer("adam", "exp_avg + exp_avg_sq", _adam, source="torch/optim/adam.py", fused_available=True,
+                  foreach_temporaries=1),
+        Optimizer("sgd", "none (momentum=0)", _no_state, source="torch/optim/sgd.py", fused_available=True),
+        Optimizer("sgd-momentum", "momentum_buffer", _one_state, source="torch/optim/sgd.py", fused_available=True),
+        Optimizer("lion", "exp_avg", _one_state, source="Chen et al. 2023; lion-pytorch", foreach_temporaries=1),
         Optimizer("adafactor", "factored row_var + col_var (full variance for 1-D)", _adafactor,
-                  needs_shapes=True, source="torch/optim/_adafactor.py"),
+                  needs_shapes=True, source="torch/optim/_adafactor.py", foreach_temporaries=1),
         Optimizer("adamw-8bit", "2 x uint8 + fp32 absmax per 256-element block", _adam_8bit,
-                  fixed_bytes=BNB_QMAP_BYTES, source="bitsandbytes optim/optimizer.py Optimizer2State"),
+                  fixed_bytes=BNB_QMAP_BYTES, source="bitsandbytes optim/optimizer.py Optimizer2State",
+                  fused_available=True),
         Optimizer("paged-adamw-8bit", "as adamw-8bit, in evictable unified memory", _adam_8bit,
-                  fixed_bytes=BNB_QMAP_BYTES, paged=True, source="bitsandbytes optim/optimizer.py Optimizer2State"),
+                  fixed_bytes=BNB_QMAP_BYTES, paged=True, source="bitsandbytes optim/optimizer.py Optimizer2State",
+                  fused_available=True),
         Optimizer("muon", "momentum_buffer for 2-D layer weights, AdamW states for the rest", _adam,
-                  needs_shapes=True, layer_matrices_only_fn=_one_state, source="torch/optim/_muon.py"),
+                  needs_shapes=True, layer_matrices_only_fn=_one_state, source="torch/optim/_muon.py",
+                  foreach_temporaries=1),
     )
 }
 

@@ -59,7 +59,12 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # model.to(dtype) would work too here, but not under FakeTensorMode
     try:
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=dtype)
+        except ValueError as exc:  # no SDPA path (Gemma 2, BLOOM): transformers' own default is eager
+            if attention != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+                raise
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager", dtype=dtype)
     finally:
         torch.set_default_dtype(previous)
     model.train()
@@ -68,40 +73,46 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
 
 def saved_tensors(config: dict[str, Any], recipe: str | Recipe = "fp32", batch: int = 2, seq: int = 16,
                   attention: str = "sdpa", dropout: float | None = None, seed: int = 0,
-                  checkpointing: bool = False) -> list[SavedTensor]:
-    """Every tensor saved for backward in one forward + loss, attributed to where it was first saved."""
+                  checkpointing: bool = False, emulate: str = "cuda") -> list[SavedTensor]:
+    """Every tensor saved for backward in one forward + loss, attributed to where it was first saved.
+
+    ``emulate="cuda"`` (the default) runs on fake tensors with CUDA's autocast policy, SDPA kernel and dropout
+    (:mod:`trainmem.cuda_emulation`), which is what a GPU saves; ``emulate="cpu"`` runs real CPU tensors."""
     import torch
+
+    from .trace import fake_gpu
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     torch.manual_seed(seed)
-    model = build_model(config, recipe, attention, dropout)
-    if checkpointing:  # what survives the forward is what the checkpoint keeps: each layer's inputs
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    where = ["embedding"]
-    for index, layer in enumerate(decoder_layers(model)):
-        layer.register_forward_pre_hook(lambda m, a, i=index: where.__setitem__(0, f"layer {i}"))
-        layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, "head"))
-    seen: dict[int, SavedTensor] = {}
-    keep_alive = []
+    with fake_gpu() if emulate == "cuda" else contextlib.nullcontext():
+        model = build_model(config, recipe, attention, dropout)
+        if checkpointing:  # what survives the forward is what the checkpoint keeps: each layer's inputs
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+        where = ["embedding"]
+        for index, layer in enumerate(decoder_layers(model)):
+            layer.register_forward_pre_hook(lambda m, a, i=index: where.__setitem__(0, f"layer {i}"))
+            layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, "head"))
+        seen: dict[int, SavedTensor] = {}
+        keep_alive = []
 
-    def pack(t):
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+        def pack(t):
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return t
+            key = storage._cdata
+            if key not in param_storages and key not in seen and storage.nbytes():
+                seen[key] = SavedTensor(where[0], tuple(t.shape), str(t.dtype).replace("torch.", ""), storage.nbytes())
+                keep_alive.append(t)  # a freed storage's address could be reused by a later tensor
             return t
-        ptr = storage.data_ptr()
-        if ptr not in param_storages and ptr not in seen and storage.nbytes():
-            seen[ptr] = SavedTensor(where[0], tuple(t.shape), str(t.dtype).replace("torch.", ""), storage.nbytes())
-            keep_alive.append(t)  # a freed storage's address could be reused by a later tensor
-        return t
 
-    vocab = config.get("vocab_size")
-    ids = torch.randint(0, vocab, (batch, seq))
-    autocast = (torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[recipe.compute])
-                if recipe.autocast else contextlib.nullcontext())
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        model(input_ids=ids, labels=ids)
+        vocab = config.get("vocab_size")
+        ids = torch.randint(0, vocab, (batch, seq))
+        autocast = (torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[recipe.compute])
+                    if recipe.autocast else contextlib.nullcontext())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            model(input_ids=ids, labels=ids)
     return list(seen.values())
 
 

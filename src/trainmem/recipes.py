@@ -26,6 +26,9 @@ from .errors import unknown_choice
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
+FP32_STATE_OPTIMIZERS = ("adamw", "adam")
+"""Optimizers whose states a recipe may keep in fp32 over half-precision parameters without a master copy."""
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -59,6 +62,21 @@ class Recipe:
     @property
     def state_bytes(self) -> int:
         return DTYPE_BYTES[self.optimizer_states]
+
+    def state_bytes_for(self, optimizer: str) -> int:
+        """Bytes per state element for ``optimizer`` under this recipe. The states follow the tensors the optimizer
+        updates: the fp32 masters where there are some, else the parameters. ``pure-bf16``'s fp32 states without a
+        master copy are an Adam/AdamW implementation choice (torchao's and DeepSpeed's bf16 optimizers); torch's
+        SGD momentum, Lion, Adafactor and Muon keep their states in the parameters' dtype."""
+        if self.master_weights or optimizer in FP32_STATE_OPTIMIZERS:
+            return self.state_bytes
+        return min(self.state_bytes, self.weight_bytes)
+
+    @property
+    def persistent_gradients(self) -> bool:
+        """fp32 gradients of half weights live in a buffer allocated once and zeroed, not freed, between steps
+        (Megatron-LM's ``main_grad``): they exist in every phase."""
+        return self.gradients == "fp32" and self.weights != "fp32"
 
     @property
     def loss_scaling(self) -> bool:

@@ -18,14 +18,15 @@ def recipes_rows(optimizer: str | None = None) -> list[dict[str, Any]]:
     for recipe in RECIPES.values():
         for name in names:
             opt = OPTIMIZERS[name]
-            per_param = opt.bytes_per_param(recipe.state_bytes)
+            state_bytes = recipe.state_bytes_for(name)
+            per_param = opt.bytes_per_param(state_bytes)
             note = ""
             if per_param is None:
                 if reference is None:
                     from .catalog import catalog_spec
 
                     reference = catalog_spec(REFERENCE_MODEL)
-                per_param = opt.state_bytes(reference.param_groups, recipe.state_bytes) / reference.num_parameters
+                per_param = opt.state_bytes(reference.param_groups, state_bytes) / reference.num_parameters
                 note = f"shape-dependent; shown for {REFERENCE_MODEL}"
             rows.append({
                 "recipe": recipe.name,

@@ -45,13 +45,14 @@ class TrainingSettings:
     activation_k: float | None = None
     """Use the seed article's rule of thumb b*s*h*L*k*2 bytes instead of the architecture model."""
     optimizer_impl: str = "auto"
-    """foreach (torch's default on CUDA: one parameter-sized temporary), fused (no temporaries), or auto:
-    fused for the mixed-* recipes (DeepSpeed's FusedAdam), foreach otherwise."""
+    """foreach (torch's default on CUDA: one parameter-sized temporary), fused (no temporaries; AdamW, Adam, SGD and
+    the bitsandbytes optimizers have one), or auto: fused for the mixed-* recipes where the optimizer has a fused
+    implementation (DeepSpeed's FusedAdam), foreach otherwise."""
 
     @property
     def fused_optimizer(self) -> bool:
         if self.optimizer_impl == "auto":
-            return self.recipe.startswith("mixed")
+            return self.recipe.startswith("mixed") and get_optimizer(self.optimizer).fused_available
         return self.optimizer_impl == "fused"
 
     def __post_init__(self) -> None:
@@ -65,6 +66,9 @@ class TrainingSettings:
                                ("optimizer_impl", OPTIMIZER_IMPLS)):
             if getattr(self, name) not in accepted:
                 raise ConfigError(f"unknown {name} {getattr(self, name)!r}; accepted: {', '.join(accepted)}")
+        if self.optimizer_impl == "fused" and not get_optimizer(self.optimizer).fused_available:
+            raise ConfigError(f"optimizer {self.optimizer!r} has no fused implementation; use --optimizer-impl "
+                              "foreach or auto")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.activation_k is not None and not self.activation_k > 0:

@@ -24,8 +24,10 @@ class Fp32StateAdamW:
     parameter-sized temporary (the denominator) at a time, like torch's _multi_tensor_adamw."""
 
     def __init__(self, torch, params: list, lr: float = 1e-5, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01):
+                 weight_decay: float = 0.01, fused: bool = False):
         self.torch, self.params, self.lr, self.betas, self.eps, self.wd = torch, params, lr, betas, eps, weight_decay
+        self.fused = fused
+        """Update tensor by tensor (a fused kernel's footprint: no parameter-sized temporary)."""
         self.state: dict = {}
         self.param_groups = [{"params": params}]
 
@@ -35,6 +37,12 @@ class Fp32StateAdamW:
         if not self.state:
             self.state = {p: {"exp_avg": torch.zeros_like(p, dtype=torch.float32),
                               "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)} for p in params}
+        groups = [params] if not self.fused else [[p] for p in params]
+        for group in groups:
+            self._update(group)
+
+    def _update(self, params: list) -> None:
+        torch = self.torch
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
         grads = [p.grad for p in params]
@@ -58,15 +66,15 @@ class Fp32StateAdamW:
 
 
 def make_optimizer(torch, name: str, params: list, fused: bool, fp32_states_for_half: bool = False):
-    if name == "adamw" and fp32_states_for_half:
-        return Fp32StateAdamW(torch, params)
+    if name in ("adamw", "adam") and fp32_states_for_half:
+        return Fp32StateAdamW(torch, params, weight_decay=0.01 if name == "adamw" else 0.0, fused=fused)
     if name in ("adamw", "adam"):
         cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
         return cls(params, lr=1e-5, foreach=not fused, fused=fused or None)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, foreach=True)
+        return torch.optim.SGD(params, lr=1e-3, foreach=not fused, fused=fused or None)
     if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True)
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=not fused, fused=fused or None)
     if name == "adafactor":
         return torch.optim.Adafactor(params, lr=1e-3, foreach=True)
     raise ConfigError(f"trace and measure support the optimizers {', '.join(TRACEABLE_OPTIMIZERS)}, not {name!r}")
@@ -101,6 +109,13 @@ class TrainingStep:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.masters = ([p.detach().float().requires_grad_(True) for p in self.params]
                         if recipe.master_weights else None)
+        self.main_grads = None
+        if recipe.gradients == "fp32" and recipe.weights != "fp32":
+            # Megatron-LM's main_grad: a persistent fp32 buffer per parameter; each half gradient is added into it
+            # as soon as backward has produced it, then freed (DistributedDataParallel's grad accumulation hooks).
+            self.main_grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+            for p, main in zip(self.params, self.main_grads):
+                p.register_post_accumulate_grad_hook(lambda param, main=main: self._accumulate_main_grad(param, main))
         fp32_states = recipe.optimizer_states == "fp32" and recipe.weights != "fp32" and self.masters is None
         self.optimizer = make_optimizer(torch, settings.optimizer, self.masters or self.params,
                                         settings.fused_optimizer, fp32_states)
@@ -132,15 +147,24 @@ class TrainingStep:
             if getattr(module, "_gradient_checkpointing_func", None) is not None:
                 module._gradient_checkpointing_func = marked(module._gradient_checkpointing_func)
 
-    def forward_backward(self) -> None:
+    @staticmethod
+    def _accumulate_main_grad(param, main) -> None:
+        main.add_(param.grad)
+        param.grad = None
+
+    def micro_batch(self) -> None:
+        """Forward, loss and backward of one micro-batch (gradients accumulate into ``.grad``)."""
         torch = self.torch
+        ctx = (torch.autocast(self.autocast_device, dtype=self.autocast_dtype) if self.autocast_dtype
+               else contextlib.nullcontext())
+        with ctx:
+            loss = self.model(input_ids=self.ids, labels=self.ids).loss
+        loss.backward()
+        del loss
+
+    def forward_backward(self) -> None:
         for _ in range(self.settings.grad_accum):
-            ctx = (torch.autocast(self.autocast_device, dtype=self.autocast_dtype) if self.autocast_dtype
-                   else contextlib.nullcontext())
-            with ctx:
-                loss = self.model(input_ids=self.ids, labels=self.ids).loss
-            loss.backward()
-            del loss
+            self.micro_batch()
 
     def step(self, on_optimizer_start: Callable[[], None] | None = None) -> None:
         """optimizer.step() and zero_grad(set_to_none=True); ``on_optimizer_start`` runs first (phase markers),
@@ -148,8 +172,8 @@ class TrainingStep:
         if on_optimizer_start is not None:
             on_optimizer_start()
         if self.masters is not None:
-            for m, p in zip(self.masters, self.params):
-                m.grad = p.grad.float()
+            for i, (m, p) in enumerate(zip(self.masters, self.params)):
+                m.grad = self.main_grads[i] if self.main_grads is not None else p.grad.float()
         self.optimizer.step()
         if self.masters is not None:
             with self.torch.no_grad():
@@ -157,6 +181,9 @@ class TrainingStep:
                     p.copy_(m)
                     m.grad = None
             self.model.zero_grad(set_to_none=True)  # the half gradients; the optimizer's own are the masters'
+        if self.main_grads is not None:
+            for main in self.main_grads:
+                main.zero_()  # kept for the next step, like Megatron's grad buffer
         self.optimizer.zero_grad(set_to_none=True)
 
     def tracked_objects(self) -> list:

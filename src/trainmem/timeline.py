@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import FP32, INDEX, ActivationEstimate, LayerActivations, Precision
+from .activations import AUTOCAST_HEAD_COPY, FP32, INDEX, ActivationEstimate, LayerActivations, Precision
 from .models import ModelSpec, layer_tensors
 from .optimizers import Optimizer
 from .recipes import Recipe
@@ -54,28 +54,30 @@ def _mlp_width(layer) -> int:
     return layer.mlp.intermediate_size
 
 
-def _layer_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int, seq: int,
-                     kernel: str) -> int:
-    """The largest set of gradient temporaries alive inside one layer's backward.
-
-    MLP: while the product's backward runs, d(product), d(activation) and d(up) coexist (3 x I wide; 2 for a
-    plain GELU/ReLU MLP).
-    Attention: dq, dk, dv plus the flash kernel's fp32 dq accumulator and softmax rowsums; eager adds the
-    s x s gradient of the scores in fp32.
-    """
-    h, c, r = spec.hidden_size, p.compute, p.residual
+def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
+    """The gradient temporaries of one layer's MLP backward: while the product's backward runs, d(product),
+    d(activation) and d(up) coexist (3 x I wide; 2 for a plain GELU/ReLU MLP; GPT-2's Python gelu_new chains three),
+    beside the residual stream's gradient (alive throughout, traced with and without checkpointing)."""
     layer = la.layer
-    att = layer.attention
-    # Gated (and MoE experts): d(product), d(activation) and d(up) coexist; GPT-2's Python gelu_new also chains
-    # three; a plain activation (GELU, ReLU) turns one I-wide gradient into one.
     plain = layer.mlp is not None and not layer.mlp.gated and layer.mlp.activation != "gelu_new"
-    mlp = (2 if plain else 3) * c * _mlp_width(layer)
-    qkv = att.num_heads * att.head_dim + att.num_kv_heads * (att.head_dim + att.v_head_dim)
-    attn = c * qkv + FP32 * att.num_heads * (att.head_dim + 1)
-    if kernel == "eager":
-        attn = c * qkv + (FP32 + c) * att.num_heads * seq
-    # The residual stream's gradient is alive throughout (measured with the trace, with and without checkpointing).
-    return (max(mlp, attn) + r * h) * tokens
+    mlp = (2 if plain else 3) * _mlp_bytes(layer, p) * _mlp_width(layer)
+    return (mlp + p.residual * spec.hidden_size) * tokens
+
+
+def _mlp_output_dropout(spec: ModelSpec, layer, settings: TrainingSettings) -> bool:
+    from .activations import _hidden_dropout_sites
+
+    p = spec.dropout.hidden if settings.dropout is None else settings.dropout
+    return p > 0 and _hidden_dropout_sites(spec, layer) > 0
+
+
+def _mlp_bytes(layer, p: Precision) -> int:
+    """The dtype the MLP's intermediate tensors have: the routed experts run in their weights' dtype."""
+    return p.experts if layer.moe else p.compute
+
+
+_ATTENTION_INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "q_b_proj",
+                                "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 _EXPERT_TERMS_FREED = ("expert gate_up outputs", "expert activation and product",
@@ -89,7 +91,7 @@ def _experts_transient(spec: ModelSpec, la: LayerActivations, p: Precision, reci
     if moe is None:
         return 0
     w, k, i, h = p.experts, moe.top_k, moe.expert_intermediate_size, spec.hidden_size
-    weight_grad = _param_bytes(moe.num_experts * 2 * i * h, recipe.gradient_bytes)
+    weight_grad = _param_bytes(moe.num_experts * 2 * i * h, _autograd_grad_bytes(recipe))
     return (k * (2 * w * i + w * h + FP32) + p.residual * h) * tokens + weight_grad
 
 
@@ -103,9 +105,20 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     wide = 3  # gated: activation output, up output, product
     if layer.mlp is not None and not layer.mlp.gated:
         wide = 5 if layer.mlp.activation == "gelu_new" else 2  # gelu_new's Python intermediates
-    mlp = wide * c * _mlp_width(layer)
-    attn = c * (2 * att.num_heads * att.head_dim + 2 * att.num_kv_heads * att.head_dim)
-    return (max(mlp, attn) + 2 * w * h) * tokens
+    if layer.moe:
+        wide = 4  # the experts' one gate_up output (2 I wide) stays alive beside the activation and the product
+    mlp = wide * _mlp_bytes(layer, p) * _mlp_width(layer)
+    if layer.moe:  # grouped_mm_experts_forward holds the gathered tokens in a local until it returns
+        mlp += layer.moe.top_k * p.experts * h
+    attn = la.attention_forward or c * (2 * att.num_heads * att.head_dim + 2 * att.num_kv_heads * att.head_dim)
+    # beside the layer input (kept) and, in the MLP, the residual and the norm output
+    return int(max(mlp + 2 * w * h, attn + w * h) * tokens)
+
+
+def _autograd_grad_bytes(recipe: Recipe) -> int:
+    """The dtype of the gradients autograd computes: the parameters' (a persistent fp32 main-grad buffer receives
+    them afterwards), else the recipe's gradient dtype."""
+    return recipe.weight_bytes if recipe.persistent_gradients else recipe.gradient_bytes
 
 
 def _param_bytes(numel: int, per_param: float) -> int:
@@ -120,8 +133,8 @@ def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer
     master weights make an fp32 copy of the gradients for the update."""
     n = spec.num_parameters
     temp = 0
-    if optimizer.name in ("adamw", "adam", "lion", "adafactor", "muon") and not fused:
-        temp += n * recipe.state_bytes
+    if not fused:
+        temp += optimizer.foreach_temporaries * n * recipe.state_bytes_for(optimizer.name)
     if recipe.master_weights and recipe.gradients != recipe.master_weights:
         temp += n * 4
     return temp
@@ -155,6 +168,17 @@ class _LayerBytes:
     runs first, while all of the layer's activations are alive; 0 where the layer ends with the residual add."""
     output_norm_freed: int
     """What that norm's backward has freed of its own saved tensors by its worst moment."""
+    attention_live: int
+    """What the layer still holds when its attention kernel's backward runs: the attention block's saved tensors
+    less those already freed (and, under checkpointing, the kept input)."""
+    attention_transient: int
+    """The attention kernel backward's temporaries, beside the residual stream's gradient."""
+    attention_grads_pending: int
+    """Gradients of the layer not yet produced at that moment: the q/k/v projections' and the input norm's."""
+    down_transient: int
+    """The down projection's backward: the gradient of its input (I wide) and of its output, beside the residual's."""
+    freed_before_down: int
+    """What a norm on the layer's output and MoE's weighted sum freed before the down projection's backward."""
 
 
 def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
@@ -171,11 +195,6 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         full = int(la.bytes_per_token * tokens) + la.constant_bytes
         kept = acts.layer_saved_bytes(la)
         if acts.checkpointing == "full":
-            # Gradient checkpointing turns use_cache off, so no KV-cache copy replaces v: in fused-qkv models with
-            # rotary (GPT-NeoX, Phi-3, Falcon) v stays a view of the whole q/k/v projection output.
-            att = la.layer.attention
-            if att.fused_qkv and spec.model_type in ("gpt_neox", "phi3", "falcon"):
-                full += p.compute * (att.num_heads + att.num_kv_heads) * att.head_dim * tokens
             # The recompute's first norm reads the kept layer input. Where it saves that tensor itself (LayerNorm;
             # RMSNorm when the stream is already fp32, so its upcast is a no-op) the recomputed activations share
             # it with what the checkpoint kept.
@@ -191,11 +210,19 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # The experts' weighted outputs and each (token, expert) pair's weight and index are freed by the
             # backward of the router-weighted sum, which runs before the experts' down_proj backward (traced).
             freed_before_mlp += int(layer.moe.top_k * (p.experts * spec.hidden_size + INDEX + FP32) * tokens)
+        # The attention moment: the MLP block has run its backward; the attention block's input projections have
+        # not (their half weight copies under autocast are still held), o_proj has.
+        projections = sum(t.numel for t in tensors if t.name.split(".")[0] in _ATTENTION_INPUT_PROJECTIONS)
+        first_norm = sum(t.numel for t in tensors if t.name.startswith("norm0."))
+        attention_part = int(la.attention_bytes_per_token * tokens) + (p.compute * projections if p.autocast else 0)
+        attention_live = attention_part - int(la.attention_released * tokens)
+        if acts.checkpointing == "full":
+            attention_live += kept + (full - int(la.bytes_per_token * tokens) - la.constant_bytes)
         item = _LayerBytes(
-            kept=kept, full=full, product=p.compute * _mlp_width(layer) * tokens + down_copy + freed_before_mlp,
+            kept=kept, full=full, product=_mlp_bytes(layer, p) * _mlp_width(layer) * tokens + down_copy + freed_before_mlp,
             down_grad=_param_bytes(down, recipe.gradient_bytes),
             grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
-            transient=_layer_transient(spec, la, p, tokens, settings.seq, settings.attention),
+            transient=_mlp_transient(spec, la, p, tokens),
             forward_transient=_forward_transient(spec, la, p, tokens),
             experts_freed=int(sum(t.bytes_per_token for t in la.terms if t.name in _EXPERT_TERMS_FREED) * tokens),
             experts_transient=_experts_transient(spec, la, p, recipe, tokens),
@@ -205,9 +232,57 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # At that moment its rsqrt and normalised value are already freed; its fp32 input is not.
             output_norm_freed=int(sum(t.bytes_per_token for t in output_norm if not t.name.endswith("input in fp32"))
                                   * tokens),
+            attention_live=attention_live,
+            attention_transient=int((la.attention_backward + p.residual * spec.hidden_size) * tokens),
+            attention_grads_pending=_param_bytes(projections + first_norm, recipe.gradient_bytes),
+            # The gradient reaching the MLP's output is the residual stream's own, unless a dropout (a new masked
+            # copy) or autocast (a half cast) sits between them.
+            down_transient=(_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size
+                            + (p.compute * spec.hidden_size if p.autocast or _mlp_output_dropout(spec, layer, settings)
+                               else 0)) * tokens,
+            freed_before_down=freed_before_mlp,
         )
         out.extend([item] * la.count)
     return out
+
+
+def _constant_bytes(acts: ActivationEstimate, name: str) -> int:
+    return int(sum(t.bytes_per_token for t in acts.constant_terms if t.name == name))
+
+
+def _lm_head_moments(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe, p: Precision, weights: int,
+                     states: int, grads_in_forward: int, saved: int) -> list[Phase]:
+    """The LM head's backward, after the loss's: log_softmax's output is freed; the fp32 gradient of the logits is
+    cast to the compute dtype (``logits.float()``'s backward); the head's matmuls make the gradient of its input
+    (T x h) and of its weight (V x h, in the compute dtype) while the logits' gradient is alive; under autocast the
+    weight's gradient is then cast to the fp32 parameter's dtype (the cast copy's backward), with the head's input
+    released. A tied or accumulating weight gradient is a temporary until autograd adds it up; an untied first one
+    becomes ``.grad``."""
+    c, v, tokens = p.compute, spec.vocab_size, acts.tokens
+    emb = spec.embedding_dim or spec.hidden_size
+    after_logsoftmax = saved - FP32 * v * tokens
+    dlogits_half = c * v * tokens if c != FP32 else 0
+    moments = [Phase("backward", "logits gradient", weights, grads_in_forward, states, after_logsoftmax,
+                     FP32 * v * tokens + dlogits_half)]
+    dlogits = dlogits_half or FP32 * v * tokens
+    d_input, d_weight = c * tokens * emb, c * v * emb
+    param_bytes = recipe.weight_bytes
+    held = spec.tied_embeddings or grads_in_forward > 0
+    cast = param_bytes != c
+    if not cast:
+        moments.append(Phase("backward", "LM head weight gradient", weights,
+                             grads_in_forward if held else d_weight, states, after_logsoftmax,
+                             dlogits + d_input + (d_weight if held else 0)))
+    else:
+        full = param_bytes * v * emb
+        # by the cast, the head's matmuls have released their inputs: the head input and autocast's weight copy
+        head_copy = _constant_bytes(acts, AUTOCAST_HEAD_COPY)
+        moments.append(Phase("backward", "LM head weight gradient", weights, grads_in_forward, states,
+                             after_logsoftmax, dlogits + d_input + d_weight))
+        moments.append(Phase("backward", "LM head weight gradient cast to the parameter's dtype", weights,
+                             grads_in_forward if held else full, states, after_logsoftmax - d_input - head_copy,
+                             d_input + d_weight + (full if held else 0)))
+    return moments
 
 
 def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate,
@@ -217,8 +292,10 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     p = Precision.of(recipe)
     tokens, v, h = acts.tokens, spec.vocab_size, spec.hidden_size
     accumulating = settings.grad_accum > 1
-    # With gradient accumulation the gradients of earlier micro-batches are alive in every forward but the first.
-    grads_in_forward = grads if accumulating else 0
+    # With gradient accumulation the gradients of earlier micro-batches are alive in every forward but the first;
+    # a persistent fp32 main-grad buffer (Megatron) is alive all the time.
+    grads_in_forward = grads if accumulating or recipe.persistent_gradients else 0
+    grads_between = grads if recipe.persistent_gradients else 0
 
     # Forward: the peak is at the loss, when the logits, their fp32 upcast and log_softmax's output coexist
     # (all created in forward, so counted as activations). With full checkpointing it can instead be inside the
@@ -239,6 +316,23 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
         kept_before_last = acts.embedding_bytes + acts.constant_bytes + cast_cache + sum(x.kept for x in layers[:-1])
         candidates_fw.append(Phase("forward", "inside the last layer", weights, grads_in_forward, states,
                                    kept_before_last + layers[-1].forward_transient, 0))
+    elif layers:
+        # The last layer's down projection: everything the layers saved, the masks they shared and the KV cache
+        # are alive, and its output is being written (a large attention mask or cache can put the peak here).
+        layers_saved = acts.embedding_bytes + acts.constant_bytes + sum(x.kept for x in layers)
+        last = acts.layers[-1]
+        if last.softmax_extra:
+            # Eager and math attention: the last layer's softmax, with its s x s input (and an fp32 upcast) beside
+            # what is saved, before the MLP block and the attention's later tensors exist.
+            mlp_part = (last.bytes_per_token - last.attention_bytes_per_token) * tokens
+            before = layers_saved - int(mlp_part + last.after_softmax * tokens)
+            candidates_fw.append(Phase("forward", "last layer's attention softmax", weights, grads_in_forward,
+                                       states, before + acts.kv_cache_bytes + acts.mask_bytes
+                                       + int(last.softmax_extra * tokens), 0))
+        returned = int(acts.layers[-1].returned_extra * tokens)
+        candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
+                                   layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
+                                   + p.compute * h * tokens, 0))
     forward = max(candidates_fw, key=lambda ph: ph.allocated_bytes)
 
     # Backward start: nll_loss's gradient and log_softmax's gradient (both fp32, V wide) beside everything saved.
@@ -248,23 +342,18 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     head_grad = _param_bytes(spec.param_groups[-1].numel, recipe.gradient_bytes) if not spec.tied_embeddings else 0
     candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
     if settings.loss != "chunked":
-        # The LM head's backward: log_softmax's output is freed, the fp32 gradient of the logits (and its cast
-        # to the compute dtype) is alive while the head's weight gradient (V x h, tied or not) is created.
-        head_weight_grad = _param_bytes(v * (spec.embedding_dim or spec.hidden_size), recipe.gradient_bytes)
-        dlogits = FP32 * v * tokens + (p.compute * v * tokens if p.compute != FP32 else 0)
-        candidates.append(Phase("backward", "LM head", weights, max(grads_in_forward, head_weight_grad), states,
-                                saved - FP32 * v * tokens, dlogits))
+        candidates += _lm_head_moments(spec, acts, recipe, p, weights, states, grads_in_forward, saved)
     # Then layer by layer, last to first. Each layer's worst moment is its MLP backward: down_proj's backward has
     # run (its input, the product, is freed; its weight gradient exists), the rest of the layer's activations
     # (recomputed, under full checkpointing) are alive, and the MLP's input gradients are being computed.
     # Layers below still hold what they keep; layers above have freed theirs and produced their gradients.
     # Once the LM head's backward has run, its autocast weight copy is gone.
-    head_copy = int(sum(t.bytes_per_token for t in acts.constant_terms if "LM head weight" in t.name))
+    head_copy = _constant_bytes(acts, AUTOCAST_HEAD_COPY)
     base_kept = acts.embedding_bytes + acts.constant_bytes - head_copy
     # Tied embeddings: autograd sums the LM head's and the embedding's gradient contributions before accumulating
     # into .grad, so the head's V x h contribution is held as a temporary through the whole layer backward.
     tied_numel = spec.param_groups[0].tensors[0].numel if spec.tied_embeddings and spec.has_architecture else 0
-    tied_held = _param_bytes(tied_numel, recipe.gradient_bytes)
+    tied_held = _param_bytes(tied_numel, _autograd_grad_bytes(recipe))
     kept_below = [0]
     for x in layers:
         kept_below.append(kept_below[-1] + x.kept)
@@ -276,6 +365,16 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
             "backward", f"layer {index} MLP", weights,
             max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
             live_acts - x.product, x.transient + tied_held))
+        # Just before: the down projection's own backward, with its input still held and the gradients of its
+        # output and input alive (the larger moment for a plain two-Linear MLP).
+        candidates.append(Phase(
+            "backward", f"layer {index} down projection", weights,
+            max(grads_in_forward, head_grad + grads_above), states,
+            live_acts - x.freed_before_down, x.down_transient + x.down_grad + tied_held))
+        candidates.append(Phase(
+            "backward", f"layer {index} attention", weights,
+            max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
+            base_kept + kept_below[index] + x.attention_live, x.attention_transient + tied_held))
         if x.experts_transient:
             candidates.append(Phase(
                 "backward", f"layer {index} experts' gate_up", weights,
@@ -302,14 +401,13 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                                 max(grads_in_forward, grads - tied_held), states, base_kept,
                                 3 * tied_held + emb_input_grad))
     elif layers:
-        emb_grad = _param_bytes(spec.param_groups[0].tensors[0].numel, recipe.gradient_bytes)
+        emb_grad = _param_bytes(spec.param_groups[0].tensors[0].numel, _autograd_grad_bytes(recipe))
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, grads - emb_grad), states,
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
     backward = max(candidates, key=lambda ph: ph.allocated_bytes)
 
     temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer)
     opt = Phase("optimizer", "step()", weights, grads, states, 0, temp)
-    load = Phase("load", "static state", weights, 0, states, 0, 0)
-    between = Phase("between_steps", "after zero_grad", weights,
-                    grads if accumulating else 0, states, 0, 0)
+    load = Phase("load", "static state", weights, grads_between, states, 0, 0)
+    between = Phase("between_steps", "after zero_grad", weights, grads_between, states, 0, 0)
     return (load, forward, backward, opt, between)

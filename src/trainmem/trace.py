@@ -67,6 +67,44 @@ def _device_snapshot(snapshot: dict) -> dict[str, int]:
 
 
 @contextlib.contextmanager
+def _scalars_from_fake_tensors():
+    """``Tensor.item()`` on a fake tensor has no value to return; optimizers that read one (Adafactor's update
+    clipping and relative step size: ``param.norm(2).item()``) get 1.0, which changes no tensor's size."""
+    import torch
+
+    original = torch.Tensor.item
+    torch.Tensor.item = lambda self: 1.0 if self.is_floating_point() else 1
+    try:
+        yield
+    finally:
+        torch.Tensor.item = original
+
+
+@contextlib.contextmanager
+def _grouped_mm_fallback_for_non_bf16():
+    """The fake (meta) ``grouped_mm`` accepts bf16 only, so routed experts with fp32 or fp16 weights take
+    transformers' own fallback (``transformers::grouped_mm_fallback``), which keeps the same tensors for backward
+    (the gathered input and the weights) and returns the same output."""
+    from transformers.integrations import moe
+
+    original = moe._can_use_grouped_mm
+
+    def can_use_grouped_mm(input, weight, offs) -> bool:
+        import torch
+
+        # grouped_mm also needs 16-byte aligned strides (a GPU run with such a config fails).
+        aligned = all(stride == 1 or stride * t.element_size() % 16 == 0 for t in (input, weight)
+                      for stride in t.stride())
+        return weight.dtype == torch.bfloat16 and aligned and original(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use_grouped_mm
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+@contextlib.contextmanager
 def _unpacked_batches():
     """Without a KV cache (use_cache is off under checkpointing) transformers checks position_ids for packed
     sequences, a data-dependent check that fake tensors cannot answer, so it would build a dense causal mask (and
@@ -86,39 +124,34 @@ def _unpacked_batches():
 
 
 @contextlib.contextmanager
-def _cuda_dropout_kernels():
-    """With dropout the CPU runs what no GPU does: SDPA falls back to the math kernel (s x s scores, probabilities
-    and a float mask kept) and F.dropout keeps a float mask. On CUDA, SDPA keeps the flash kernel (output and
-    logsumexp; the RNG seed and offset are a few bytes) and dropout is the fused native_dropout with a bool mask.
-    The trace calls those same kernels (the CPU flash op takes dropout_p; native_dropout returns a bool mask); under
-    FakeTensorMode only their shapes and dtypes matter."""
-    import torch
-    import torch.nn.functional as F
+def fake_gpu(emulate: str = "cuda"):
+    """Fake tensors behaving as on a GPU: CUDA's autocast policy and kernels (``emulate="cuda"``), transformers'
+    data-dependent checks answered as a real run answers them, and ops that need a value given one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
+    from .cuda_emulation import emulate_cuda
 
-    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                     enable_gqa=False):
-        if dropout_p > 0 and attn_mask is None:
-            device = query.device.type
-            if torch.is_autocast_enabled(device):  # SDPA is on autocast's lower-precision list; the raw op is not
-                half = torch.get_autocast_dtype(device)
-                query, key, value = (t.to(half) for t in (query, key, value))
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, dropout_p, is_causal, scale=scale)[0]
-        return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                             scale=scale, enable_gqa=enable_gqa)
-
-    def dropout(input, p=0.5, training=True, inplace=False):
-        if training and p > 0 and not inplace:
-            return torch.native_dropout(input, p, True)[0]
-        return original_dropout(input, p, training, inplace)
-
-    F.scaled_dot_product_attention, F.dropout = scaled_dot_product_attention, dropout
-    try:
+    device_behaviour = emulate_cuda() if emulate == "cuda" else contextlib.nullcontext()
+    with FakeTensorMode(), _unpacked_batches(), _scalars_from_fake_tensors(), _grouped_mm_fallback_for_non_bf16(), \
+            device_behaviour:
         yield
-    finally:
-        F.scaled_dot_product_attention, F.dropout = original_sdpa, original_dropout
+
+
+@contextlib.contextmanager
+def _real_cpu(emulate: str):
+    """The trace's environment on real CPU tensors: the same experts path (and CUDA's policies if asked)."""
+    from .cuda_emulation import emulate_cuda
+
+    with _grouped_mm_fallback_for_non_bf16(), (emulate_cuda() if emulate == "cuda" else contextlib.nullcontext()):
+        yield
+
+
+def _track(tracker, mem_tracker, run) -> None:
+    """Register the step's long-lived tensors with a MemTracker: model, optimizer states, fp32 masters, and the
+    fp32 main-grad buffers of ``mixed-bf16-fp32grads`` as gradients."""
+    tracker.track_external(*run.tracked_objects())
+    for main in run.main_grads or ():
+        tracker._update_and_maybe_create_winfos(main, mem_tracker._MemRefType.GRAD)
 
 
 def _recompute_aware_tracker(mem_tracker, run):
@@ -140,17 +173,17 @@ def _recompute_aware_tracker(mem_tracker, run):
 
 
 def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,
-               round_to_cuda: bool = True) -> TraceResult:
-    """Trace one steady-state training step; returns the peak of each phase by category."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+               round_to_cuda: bool = True, emulate: str = "cuda", fake: bool = True) -> TraceResult:
+    """Trace one steady-state training step; returns the peak of each phase by category.
+
+    ``emulate="cuda"`` (the default) runs CUDA's autocast policy, SDPA kernel choice and dropout
+    (:mod:`trainmem.cuda_emulation`); ``emulate="cpu"`` runs what the CPU runs. ``fake=False`` runs the same
+    step on real CPU tensors (real memory, small models only) and tracks its tensors the same way: the tensors
+    of a real CPU step, without the CPU kernels' own scratch buffers, which vary with the processor."""
     from torch.distributed._tools import mem_tracker
 
     from .step import TrainingStep
 
-    recipe = get_recipe(settings.recipe)
-    if spec is not None and spec.is_moe and recipe.weights != "bf16":
-        # transformers' grouped_mm experts path needs bf16 inputs under FakeTensorMode on the CPU.
-        raise ConfigError("trace of MoE models needs bf16 weights (recipes mixed-bf16, pure-bf16*)")
     started = time.perf_counter()
     # MemTracker rounds to the CUDA allocator's 512-byte blocks only for CUDA tensors; the trace's tensors live
     # on the fake CPU device, so the rounding is applied here for the duration of the trace.
@@ -158,22 +191,31 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
     if round_to_cuda:
         mem_tracker._WeakRefInfo._calculate_mem_consumed = lambda self: -(-self.size * self.element_size // 512) * 512
     try:
-        with FakeTensorMode(), _unpacked_batches(), _cuda_dropout_kernels():
+        environment = fake_gpu(emulate) if fake else _real_cpu(emulate)
+        with environment:
             run = TrainingStep(config, settings, "cpu", spec)
             run.forward_backward()  # warm-up: creates the optimizer states
             run.step()
 
+            load_tracker = mem_tracker.MemTracker()
+            _track(load_tracker, mem_tracker, run)
+            with load_tracker:
+                load = _device_snapshot(load_tracker.get_tracker_snapshot("current"))
+            # With gradient accumulation the last micro-batch is the steady state: the gradients of the earlier ones
+            # are alive through its forward and its backward adds to them. (MemTracker follows one forward per
+            # tracker.)
+            for _ in range(settings.grad_accum - 1):
+                run.micro_batch()
             tracker = _recompute_aware_tracker(mem_tracker, run)
-            tracker.track_external(*run.tracked_objects())
+            _track(tracker, mem_tracker, run)
             with tracker:
-                load = _device_snapshot(tracker.get_tracker_snapshot("current"))
-                run.forward_backward()
+                run.micro_batch()
             stats = tracker.memory_tracking[run.model].snapshots
             forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
             backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
 
             step_tracker = mem_tracker.MemTracker()
-            step_tracker.track_external(*run.tracked_objects())
+            _track(step_tracker, mem_tracker, run)
             with step_tracker:
                 run.step()
             optimizer_peak = _device_snapshot(step_tracker.get_tracker_snapshot("peak"))

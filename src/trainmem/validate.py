@@ -286,3 +286,132 @@ def markdown(rows: list[Row], full_size: bool = False, quick: bool = False, exis
     being rewritten) is kept: the other matrix, the trace timings and the CUDA measurements."""
     heading = MATRIX_FULL_SIZE if full_size else MATRIX_SCALED
     return replace_sections(existing, {heading: _matrix_section(rows, full_size, quick)})
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Random models: a differential test of the estimate against the trace on configs nobody chose
+# --------------------------------------------------------------------------------------------------------------
+
+RANDOM_RECIPES = ("fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "mixed-bf16-fp32grads", "pure-bf16",
+                  "pure-bf16-bf16states")
+RANDOM_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
+
+
+def random_case(pick) -> tuple[dict, dict]:
+    """One random small model of a supported type and one random training set-up: ``(config, settings)``.
+
+    ``pick(label, options)`` returns one of ``options``: ``random.Random(seed).choice`` for ``trainmem validate
+    --random``, a hypothesis draw in tests/test_random_models.py, so both explore the same space."""
+    from .models import SUPPORTED_MODEL_TYPES
+
+    # Proportions of real models (fake tensors cost the same at any size): head dims that are and are not
+    # multiples of 8, grouped-query and multi-query attention, MLPs 2-4x wide, vocabularies 8-64x the width.
+    model_type = pick("model_type", SUPPORTED_MODEL_TYPES)
+    head_dim = pick("head_dim", (64, 80, 96, 128, 100, 36))
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
+        head_dim = head_dim // 16 * 16  # grouped_mm needs 16-byte aligned rows
+    kv = pick("kv_heads", (1, 2, 4))
+    group = pick("group", (1, 2, 4))
+    heads = kv * group
+    hidden = heads * head_dim
+    layers = pick("layers", (1, 2, 3))
+    vocab = hidden * pick("vocab_ratio", (8, 16, 64)) + pick("vocab_odd", (0, 7))
+    inter = int(hidden * pick("mlp_ratio", (2.0, 2.6875, 4.0))) // 16 * 16
+    seq = pick("seq", (128, 256, 512, 1000))
+    window = pick("sliding_window", (None, seq // 2, seq, 4 * seq))
+    dropout = pick("config_dropout", (0.0, 0.1))
+    tie = pick("tie_word_embeddings", (True, False))
+    bias = pick("bias", (True, False))
+    cfg: dict = {"model_type": model_type, "vocab_size": vocab, "tie_word_embeddings": tie, "pad_token_id": 0,
+                 "bos_token_id": 1, "eos_token_id": 2}
+    llama_like = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+                      num_hidden_layers=layers, intermediate_size=inter, max_position_embeddings=4096,
+                      attention_dropout=dropout)
+    if model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                      "gemma3_text", "phi3"):
+        cfg.update(llama_like)
+        if pick("explicit_head_dim", (False, True)):
+            cfg["head_dim"] = pick("other_head_dim", (64, 128, 72))
+        elif model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text"):
+            cfg["head_dim"] = head_dim  # these families default to 128 or 256, too large for a tiny model
+    if model_type == "llama":
+        cfg.update(attention_bias=bias, mlp_bias=pick("mlp_bias", (False, True)))
+    elif model_type in ("mistral", "mixtral"):
+        cfg["sliding_window"] = window
+        if model_type == "mixtral":
+            experts = pick("experts", (2, 3, 4))
+            cfg.update(num_local_experts=experts, num_experts_per_tok=pick("top_k", tuple(range(1, experts + 1))))
+    elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if window is not None:
+            cfg.update(use_sliding_window=True, sliding_window=window, max_window_layers=pick("window_layers", (0, 1)))
+        if model_type == "qwen3":
+            cfg["attention_bias"] = bias
+        if model_type.endswith("moe"):
+            experts = pick("experts", (2, 3, 4))
+            cfg.update(num_experts=experts, num_experts_per_tok=pick("top_k", tuple(range(1, experts + 1))),
+                       moe_intermediate_size=pick("moe_intermediate", (hidden // 64 * 16, hidden)),
+                       decoder_sparse_step=pick("sparse_step", (1, 2)), mlp_only_layers=pick("mlp_only", ([], [0])),
+                       norm_topk_prob=pick("norm_topk", (False, True)))
+            if model_type == "qwen2_moe":
+                cfg.update(shared_expert_intermediate_size=pick("shared", (0, hidden)), qkv_bias=bias)
+    elif model_type in ("gemma2", "gemma3_text"):
+        cfg.update(sliding_window=window or 4096, query_pre_attn_scalar=head_dim)
+        if model_type == "gemma2":
+            cfg.update(attn_logit_softcapping=pick("attn_softcap", (None, 50.0)),
+                       final_logit_softcapping=pick("final_softcap", (None, 30.0)))
+    elif model_type == "phi3":
+        cfg.update(resid_pdrop=dropout, embd_pdrop=dropout, sliding_window=window,
+                   partial_rotary_factor=pick("partial_rotary", (1.0, 0.5)))
+    elif model_type == "gpt2":
+        cfg = {k: v for k, v in cfg.items() if k != "pad_token_id"}
+        cfg.update(n_embd=hidden, n_head=heads, n_layer=layers, n_positions=4096, n_inner=pick("n_inner", (None, inter)),
+                   attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout,
+                   activation_function=pick("activation", ("gelu_new", "gelu", "relu")))
+    elif model_type == "gpt_neox":
+        cfg.update(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=layers, intermediate_size=inter,
+                   max_position_embeddings=4096, attention_dropout=dropout, hidden_dropout=dropout,
+                   use_parallel_residual=pick("parallel_residual", (True, False)), attention_bias=bias,
+                   rotary_pct=pick("rotary_pct", (0.25, 0.5, 1.0)))
+    elif model_type == "falcon":
+        layout = pick("falcon_layout", ("7b", "sequential", "new", "alibi"))
+        cfg.update(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=layers, bias=bias,
+                   attention_dropout=dropout, hidden_dropout=dropout, max_position_embeddings=4096,
+                   ffn_hidden_size=pick("ffn", (None, inter)))
+        if layout == "7b":
+            cfg.update(multi_query=True, parallel_attn=True, new_decoder_architecture=False)
+        elif layout == "sequential":
+            cfg.update(multi_query=pick("multi_query", (True, False)), parallel_attn=False,
+                       new_decoder_architecture=False)
+        elif layout == "new":
+            cfg.update(new_decoder_architecture=True, num_kv_heads=kv, parallel_attn=True,
+                       num_ln_in_parallel_attn=pick("ln_in_parallel", (None, 1, 2)))
+        else:
+            cfg.update(alibi=True, multi_query=pick("multi_query", (True, False)), parallel_attn=pick("parallel",
+                       (True, False)), new_decoder_architecture=False)
+    elif model_type == "opt":
+        pre = pick("layer_norm_before", (True, False))
+        cfg.update(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=layers, ffn_dim=inter,
+                   max_position_embeddings=4096, do_layer_norm_before=pre, enable_bias=bias, dropout=dropout,
+                   attention_dropout=dropout, word_embed_proj_dim=pick("proj", (None, hidden // 2)) if pre else None,
+                   activation_function=pick("activation", ("relu", "gelu")))
+    elif model_type == "bloom":
+        cfg.update(hidden_size=hidden, n_head=heads, n_layer=layers, hidden_dropout=dropout,
+                   attention_dropout=dropout,
+                   apply_residual_connection_post_layernorm=pick("post_ln_residual", (False, True)))
+    elif model_type == "deepseek_v3":
+        rope = pick("rope_dim", (16, 32))
+        experts = pick("experts", (2, 4))
+        cfg.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads, num_hidden_layers=layers,
+                   intermediate_size=inter, moe_intermediate_size=pick("moe_intermediate", (hidden // 64 * 16, hidden // 32 * 16)),
+                   n_routed_experts=experts, num_experts_per_tok=pick("top_k", tuple(range(1, experts + 1))),
+                   n_shared_experts=pick("shared", (0, 1)), first_k_dense_replace=pick("dense_layers", (0, 1)),
+                   n_group=1, topk_group=1, q_lora_rank=pick("q_lora", (None, hidden // 2)),
+                   kv_lora_rank=pick("kv_lora", (hidden // 8, hidden // 4)), qk_nope_head_dim=pick("nope_dim", (32, 64)),
+                   qk_rope_head_dim=rope, v_head_dim=pick("v_dim", (32, 64, 96)),
+                   max_position_embeddings=4096, attention_dropout=dropout, attention_bias=bias)
+    recipe = pick("recipe", RANDOM_RECIPES)
+    settings = dict(
+        recipe=recipe, optimizer=pick("optimizer", RANDOM_OPTIMIZERS), batch=pick("batch", (1, 2, 4)), seq=seq,
+        attention=pick("attention", ("sdpa", "eager")), checkpointing=pick("checkpointing", ("none", "full")),
+        dropout=pick("dropout", (None, 0.0, 0.1)), grad_accum=pick("grad_accum", (1, 1, 2)))
+    return cfg, settings
