@@ -279,7 +279,9 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     else:  # eager
         eager = _eager_terms(spec, att, p, s, batch, dropout, qk_bytes, kv_passed, fused_views, use_cache)
         terms += eager
-        released, backward = eager_backward_per_token(eager, c, a, dv, s)
+        # the dropout sees the probabilities cast to q's dtype (llama-style ``.to(query.dtype)``; GPT-2: v's)
+        dropout_bytes = c if spec.model_type == "gpt2" else qk_bytes
+        released, backward = eager_backward_per_token(eager, c, a, dv, s, dropout_bytes)
         softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s)
         if spec.model_type == "bloom":  # BloomAttention keeps the baddbmm scores in a local beside the masked ones
             softmax_extra += c * a * s
@@ -368,16 +370,21 @@ def eager_softmax_moment(terms: list[Term], p: Precision, a: int, s: int) -> tup
     return extra * a * s, after
 
 
-def eager_backward_per_token(terms: list[Term], c: int, a: int, dv: int, s: int) -> tuple[float, float]:
+def eager_backward_per_token(terms: list[Term], c: int, a: int, dv: int, s: int,
+                             dropout_bytes: int) -> tuple[float, float]:
     """Eager attention's backward at its softmax: the gradient of the probabilities (in the softmax's dtype) and of
     the scores, s x s each, and the gradient of v (every head); by then the output copy, v, the probabilities the
     matmul with v kept and the dropout mask are freed."""
     by_name = {t.name.split(" repeated")[0]: t.bytes_per_token for t in terms}
     probs = next(t.bytes_per_token for t in terms if t.name.startswith("softmax probabilities")) / (a * s)
-    # With dropout the worst moment is its backward (the mask still alive, released right after), without it the
-    # softmax's; either way two s x s gradients coexist.
+    # Two s x s gradients coexist at the softmax's backward, and at the dropout's when the dropout runs on the fp32
+    # probabilities (then with its mask still alive); a dropout on probabilities already cast to half has smaller
+    # gradients, so the softmax's moment wins and the mask is freed by then.
+    dropout_in_fp32 = probs == FP32 and dropout_bytes == FP32
     released = sum(by_name.get(name, 0.0) for name in (
         "v", "attention output, contiguous (o_proj input)", "probabilities in compute dtype (matmul with v)"))
+    if not dropout_in_fp32:
+        released += by_name.get("attention dropout mask", 0.0)
     return released, 2 * probs * a * s + c * a * dv
 
 
@@ -443,7 +450,20 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
             terms.append(Term("probabilities in compute dtype (matmul with v)", c * a * s))
         terms.append(Term("attention output, merged (dense input)", c * a * d))
         released = c * a * d * 2 + (c * a * s if r != c or dropout > 0 else 0)
-        return AttentionTerms(tuple(terms), EAGER, k_cache + v_cache, 0.0, released, 2 * r * a * s + c * a * d)
+        # At the softmax (without checkpointing): the scores (a local), the masked scores the softmax reads (fp32
+        # under autocast, where the mask is) and, with ALiBi, the fp32 upcast, the biased logits and (in half
+        # precision) the cast back the softmax makes for its dtype argument.
+        masked = FP32 if p.autocast else c
+        if rotary:
+            extra = c + masked
+        else:
+            extra = c + 3 * FP32 if c != FP32 else 3 * FP32
+            if r != FP32:
+                extra += c
+        return AttentionTerms(tuple(terms), EAGER, k_cache + v_cache, 0.0, released, 2 * r * a * s + c * a * d,
+                              softmax_extra=extra * a * s,
+                              after_softmax=c * a * d + ((c if r != c or dropout > 0 else 0) + (
+                                  MASK if dropout > 0 else 0)) * a * s)
     backend = sdpa_backend(dtype=_DTYPE_OF_BYTES[c], head_dim_qk=d, head_dim_v=d, q_heads=a, kv_heads=kv_heads,
                            has_mask=True, enable_gqa=False, q_len=s, kv_len=s, is_causal=False)
     sdpa_dropout = dropout if not rotary else 0.0  # the rotary path calls SDPA with dropout_p=0.0
@@ -471,8 +491,10 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
                               c * a * efficient_mask_width(s)))
         extra = (0.0 if qk_bytes == c else k_cache) + (0.0 if v_bytes == c else v_cache)
         return AttentionTerms(tuple(terms), EFFICIENT, extra, 0.0, 0.0, c * 3 * a * d)
-    terms += [Term("q scaled (fp32)", FP32 * a * d), Term("k scaled, every head (fp32)", FP32 * a * d),
-              Term("v, every head (fp32)", FP32 * a * d), Term("softmax probabilities (fp32)", FP32 * a * s)]
+    # A single key/value head broadcast over one sequence's heads reshapes without a copy (stride 0)
+    kv_kept = 1 if kv_heads == 1 and settings.batch == 1 else a
+    terms += [Term("q scaled (fp32)", FP32 * a * d), Term("k scaled (fp32)", FP32 * kv_kept * d),
+              Term("v (fp32)", FP32 * kv_kept * d), Term("softmax probabilities (fp32)", FP32 * a * s)]
     if sdpa_dropout > 0:
         terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
     terms.append(Term("attention output copied contiguous (dense input)", c * a * d))
@@ -746,7 +768,8 @@ class ActivationEstimate:
     under autocast the cache keeps each layer's fp32 rotated keys while attention keeps their bf16 casts. Alive
     until the output object is dropped, so it counts at the forward peak only."""
     mask_bytes: int = 0
-    """Attention masks alive while the decoder layers run (without checkpointing; with it they are constants)."""
+    """Attention masks alive while the decoder layers run, beyond those in the constants (with checkpointing the
+    masks the layers receive are constants, kept for the recompute)."""
 
     def layer_saved_bytes(self, layer: LayerActivations) -> int:
         if self.checkpointing == "full":
@@ -820,11 +843,11 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         tables = 2 if spec.model_type == "gemma3_text" else 1
         constant.append(Term("rotary cos, sin", tables * 2 * p.residual * s * max(rotary_dims)))
 
-    masks = _mask_bytes(spec, settings, p)
-    if masks and settings.checkpointing == "full":
+    masks_built, masks_used = _mask_bytes(spec, settings, p)
+    if masks_used and settings.checkpointing == "full":
         # Checkpointed layers receive the masks as keyword arguments, which the checkpoints keep for the recompute,
         # so they live until the first layer's backward (traced); without checkpointing they die with the forward.
-        constant.append(Term("attention masks kept for the recompute", masks))
+        constant.append(Term("attention masks kept for the recompute", masks_used))
 
     head = _norm_terms(spec, h, p, "final norm", p.residual) if spec.final_norm and spec.norm_vectors else []
     if spec.model_type.startswith("gemma"):
@@ -856,24 +879,25 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         tokens=tokens, layers=layers, embedding_terms=tuple(embedding), head_terms=tuple(head),
         constant_terms=tuple(constant), logits_bytes=logits_bytes, loss_transient_bytes=loss_transient,
         checkpointing=settings.checkpointing, kv_cache_bytes=kv_cache,
-        mask_bytes=masks if settings.checkpointing != "full" else 0,
+        mask_bytes=masks_built if settings.checkpointing != "full" else masks_built - masks_used,
     )
 
 
-def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> int:
-    """The attention masks the base model builds once per forward and hands every layer (masking_utils.py): for
-    eager attention a float (batch, 1, s, s) mask in the hidden states' dtype per attention type (full, sliding);
-    for SDPA a boolean one where a layer needs a mask (sdpa_mask); Falcon with ALiBi folds the bias in, a float
-    (batch, heads, s, s) one."""
+def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tuple[int, int]:
+    """The attention masks the base model builds once per forward (masking_utils.py): (bytes built, bytes handed to
+    the layers). Eager attention gets a float (batch, 1, s, s) mask in the hidden states' dtype for full attention
+    always and for sliding attention when a layer slides; SDPA a boolean one only where a layer needs a mask
+    (sdpa_mask). Falcon with ALiBi folds the bias in: a float (batch, heads, s, s) one. Masks built but handed to no
+    layer (a full-attention one in a model whose layers all slide) live until the base model returns."""
     if not spec.has_architecture:
-        return 0
+        return 0, 0
     b, s = settings.batch, settings.seq
-    eager = settings.attention == EAGER
-    kinds = set()
-    for layer, _ in spec.layer_runs:
-        if eager or sdpa_mask(spec, layer, s):
-            kinds.add(layer.sliding_window is not None and s >= layer.sliding_window)
     att = spec.layer_runs[0][0].attention
     if spec.model_type == "falcon" and att.rotary_dim == 0:
-        return p.residual * b * att.num_heads * s * s  # the ALiBi bias with the causal mask folded in
-    return len(kinds) * (p.residual if eager else MASK) * b * s * s
+        size = p.residual * b * att.num_heads * s * s  # the ALiBi bias with the causal mask folded in
+        return size, size
+    if settings.attention == EAGER:
+        used = {layer.sliding_window is not None for layer, _ in spec.layer_runs}
+        return len(used | {False}) * p.residual * b * s * s, len(used) * p.residual * b * s * s
+    used = {layer.sliding_window is not None for layer, _ in spec.layer_runs if sdpa_mask(spec, layer, s)}
+    return len(used) * MASK * b * s * s, len(used) * MASK * b * s * s

@@ -284,14 +284,40 @@ def cuda_kernels():
     def dropout(input, p, train):
         return _cuda_dropout(torch, input, p, train)
 
+    flash_backward_op = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    below_autograd = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU)
+
+    def flash_backward(grad_out, query, key, value, *args, **kwargs):
+        workspace = _flash_backward_workspace(torch, query, key)
+        with torch._C._ExcludeDispatchKeyGuard(below_autograd):
+            grads = flash_backward_op(grad_out, query, key, value, *args, **kwargs)
+        del workspace
+        return grads
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             library.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradCPU")
             library.impl("dropout", dropout, "AutogradCPU")
+            library.impl("_scaled_dot_product_flash_attention_backward", flash_backward, "AutogradCPU")
         yield
     finally:
         library._destroy()
+
+
+def _flash_backward_workspace(torch, query, key) -> list:
+    """What CUDA's flash backward allocates beside dq, dk and dv (flash_api.cpp ``mha_bwd``; the meta kernel
+    allocates only those): fp32 ``softmax_d`` (b, a, round128(s)), an fp32 ``dq_accum`` (b, round128(s), a,
+    head dim rounded to 32, or 64 above 128), and with fewer key/value heads dk and dv expanded to every head."""
+    b, a, s, d = query.shape
+    rounded_s = -(-s // 128) * 128
+    multiple = 32 if d <= 128 else 64
+    rounded_d = -(-d // multiple) * multiple
+    workspace = [query.new_empty((b, a, rounded_s), dtype=torch.float32),
+                 query.new_empty((b, rounded_s, a, rounded_d), dtype=torch.float32)]
+    if key.shape[1] != a:
+        workspace += [query.new_empty((b, s, a, d)), query.new_empty((b, s, a, d))]
+    return workspace
 
 
 @contextlib.contextmanager

@@ -246,6 +246,13 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
     return out
 
 
+def tied_held_for(spec: ModelSpec, recipe: Recipe) -> int:
+    """The LM head's V x h gradient contribution autograd holds through the backward for tied embeddings."""
+    if not (spec.tied_embeddings and spec.has_architecture):
+        return 0
+    return _param_bytes(spec.param_groups[0].tensors[0].numel, _autograd_grad_bytes(recipe))
+
+
 def _constant_bytes(acts: ActivationEstimate, name: str) -> int:
     return int(sum(t.bytes_per_token for t in acts.constant_terms if t.name == name))
 
@@ -315,7 +322,7 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     if checkpointed:
         kept_before_last = acts.embedding_bytes + acts.constant_bytes + cast_cache + sum(x.kept for x in layers[:-1])
         candidates_fw.append(Phase("forward", "inside the last layer", weights, grads_in_forward, states,
-                                   kept_before_last + layers[-1].forward_transient, 0))
+                                   kept_before_last + acts.mask_bytes + layers[-1].forward_transient, 0))
     elif layers:
         # The last layer's down projection: everything the layers saved, the masks they shared and the KV cache
         # are alive, and its output is being written (a large attention mask or cache can put the peak here).
@@ -343,6 +350,18 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
     if settings.loss != "chunked":
         candidates += _lm_head_moments(spec, acts, recipe, p, weights, states, grads_in_forward, saved)
+    if layers and spec.final_norm and spec.norm_vectors:
+        # The final norm's backward, right after the head's: what the head kept is freed; an RMSNorm computed in
+        # fp32 (LlamaRMSNorm and kin) has five h-wide fp32 gradient temporaries at once (traced), a LayerNorm the
+        # gradients of its input and output. Wins for narrow MLPs and small vocabularies.
+        # (the RMSNorm's weight product, which kept the normalised value, has already run its backward)
+        final_norm_terms = [t for t in acts.head_terms if t.name.startswith("final norm:")
+                            and not t.name.endswith("normalised")]
+        at_norm = saved - acts.head_bytes + int(sum(t.bytes_per_token for t in final_norm_terms) * tokens) - \
+            _constant_bytes(acts, AUTOCAST_HEAD_COPY)
+        norm_temps = (5 * FP32 if spec.norm == "rms" else 2 * p.residual) * h * tokens
+        candidates.append(Phase("backward", "final norm", weights, max(grads_in_forward, head_grad), states,
+                                at_norm, norm_temps + tied_held_for(spec, recipe)))
     # Then layer by layer, last to first. Each layer's worst moment is its MLP backward: down_proj's backward has
     # run (its input, the product, is freed; its weight gradient exists), the rest of the layer's activations
     # (recomputed, under full checkpointing) are alive, and the MLP's input gradients are being computed.
@@ -352,8 +371,7 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     base_kept = acts.embedding_bytes + acts.constant_bytes - head_copy
     # Tied embeddings: autograd sums the LM head's and the embedding's gradient contributions before accumulating
     # into .grad, so the head's V x h contribution is held as a temporary through the whole layer backward.
-    tied_numel = spec.param_groups[0].tensors[0].numel if spec.tied_embeddings and spec.has_architecture else 0
-    tied_held = _param_bytes(tied_numel, _autograd_grad_bytes(recipe))
+    tied_held = tied_held_for(spec, recipe)
     kept_below = [0]
     for x in layers:
         kept_below.append(kept_below[-1] + x.kept)

@@ -353,7 +353,7 @@ def random_case(pick) -> tuple[dict, dict]:
                        decoder_sparse_step=pick("sparse_step", (1, 2)), mlp_only_layers=pick("mlp_only", ([], [0])),
                        norm_topk_prob=pick("norm_topk", (False, True)))
             if model_type == "qwen2_moe":
-                cfg.update(shared_expert_intermediate_size=pick("shared", (0, hidden)), qkv_bias=bias)
+                cfg.update(shared_expert_intermediate_size=pick("shared", (hidden // 2, hidden)), qkv_bias=bias)
     elif model_type in ("gemma2", "gemma3_text"):
         cfg.update(sliding_window=window or 4096, query_pre_attn_scalar=head_dim)
         if model_type == "gemma2":
