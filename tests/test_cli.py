@@ -83,6 +83,11 @@ def test_recipes_table(run_cli):
         (["estimate", "gpt2", "--grad-accum", "0"], "grad_accum must be a positive integer"),
         (["sweep", "gpt2", "--batch", "1,x"], "not a comma-separated list"),
         (["trace", "--params", "7e9"], "trace needs a model config"),
+        (["estimate", "gpt2", "--checkpointing", "selective"], "checkpointing 'selective' is not supported"),
+        (["estimate", "--params", "7B", "--activation-k", "34"], "--activation-k needs the hidden size and layer count"),
+        (["sweep", "--params", "7B", "--activation-k", "34", "--batch", "1,8", "--seq", "1024"],
+         "--activation-k needs the hidden size"),
+        (["trace", "gpt2", "--attention", "flash", "--seq", "16"], "--attention flash (flash_attention_2) needs"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(run_cli, args, message):
@@ -140,3 +145,90 @@ def test_commands_needing_torch_say_so_in_one_line_without_it():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "needs torch" in proc.stderr and "trainmem[trace]" in proc.stderr
+
+
+def test_activation_k_keeps_all_five_phases_and_the_optimizer_temporaries(run_cli):
+    """The seed rule replaces the activations only: load, forward, backward, optimizer step (with foreach
+    temporaries) and between steps are all there, and the peak can only grow with k."""
+    import json
+
+    from trainmem.estimate import estimate
+
+    plain = estimate("llama-2-7b")
+    k = estimate("llama-2-7b", activation_k=34)
+    assert [p.name for p in k.phases] == [p.name for p in plain.phases]
+    opt = {p.name: p for p in k.phases}["optimizer"]
+    assert opt.temporaries == {p.name: p for p in plain.phases}["optimizer"].temporaries > 0
+    assert k.peak.allocated_bytes >= opt.allocated_bytes == {p.name: p for p in plain.phases}["optimizer"].allocated_bytes
+    code, out, _ = run_cli("estimate", "llama-2-7b", "--activation-k", "34", "--gpu", "H200", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["gpu"]["fits"] is False and len(doc["phases"]) == 5
+
+
+def test_fits_is_null_with_a_reason_when_no_peak_is_computed(run_cli):
+    import json
+
+    code, out, _ = run_cli("estimate", "--params", "1B", "--gpu", "H200", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["peak"] is None and doc["fits"] is None and doc["gpu"]["fits"] is None
+    assert "unknown" in doc["fits_unknown_reason"]
+    code, out, _ = run_cli("estimate", "gpt2", "--json")
+    doc = json.loads(out)
+    assert doc["fits_unknown_reason"] is None and doc["fits"]["H200"] is True
+
+
+def test_a_sequence_past_the_position_limit_is_warned_about_and_caps_max_seq(run_cli):
+    import json
+
+    code, out, _ = run_cli("estimate", "gpt2", "--seq", "2048", "--json")
+    assert code == 0 and "past gpt2's 1,024 positions" in json.loads(out)["warnings"][0]
+    code, out, _ = run_cli("estimate", "gpt2", "--seq", "1024", "--json")
+    assert json.loads(out)["warnings"] == []
+    code, out, _ = run_cli("estimate", "gpt2", "--seq", "2048")
+    assert "warning:" in out and "learned position table" in out
+    code, out, _ = run_cli("estimate", "gpt2", "--max-seq", "--gpu", "H200", "--json")
+    doc = json.loads(out)
+    assert doc["max_seq"] == 1024 and doc["max_seq_is_position_limit"] and doc["warnings"] == []
+    # Llama 3.1's llama3 RoPE scaling extends its limit: no warning, no cap.
+    code, out, _ = run_cli("estimate", "llama-3.1-8b", "--seq", "200000", "--json")
+    assert json.loads(out)["warnings"] == []
+    code, out, _ = run_cli("estimate", "llama-2-7b", "--seq", "8192", "--json")
+    assert "no RoPE scaling" in json.loads(out)["warnings"][0]
+
+
+def test_max_batch_exits_1_when_nothing_fits(run_cli):
+    code, out, _ = run_cli("estimate", "llama-2-7b", "--gpu", "A100-80GB", "--max-batch")
+    assert code == 1 and "no micro-batch fits A100-80GB" in out
+    code, out, _ = run_cli("estimate", "llama-2-7b", "--gpu", "H200", "--recipe", "pure-bf16", "--checkpointing",
+                           "full", "--max-batch")
+    assert code == 0 and "largest micro-batch that fits H200:" in out
+
+
+def test_unknown_component_is_a_clear_error():
+    from trainmem.errors import ModelError
+    from trainmem.estimate import estimate
+
+    with pytest.raises(ModelError, match="no static component 'unknown'; accepted: weights, gradients"):
+        estimate("gpt2").component("unknown")
+
+
+def test_dtypes_name_zero_and_nan_and_keep_json_valid(run_cli):
+    import json
+
+    code, out, _ = run_cli("dtypes", "--value", "0", "--json")
+    assert {r["outcome"] for r in json.loads(out)["stored"]} == {"zero"}
+    code, out, _ = run_cli("dtypes", "--value", "nan", "--json")
+    doc = json.loads(out, parse_constant=lambda c: pytest.fail(f"bare {c} is not JSON"))  # NaN is a string
+    assert doc["value"] == "NaN" and {r["outcome"] for r in doc["stored"]} == {"not a number (NaN)"}
+    code, out, _ = run_cli("dtypes", "--value", "1e6", "--json")
+    assert {r["format"]: r["outcome"] for r in json.loads(out)["stored"]}["fp16"] == "overflow (inf)"
+
+
+def test_estimate_names_what_is_not_validated(run_cli):
+    from trainmem.estimate import estimate
+
+    for settings, words in ((dict(optimizer="lion"), "optimizer 'lion' is not traced"),
+                            (dict(loss="chunked"), "--loss chunked"), (dict(attention="flash"), "--attention flash")):
+        notes = estimate("gpt2", **settings).notes
+        assert any(n.startswith("not validated:") and words in n for n in notes), notes
+    assert not any("not validated" in n for n in estimate("gpt2").notes)

@@ -5,21 +5,25 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from trainmem.validate import CATEGORY_TOLERANCE, TOTAL_TOLERANCE, Row, markdown, validate  # noqa: E402
+from trainmem.validate import (  # noqa: E402
+    CATEGORY_TOLERANCE, MATRIX_MODELS, TOTAL_TOLERANCE, Row, markdown, validate)
 
 
 def test_quick_matrix_is_within_tolerance():
     rows = validate(quick=True)
-    # llama, gpt2, gemma2 (fp32, pure-bf16) and mixtral (pure-bf16) x checkpointing none/full, SGD
-    assert len(rows) == 14
+    # every model type (both Falcon layouts): amp-bf16 sdpa with the config's dropout, and pure-bf16 eager with
+    # full checkpointing and no dropout; every phase of each step is scored
+    assert len(rows) == 2 * len(MATRIX_MODELS) == 36
+    assert {r.family for r in rows} == set(MATRIX_MODELS)
     assert all(r.phase in ("forward", "backward") for r in rows)  # the activation model is what is tested
+    assert all(len(r.other_phases) == 4 for r in rows)
     bad = [r for r in rows if not r.within_tolerance]
     assert not bad, "\n".join(
-        f"{r.family} {r.recipe} ckpt={r.checkpointing} {r.batch}x{r.seq} {r.optimizer}: total {r.total_error:+.2%}"
-        for r in bad)
+        f"{r.family} {r.recipe} {r.attention} ckpt={r.checkpointing} dropout={r.dropout} {r.batch}x{r.seq}: "
+        f"worst phase {r.worst_phase}" for r in bad)
     assert all(abs(r.total_error) <= TOTAL_TOLERANCE for r in rows)
     report = markdown(rows)
-    assert "14 of 14 rows within tolerance" in report and f"{CATEGORY_TOLERANCE:.0%}" in report
+    assert "36 of 36 rows within tolerance" in report and f"{CATEGORY_TOLERANCE:.0%}" in report
 
 
 def _row(family: str, trace_acts: int, estimate_acts: int) -> Row:
@@ -56,7 +60,8 @@ def test_report_rewrites_its_own_matrix_and_keeps_the_other_sections():
 
 @pytest.mark.parametrize("args, message", [
     (["--jobs", "0"], "--jobs must be at least 1, got 0"),
-    (["--quick", "--full-size"], "--quick and --full-size are two different matrices"),
+    (["--quick", "--full-size"], "--quick, --full-size and --random are different runs"),
+    (["--random", "0"], "--random must be at least 1, got 0"),
 ])
 def test_validate_bad_options_are_one_line(run_cli, tmp_path, args, message):
     out = tmp_path / "accuracy.md"
@@ -102,9 +107,8 @@ def test_cuda_benchmark_section_replaces_only_its_own():
 def test_dropout_rows_are_traced_as_on_a_gpu(family, recipe, checkpointing):
     """With dropout the CPU would fall back to SDPA's math kernel and keep float masks; the trace runs CUDA's
     flash kernel and bool-mask dropout instead, which is what the estimate models (dropout 0.1, batch 4 x 64)."""
-    from trainmem.catalog import catalog_config
-    from trainmem.validate import FAMILIES, run_row, scale_down
+    from trainmem.validate import matrix_config, run_row, scale_down
 
-    config = scale_down(catalog_config(FAMILIES[family]))
+    config = scale_down(matrix_config(family))
     row = run_row(config, family, recipe, checkpointing, 4, 64, "sgd", dropout=0.1)
     assert row.within_tolerance, (row.total_error, {c: row.category_error(c) for c in row.trace})

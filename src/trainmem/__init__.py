@@ -1,6 +1,7 @@
 """trainmem: how much GPU memory a training run needs, where every byte goes, and whether it fits.
 
-The core (this package without ``trace``, ``measure`` and ``web``) imports neither torch nor transformers.
+The core (estimate, models, recipes, timeline, planner, report, cli) imports neither torch nor transformers;
+``trace``, ``measure``, ``probe``, ``precision`` and ``amp_demo`` import them when a command needs them.
 """
 
 __version__ = "0.1.0"

@@ -91,6 +91,10 @@ class LayerActivations:
     """AttentionTerms.softmax_extra of this layer."""
     after_softmax: float = 0.0
     """AttentionTerms.after_softmax of this layer."""
+    returned_to_model: float = 0.0
+    """AttentionTerms.returned_to_model of this layer."""
+    held_by_layer: float = 0.0
+    """AttentionTerms.held_by_layer of this layer."""
 
     @property
     def bytes_per_token(self) -> float:
@@ -161,6 +165,14 @@ class AttentionTerms:
     after_softmax: float = 0.0
     """Of the terms, bytes per token created after the softmax (the probabilities the matmul with v keeps, the
     dropout mask, the output copy)."""
+    returned_to_model: float = 0.0
+    """Bytes per token of the attention probabilities the decoder layer returns and the base model holds (``outputs
+    = block(...)``) until the next layer returns: Falcon's and BLOOM's eager paths. Extra only where nothing keeps
+    them for backward, i.e. in a checkpointed forward."""
+    held_by_layer: float = 0.0
+    """Bytes per token the decoder layer holds in locals through its MLP in a checkpointed forward: the attention
+    weights eager attention returns (``hidden_states, _ = self.self_attn(...)``; BLOOM's ``attn_weights``) and
+    GPT-2's ``attn_output``."""
 
 
 def sdpa_mask(spec: ModelSpec, layer: Layer, seq: int) -> bool:
@@ -229,7 +241,8 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     k_cache = qk_bytes * kv * d if use_cache else 0.0
     v_cache = c * kv * dv if use_cache else 0.0
     k_kept = v_kept = False  # whether attention keeps the cache's own tensors (then the cache adds nothing)
-    returned = released = backward = softmax_extra = after_softmax = 0.0
+    returned = released = backward = softmax_extra = after_softmax = bloom_forward = returned_to_model = 0.0
+    held_by_layer = 0.0
 
     if kernel == FLASH:
         d8, dv8 = flash_head_dim(d), flash_head_dim(dv)
@@ -282,9 +295,12 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         # the dropout sees the probabilities cast to q's dtype (llama-style ``.to(query.dtype)``; GPT-2: v's)
         dropout_bytes = c if spec.model_type == "gpt2" else qk_bytes
         released, backward = eager_backward_per_token(eager, c, a, dv, s, dropout_bytes)
+        held_by_layer = dropout_bytes * a * s + (c * spec.hidden_size if spec.model_type == "gpt2" else 0)
         softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s)
         if spec.model_type == "bloom":  # BloomAttention keeps the baddbmm scores in a local beside the masked ones
             softmax_extra += c * a * s
+            bloom_forward = _bloom_forward(spec, p, a, d, s, dropout, settings.batch)
+            returned_to_model = held_by_layer = c * a * s
         k_kept = fused_views or (kv_passed == kv and qk_bytes == c)
         v_kept = fused_views or kv_passed == kv
         # Llama-style eager attention returns the dropped-out probabilities; when they are fp32 (autocast with
@@ -298,13 +314,33 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     cache_extra = (0.0 if k_kept else k_cache) + (0.0 if v_kept else v_cache)
     # The checkpointed forward: the norm output (the attention's argument), the fused projection output a local
     # keeps (fused-qkv families), q and k after rotary, v, and the copies repeat_kv makes.
-    inputs = p.residual * spec.hidden_size + qk_bytes * (a * d + kv * d) + c * kv * dv
+    # (q, k and v are views of a fused projection's output; RoPE makes new q and k.)
+    inputs = p.residual * spec.hidden_size
     if att.fused_qkv:
         inputs += c * (a * d + kv * (d + dv))
+    if rotary or not att.fused_qkv:
+        inputs += qk_bytes * (a * d + kv * d)
+    if not att.fused_qkv:
+        inputs += c * kv * dv
     if kv_passed != kv:
         inputs += c * a * (d + dv)
-    return AttentionTerms(tuple(terms), kernel, cache_extra, returned, released, backward, forward_inputs=inputs,
-                          softmax_extra=softmax_extra, after_softmax=after_softmax)
+    return AttentionTerms(tuple(terms), kernel, cache_extra, returned, released, backward, forward=bloom_forward,
+                          forward_inputs=inputs, softmax_extra=softmax_extra, after_softmax=after_softmax,
+                          returned_to_model=returned_to_model, held_by_layer=held_by_layer)
+
+
+def _bloom_forward(spec: ModelSpec, p: Precision, a: int, d: int, s: int, dropout: float, batch: int) -> float:
+    """BloomAttention.forward in a checkpointed forward, per token: its locals live until it returns, so beside
+    the norm output, the fused q/k/v output and (batch > 1: with one sequence the merge of the batch and head
+    dimensions is a view) the three copies ``reshape`` makes of its strided views, the
+    baddbmm scores, the masked scores (in the mask's dtype, the parameters') and the probabilities (cast back to
+    q's dtype, and dropped out) all accumulate: the worst moment is the softmax (with its fp32 upcast of half
+    scores) or the end, where the context, its merged copy, dense's output and the residual sum exist too."""
+    c, w, h = p.compute, p.residual, spec.hidden_size
+    inputs = w * h + c * 3 * h + (3 * c * a * d if batch > 1 else 0)
+    at_softmax = c + w + (2 * FP32 if c != FP32 else FP32)
+    at_end = c + w + c + (c + MASK if dropout > 0 else 0)
+    return inputs + max(at_softmax * a * s, at_end * a * s + 3 * c * h + w * h)
 
 
 def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precision, s: int, dropout: float) -> float:
@@ -460,8 +496,14 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
             extra = c + 3 * FP32 if c != FP32 else 3 * FP32
             if r != FP32:
                 extra += c
+        # A checkpointed forward keeps nothing, so the softmax's moment is those tensors and its output; with ALiBi
+        # and dropout, the dropout's (the logits and scores are locals: alive until the function returns).
+        scores = extra + r
+        if not rotary and dropout > 0:
+            scores = max(scores, extra - FP32 + 2 * r + MASK)
+        forward = _falcon_forward_inputs(spec, layer, p, v_bytes, qk_bytes) + scores * a * s
         return AttentionTerms(tuple(terms), EAGER, k_cache + v_cache, 0.0, released, 2 * r * a * s + c * a * d,
-                              softmax_extra=extra * a * s,
+                              forward=forward, softmax_extra=extra * a * s, returned_to_model=r * a * s,
                               after_softmax=c * a * d + ((c if r != c or dropout > 0 else 0) + (
                                   MASK if dropout > 0 else 0)) * a * s)
     backend = sdpa_backend(dtype=_DTYPE_OF_BYTES[c], head_dim_qk=d, head_dim_v=d, q_heads=a, kv_heads=kv_heads,
@@ -502,6 +544,28 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
     return AttentionTerms(tuple(terms), MATH, k_cache + v_cache, 0.0, released, backward)
 
 
+def _falcon_forward_inputs(spec: ModelSpec, layer: Layer, p: Precision, fused_bytes: int, qk_bytes: int) -> float:
+    """FalconAttention.forward's locals at its kernel, per token (modeling_falcon.py ``_split_heads``): the norm
+    output(s) (the new architecture's second norm, for the MLP, is computed first), the query_key_value output,
+    and q, k, v as the kernel reads them: the new architecture copies all three to every head (flatten of a
+    broadcast), the multi-query layout copies k and v (index with a list), the multi-head one takes views; RoPE
+    then makes new q and k."""
+    att = layer.attention
+    a, kv, d, c = att.num_heads, att.num_kv_heads, att.head_dim, p.compute
+    rotary = att.rotary_dim > 0
+    norms = 2 if att.kv_broadcast and layer.num_norms == 2 else 1
+    inputs = p.residual * spec.hidden_size * norms + fused_bytes * (a + 2 * kv) * d
+    if att.kv_broadcast:
+        q = k = v = fused_bytes * a * d
+    elif kv == 1:
+        q, k, v = 0, fused_bytes * d, fused_bytes * d
+    else:
+        q = k = v = 0
+    if rotary:
+        q, k = qk_bytes * a * d, qk_bytes * (a if att.kv_broadcast else kv) * d
+    return inputs + q + k + v
+
+
 _DTYPE_OF_BYTES = {4: "fp32", 2: "bf16", 1: "fp8"}
 
 
@@ -532,6 +596,11 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
     # The cache (use_cache) keeps the latents: the normalised kv (fp32 under autocast, where kv_b_proj keeps a
     # half cast instead) and the rotated shared key.
     cache_extra = ((FP32 * kvr if p.autocast else 0) + q_bytes * rope) if use_cache else 0.0
+    # A checkpointed forward holds DeepseekV3Attention.forward's locals at the kernel: its input, q_b_proj's output,
+    # kv_a_proj_with_mqa's and kv_a_layernorm's, the rotated q and shared k, q (torch.cat), k (expand_kv's new
+    # tensor) and kv_b_proj's output (v is a view of it).
+    inputs = (p.residual * spec.hidden_size + c * a * qk + c * (kvr + rope) + c * kvr + q_bytes * (a + 1) * rope
+              + q_bytes * a * qk + c * a * qk + kv_b_out)
     if kernel == EAGER:
         terms += [Term("q", c * a * qk), Term("k", c * a * qk),
                   Term("softmax probabilities (fp32)", FP32 * a * s)]
@@ -543,7 +612,8 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
         terms += [Term("v, contiguous copy", c * a * dv), Term("attention output, contiguous (o_proj input)",
                                                                 c * a * dv)]
         released = 2 * c * a * dv + (c * a * s if c != FP32 or dropout > 0 else 0)
-        return AttentionTerms(tuple(terms), EAGER, cache_extra, 0.0, released, 2 * FP32 * a * s + c * a * dv)
+        return AttentionTerms(tuple(terms), EAGER, cache_extra, 0.0, released, 2 * FP32 * a * s + c * a * dv,
+                              forward_inputs=inputs)
     backend = sdpa_backend(dtype=_DTYPE_OF_BYTES[c], head_dim_qk=qk, head_dim_v=dv, q_heads=a, kv_heads=a,
                            has_mask=False, enable_gqa=False, q_len=s, kv_len=s, is_causal=True,
                            storage_offsets=(0, 0, nope))
@@ -572,7 +642,7 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
             terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
         terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv))
         released, backward = math_backward_per_token(c, a, dv, s, dropout)
-    return AttentionTerms(tuple(terms), backend, cache_extra, 0.0, released, backward)
+    return AttentionTerms(tuple(terms), backend, cache_extra, 0.0, released, backward, forward_inputs=inputs)
 
 
 def _mlp_terms(mlp: MLP, p: Precision, fc1_bytes: int | None = None) -> list[Term]:
@@ -737,7 +807,8 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention.kernel, attention.cache_extra,
                             attention.returned_extra, attention_bytes, attention.released, attention.backward,
                             attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout),
-                            attention.softmax_extra, attention.after_softmax)
+                            attention.softmax_extra, attention.after_softmax, attention.returned_to_model,
+                            attention.held_by_layer)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -770,6 +841,11 @@ class ActivationEstimate:
     mask_bytes: int = 0
     """Attention masks alive while the decoder layers run, beyond those in the constants (with checkpointing the
     masks the layers receive are constants, kept for the recompute)."""
+
+    decoder_locals_bytes: int = 0
+    """Tensors the base model's forward keeps in locals through its layer loop that backward does not keep: GPT-2's
+    token and position embeddings (summed into the first hidden states), OPT's too and its position tensors. Freed
+    when the base model returns, before the logits."""
 
     def layer_saved_bytes(self, layer: LayerActivations) -> int:
         if self.checkpointing == "full":
@@ -880,7 +956,29 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         constant_terms=tuple(constant), logits_bytes=logits_bytes, loss_transient_bytes=loss_transient,
         checkpointing=settings.checkpointing, kv_cache_bytes=kv_cache,
         mask_bytes=masks_built if settings.checkpointing != "full" else masks_built - masks_used,
+        decoder_locals_bytes=_decoder_locals(spec, p) * tokens,
     )
+
+
+def _decoder_locals(spec: ModelSpec, p: Precision) -> int:
+    """Per token, see ActivationEstimate.decoder_locals_bytes (GPT2Model.forward: inputs_embeds, position_embeds;
+    OPTDecoder.forward: inputs_embeds, pos_embeds, the fp32 position_attention_mask and int64 position_ids)."""
+    embedded = p.residual * spec.hidden_size
+    if spec.model_type == "gpt2":
+        return 2 * embedded
+    if spec.model_type == "opt":
+        return 2 * embedded + FP32 + INDEX
+    return 0
+
+
+_MASKS_ALWAYS_BUILT = {
+    # Each base model's forward: Gemma 2/3 and Qwen2-MoE build the full and the sliding mask whatever the layers use,
+    # Qwen2/Qwen3 the full one always (the sliding one only for sliding layers); the others (Mistral, Mixtral,
+    # Phi-3, Qwen3-MoE: ``create_sliding_window_causal_mask if config.sliding_window else create_causal_mask``) only
+    # the one their layers use.
+    "gemma2": {False, True}, "gemma3_text": {False, True}, "qwen2_moe": {False, True}, "qwen2": {False},
+    "qwen3": {False},
+}
 
 
 def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tuple[int, int]:
@@ -898,6 +996,7 @@ def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tu
         return size, size
     if settings.attention == EAGER:
         used = {layer.sliding_window is not None for layer, _ in spec.layer_runs}
-        return len(used | {False}) * p.residual * b * s * s, len(used) * p.residual * b * s * s
+        built = used | _MASKS_ALWAYS_BUILT.get(spec.model_type, set())
+        return len(built) * p.residual * b * s * s, len(used) * p.residual * b * s * s
     used = {layer.sliding_window is not None for layer, _ in spec.layer_runs if sdpa_mask(spec, layer, s)}
     return len(used) * MASK * b * s * s, len(used) * MASK * b * s * s

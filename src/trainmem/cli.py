@@ -32,8 +32,19 @@ def _console():
     return Console(width=max(120, Console().width))
 
 
+def _json_safe(value):
+    """JSON has no NaN or infinity: such floats are written as the strings "NaN", "Infinity", "-Infinity"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def _emit_json(document: dict) -> None:
-    sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    sys.stdout.write(json.dumps(_json_safe(document), indent=2, allow_nan=False) + "\n")
 
 
 def _parse_params(text: str) -> int:
@@ -122,7 +133,7 @@ def _workload_options(f):
                      help="foreach | fused | auto (fused for mixed-* recipes)."),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
         click.option("--attention", default="sdpa", show_default=True, help="eager | sdpa | flash."),
-        click.option("--checkpointing", default="none", show_default=True, help="none | full | selective."),
+        click.option("--checkpointing", default="none", show_default=True, help="none | full (every decoder layer)."),
         click.option("--dropout", type=float, default=None, help="Dropout probability (default: the config's)."),
         click.option("--loss", default="standard", show_default=True, help="standard | chunked (Liger-style)."),
         click.option("--activation-k", type=float, default=None,
@@ -146,8 +157,9 @@ def _workload_options(f):
 @_workload_options
 @click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
 @click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
-@click.option("--max-batch", is_flag=True, help="Find the largest micro-batch that fits --gpu.")
-@click.option("--max-seq", is_flag=True, help="Find the longest sequence that fits --gpu.")
+@click.option("--max-batch", is_flag=True, help="Find the largest micro-batch that fits --gpu (exit code 1 if none).")
+@click.option("--max-seq", is_flag=True, help="Find the longest sequence that fits --gpu, up to the model's position "
+              "limit unless RoPE scaling extends it (exit code 1 if none).")
 @click.option("--explain", is_flag=True, help="List every saved tensor of a layer.")
 def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
     """Estimate the memory of training MODEL: a catalog name (trainmem models), a Hub repo id, or a path to a
@@ -168,7 +180,7 @@ def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
     spec, settings, device, target, unit, as_json = w.spec, w.settings, w.device, w.gpu, w.unit, options["as_json"]
     extra = {}
     if max_batch or max_seq:
-        from .planner import max_batch as find_batch, max_seq as find_seq
+        from .planner import max_batch as find_batch, max_seq as find_seq, seq_limit
 
         if target is None:
             raise ConfigError("--max-batch and --max-seq need --gpu NAME")
@@ -180,20 +192,29 @@ def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
         if max_seq:
             best = find_seq(spec, settings, target, device)
             extra["max_seq"] = best
+            extra["max_seq_is_position_limit"] = bool(best) and best == seq_limit(spec)
             if best:
                 settings = replace(settings, seq=best)
     est = estimate_model(spec, settings, device)
+    nothing_fits = any(extra.get(key) == 0 for key in ("max_batch", "max_seq"))
     if as_json:
         _emit_json(to_dict(est, target, extra))
-        return
-    console = _console()
-    for key, value in extra.items():
-        what = "micro-batch" if key == "max_batch" else "sequence length"
-        if value:
-            console.print(f"[bold]largest {what} that fits {target.name}: {value}[/bold] (shown below)")
-        else:
-            console.print(f"[bold red]no {what} fits {target.name}, not even 1[/bold red]")
-    render_estimate(est, unit, console, target, explain)
+    else:
+        console = _console()
+        for key in ("max_batch", "max_seq"):
+            if key not in extra:
+                continue
+            what, value = ("micro-batch" if key == "max_batch" else "sequence length"), extra[key]
+            if not value:
+                console.print(f"[bold red]no {what} fits {target.name}, not even 1[/bold red] (exit code 1)")
+            elif key == "max_seq" and extra["max_seq_is_position_limit"]:
+                console.print(f"[bold]sequence length {value:,} fits {target.name}: the model's "
+                              f"max_position_embeddings, the longest it takes[/bold] (shown below)")
+            else:
+                console.print(f"[bold]largest {what} that fits {target.name}: {value:,}[/bold] (shown below)")
+        render_estimate(est, unit, console, target, explain)
+    if nothing_fits:
+        raise click.exceptions.Exit(1)
 
 
 @app.command()
@@ -241,7 +262,7 @@ def sweep(batches, seqs, **options) -> None:
     spec, settings, device, target, unit, as_json = w.spec, w.settings, w.device, w.gpu, w.unit, options["as_json"]
     estimates = run_sweep(spec, settings, batch_list, seq_list, device)
     if any(e.peak is None for e in estimates):
-        raise ConfigError("a sweep needs activations: give a model config (or --activation-k with --params)")
+        raise ConfigError("a sweep needs activations: give a model config, not --params")
     if as_json:
         _emit_json({"schema_version": 1, "sweep": [to_dict(e, target) for e in estimates]})
     else:
@@ -499,47 +520,70 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
 
 
 @app.command()
-@click.option("--quick", is_flag=True, help="The reduced matrix CI runs (14 rows, about 15 s).")
+@click.option("--quick", is_flag=True, help="The reduced matrix CI runs (two rows per model type).")
 @click.option("--full-size", is_flag=True, help="The real configs up to 9B instead of scaled-down ones (112 rows, "
               "8-80 s each).")
+@click.option("--random", "random_cases", type=int, default=None,
+              help="Instead of a matrix, N random models and set-ups (the differential test; every phase scored).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random: the same seed draws the "
+              "same cases.")
 @click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Rows traced in parallel processes.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default="docs/accuracy.md", show_default=True,
               help="Markdown report to write; its other sections (the other matrix, benchmark results) are kept.")
-def validate(quick: bool, full_size: bool, jobs: int, output: str) -> None:
-    """Trace and estimate a matrix of families x recipes x checkpointing x shapes x optimizers and write the
-    comparison as Markdown. Exit code 1 when a row is outside its tolerance.
+def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int, jobs: int, output: str) -> None:
+    """Trace and estimate a matrix of model types x recipes x attention x checkpointing x dropout (or random
+    models with --random) and write the comparison as Markdown. Exit code 1 when a row is outside its tolerance.
 
     \b
     Example: trainmem validate --quick -o /tmp/accuracy.md
+             trainmem validate --random 200 --seed 7 --jobs 2
     """
     import os
     import tempfile
 
-    from .validate import markdown, validate as run_validate
+    from .validate import RANDOM_HEADING, markdown, random_section, replace_sections, validate as run_validate, \
+        validate_random
 
     if jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {jobs}")
-    if quick and full_size:
-        raise ConfigError("--quick and --full-size are two different matrices: give one")
+    if quick + full_size + (random_cases is not None) > 1:
+        raise ConfigError("--quick, --full-size and --random are different runs: give one")
+    if random_cases is not None and random_cases < 1:
+        raise ConfigError(f"--random must be at least 1, got {random_cases}")
     existing = None
     if os.path.exists(output):
         with open(output, encoding="utf-8") as handle:
             existing = handle.read()
     console = _console()
-    rows = run_validate(quick=quick, full_size=full_size, jobs=jobs, progress=lambda r: console.print(
-        f"{r.family:9s} {r.recipe:11s} ckpt={r.checkpointing:5s} {r.batch}x{r.seq:<4d} {r.optimizer:6s} "
-        f"{r.phase:9s} total {r.total_error:+.2%} {'ok' if r.within_tolerance else 'OUT OF TOLERANCE'}"))
-    text = markdown(rows, full_size=full_size, quick=quick, existing=existing)
+    if random_cases is not None:
+        def show(r) -> None:
+            if r.ok:
+                phase, error = r.row.worst_phase
+                console.print(f"case {r.index:<4d} {r.config['model_type']:12s} worst phase {phase} {error:+.2%} ok")
+            else:
+                console.print(r.describe(), markup=False, highlight=False)
+
+        results = validate_random(random_cases, seed, jobs, progress=show)
+        text = replace_sections(existing, {RANDOM_HEADING: random_section(results, seed)})
+        bad = sum(not r.ok for r in results)
+        total = len(results)
+    else:
+        rows = run_validate(quick=quick, full_size=full_size, jobs=jobs, progress=lambda r: console.print(
+            f"{r.family:12s} {r.recipe:20s} {r.attention:5s} ckpt={r.checkpointing:4s} dropout={r.dropout} "
+            f"{r.batch}x{r.seq:<4d} {r.phase:9s} total {r.total_error:+.2%} "
+            f"{'ok' if r.within_tolerance else 'OUT OF TOLERANCE (worst phase %s %+.2f%%)' % (r.worst_phase[0], 100 * r.worst_phase[1])}"))
+        text = markdown(rows, full_size=full_size, quick=quick, existing=existing)
+        bad = sum(not r.within_tolerance for r in rows)
+        total = len(rows)
     folder = os.path.dirname(os.path.abspath(output))
     os.makedirs(folder, exist_ok=True)
     # Written to a temporary file and renamed, so an interrupted run never leaves half a report.
     with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as handle:
         handle.write(text)
     os.replace(handle.name, output)
-    bad = sum(not r.within_tolerance for r in rows)
-    console.print(f"wrote {output}: {len(rows) - bad} of {len(rows)} rows within tolerance")
+    console.print(f"wrote {output}: {total - bad} of {total} within tolerance")
     if bad:
-        raise SystemExit(1)
+        raise click.exceptions.Exit(1)
 
 
 @app.command()
@@ -590,7 +634,9 @@ OPTIONAL_PACKAGES = {"torch": "trace", "transformers": "trace", "safetensors": "
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: one line and exit 2 for any bad input, never a traceback."""
     try:
-        app.main(args=argv, prog_name="trainmem", standalone_mode=False)
+        code = app.main(args=argv, prog_name="trainmem", standalone_mode=False)
+        if isinstance(code, int):  # click returns a raised Exit's code here instead of exiting
+            return code
     except TrainmemError as exc:
         print(f"trainmem: error: {exc}", file=sys.stderr)
         return 2

@@ -97,7 +97,13 @@ def describe(value: float) -> list[dict]:
     rows = []
     for f in FORMATS.values():
         stored = f.round(value)
-        if math.isinf(stored):
+        if math.isnan(value):
+            outcome = "not a number (NaN)"
+        elif value == 0:
+            outcome = "zero"
+        elif math.isinf(value) and math.isinf(stored):
+            outcome = "infinity"
+        elif math.isinf(stored):
             outcome = "overflow (inf)"
         elif math.isnan(stored):
             outcome = "overflow (NaN)"

@@ -8,15 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .activations import ActivationEstimate, estimate_activations
+from .errors import ConfigError, ModelError
 from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION, GPUS, MIB, GPU
 from .models import ModelSpec
-from .optimizers import get_optimizer
+from .optimizers import TRACEABLE_OPTIMIZERS, get_optimizer
 from .recipes import get_recipe
 from .settings import TrainingSettings, make_settings
-from .timeline import Phase, step_timeline
+from .timeline import Phase, seed_rule_timeline, step_timeline
 
 DEFAULT_HEADROOM = 1.25
 """The seed article's advice: pick a GPU with 1.2-1.3x the estimate."""
+NO_PEAK = "no peak: without activations the step's peak is unknown, so whether it fits a GPU is unknown"
 
 
 @dataclass(frozen=True)
@@ -65,13 +67,18 @@ class Estimate:
     peak: Peak | None = None
     device: DeviceOptions = field(default_factory=DeviceOptions)
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    """What makes the set-up itself doubtful (a sequence past the model's position limit), not the estimate."""
 
     @property
     def static_bytes(self) -> int:
         return sum(c.bytes for c in self.static)
 
     def component(self, name: str) -> StaticComponent:
-        return next(c for c in self.static if c.name == name)
+        for c in self.static:
+            if c.name == name:
+                return c
+        raise ModelError(f"no static component {name!r}; accepted: {', '.join(c.name for c in self.static)}")
 
     @property
     def activation_bytes(self) -> int | None:
@@ -82,10 +89,13 @@ class Estimate:
             return None
         return self.activations.saved_bytes + self.activations.logits_bytes
 
-    def fits(self, gpu: GPU) -> bool:
-        return self.peak is not None and self.peak.required_bytes <= gpu.memory_bytes
+    def fits(self, gpu: GPU) -> bool | None:
+        """Whether the step's required memory fits ``gpu``; None when no peak could be computed."""
+        if self.peak is None:
+            return None
+        return self.peak.required_bytes <= gpu.memory_bytes
 
-    def fit_table(self) -> dict[str, bool]:
+    def fit_table(self) -> dict[str, bool | None]:
         return {name: self.fits(gpu) for name, gpu in GPUS.items()}
 
 
@@ -123,6 +133,36 @@ def _peak(phases: tuple[Phase, ...], device: DeviceOptions) -> Peak:
                 int(device_bytes * device.headroom))
 
 
+def position_warning(model: ModelSpec, seq: int) -> str | None:
+    """A warning when ``seq`` is past the length the model was built for and nothing extends it."""
+    limit = model.max_position_embeddings
+    if not limit or seq <= limit or model.rope_extension:
+        return None
+    if model.position_table_rows:
+        return (f"seq {seq:,} is past {model.name}'s {limit:,} positions: its learned position table has no row for "
+                "the later tokens, so a real run fails (the estimate is for a model that had them)")
+    return (f"seq {seq:,} is past {model.name}'s max_position_embeddings ({limit:,}) and its config has no RoPE "
+            "scaling (rope_scaling / rope_parameters): the model runs, but it was not trained for this length")
+
+
+def validation_notes(model: ModelSpec, settings: TrainingSettings) -> tuple[str, ...]:
+    """What in this set-up no trace has checked (docs/accuracy.md lists the validated ground)."""
+    notes = []
+    if settings.optimizer not in TRACEABLE_OPTIMIZERS:
+        notes.append(f"not validated: optimizer {settings.optimizer!r} is not traced (torch has no implementation to "
+                     "run); its states follow its library's documented layout")
+    if settings.loss == "chunked":
+        notes.append("not validated: --loss chunked has no transformers implementation to trace")
+    if settings.attention == "flash":
+        notes.append("not validated: --attention flash (flash_attention_2) needs the flash-attn package and a GPU, so "
+                     "it is not traced; its terms are those of SDPA's flash kernel")
+    if settings.checkpointing == "full" and model.has_architecture:
+        notes.append("not validated to 3%: with --checkpointing full the backward estimate is within 3% of the trace "
+                     "in most but not all families (up to -12% for MoE layers, -9% for eager attention with dropout; "
+                     "docs/accuracy.md, Known gaps)")
+    return tuple(notes)
+
+
 def seed_activation_bytes(model: ModelSpec, settings: TrainingSettings) -> int:
     """The seed article's rule of thumb: batch * seq * hidden * layers * k values of 2 bytes."""
     k = settings.activation_k or 0
@@ -134,43 +174,41 @@ def estimate_model(model: ModelSpec, settings: TrainingSettings | None = None,
     settings = settings or TrainingSettings()
     device = device or DeviceOptions()
     static = static_components(model, settings)
+    warning = position_warning(model, settings.seq)
+    warnings = (warning,) if warning else ()
+    unchecked = validation_notes(model, settings)
+    if settings.activation_k is not None and not model.has_architecture:
+        raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
+                          f"{model.source or model.name} has none (give a model name or config.json)")
     if not model.has_architecture:
         note = ("activations need the architecture: give a model config, not only --params"
                 if model.model_type == "nominal" else
                 f"model_type {model.model_type!r} was counted by transformers; activations need an analytic spec")
-        if settings.activation_k is None:
-            return Estimate(model, settings, static, device=device, notes=(note,))
+        return Estimate(model, settings, static, device=device, notes=(note, NO_PEAK, *unchecked), warnings=warnings)
     recipe = get_recipe(settings.recipe)
     optimizer = get_optimizer(settings.optimizer)
+    weights = {c.name: c.bytes for c in static}
     if settings.activation_k is not None:
         k_bytes = seed_activation_bytes(model, settings)
-        weights = {c.name: c.bytes for c in static}
-        base = weights["weights"] + weights["master_weights"] + weights["optimizer_states"]
-        phases = (
-            Phase("load", "static memory", weights["weights"], 0,
-                  weights["master_weights"] + weights["optimizer_states"], 0, 0),
-            Phase("forward", "end of forward (seed rule of thumb)", weights["weights"], 0,
-                  base - weights["weights"], k_bytes, 0),
-            Phase("optimizer", "optimizer.step()", weights["weights"], weights["gradients"],
-                  base - weights["weights"], 0, 0),
+        phases = seed_rule_timeline(model, weights, k_bytes, recipe, optimizer, settings)
+        acts = estimate_activations(model, recipe, settings)
+        per_layer_values = settings.batch * settings.seq * model.hidden_size * model.num_layers * 2
+        notes = (
+            f"activations from the seed's rule b*s*h*L*k*2 with k={settings.activation_k:g}",
+            f"the architecture model ({settings.attention} attention, {settings.recipe}) gives "
+            f"{acts.layers_bytes / 2**30:.2f} GiB for the decoder layers (k = {acts.layers_bytes / per_layer_values:.1f}) "
+            f"and {(acts.saved_bytes + acts.logits_bytes) / 2**30:.2f} GiB with embedding, head, loss and logits",
+            *unchecked,
         )
-        notes = [f"activations from the seed's rule b*s*h*L*k*2 with k={settings.activation_k:g}"]
-        if model.has_architecture:
-            acts = estimate_activations(model, recipe, settings)
-            per_layer_values = settings.batch * settings.seq * model.hidden_size * model.num_layers * 2
-            notes.append(
-                f"the architecture model ({settings.attention} attention, {settings.recipe}) gives "
-                f"{acts.layers_bytes / 2**30:.2f} GiB for the decoder layers (k = {acts.layers_bytes / per_layer_values:.1f}) "
-                f"and {(acts.saved_bytes + acts.logits_bytes) / 2**30:.2f} GiB with embedding, head, loss and logits")
         return Estimate(model, settings, static, activation_k_bytes=k_bytes, phases=phases,
-                        peak=_peak(phases, device), device=device, notes=tuple(notes))
+                        peak=_peak(phases, device), device=device, notes=notes, warnings=warnings)
     acts = estimate_activations(model, recipe, settings)
-    phases = step_timeline(model, {c.name: c.bytes for c in static}, acts, recipe, optimizer, settings)
-    notes = []
+    phases = step_timeline(model, weights, acts, recipe, optimizer, settings)
+    notes = list(unchecked)
     if optimizer.paged:
         notes.append("paged optimizer states live in CUDA unified memory: max_memory_allocated() does not count them")
     return Estimate(model, settings, static, activations=acts, phases=phases, peak=_peak(phases, device),
-                    device=device, notes=tuple(notes))
+                    device=device, notes=tuple(notes), warnings=warnings)
 
 
 def estimate(model: str | ModelSpec, device: DeviceOptions | None = None, **settings) -> Estimate:

@@ -24,6 +24,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from .config_defaults import CONFIG_DEFAULTS, Derived, default_for
 from .errors import ModelError
 
 # --------------------------------------------------------------------------------------------------------
@@ -167,6 +168,9 @@ class ModelSpec:
     """Parameter vectors per norm module: 1 for RMSNorm, 2 for LayerNorm (weight and bias), 0 if not affine."""
     tied_embeddings: bool
     max_position_embeddings: int = 0
+    """The longest sequence the model was built for (0: no limit, ALiBi)."""
+    rope_extension: str | None = None
+    """The RoPE scaling type (linear, dynamic, yarn, llama3, ...) that lets it run longer; None for plain RoPE."""
     position_table_rows: int = 0
     """Rows of a learned absolute position table (GPT-2: n_positions; OPT: max_position_embeddings + 2)."""
     embedding_dim: int = 0
@@ -335,12 +339,29 @@ def parameter_groups(spec: ModelSpec) -> tuple[ParamGroup, ...]:
 # --------------------------------------------------------------------------------------------------------
 
 
+_SIZES = frozenset({
+    "hidden_size", "n_embd", "n_embed", "num_attention_heads", "n_head", "num_hidden_layers", "n_layer", "vocab_size",
+    "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "moe_intermediate_size", "head_dim",
+    "num_key_value_heads", "num_kv_heads", "kv_lora_rank", "q_lora_rank", "v_head_dim", "qk_rope_head_dim",
+    "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "n_positions",
+    "max_position_embeddings", "word_embed_proj_dim", "n_group", "topk_group", "sliding_window_pattern",
+})
+"""Config fields that count something a model has at least one of: zero or less is rejected."""
+
+_NULL_MEANS_NONE = frozenset({
+    "q_lora_rank", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "num_ln_in_parallel_attn",
+})
+"""Fields where an explicit ``null`` is a setting (no low-rank query, no window, no softcap), not a missing value."""
+
+
 class _Config:
-    """Read access to a config dict that names the missing field instead of guessing it."""
+    """Read access to a config dict: required fields by name, optional ones with transformers' default for the
+    model type (:data:`trainmem.config_defaults.CONFIG_DEFAULTS`), every integer checked."""
 
     def __init__(self, raw: dict[str, Any], origin: str):
         self.raw = raw
         self.origin = origin
+        self.model_type = str(raw.get("model_type"))
 
     def req(self, *keys: str) -> Any:
         for key in keys:
@@ -351,13 +372,18 @@ class _Config:
             f"(needed for model_type {self.raw.get('model_type')!r})"
         )
 
-    def get(self, key: str, default: Any) -> Any:
+    def get(self, key: str) -> Any:
+        """The config's value, or what transformers fills in for this model type when the key is missing."""
         value = self.raw.get(key)
-        return default if value is None else self._check(key, value)
+        if value is None and not (key in self.raw and key in _NULL_MEANS_NONE):
+            value = default_for(self.model_type, key, self.req)
+        return None if value is None else self._check(key, value)
 
     def _check(self, key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             return value
+        if key in _SIZES and value <= 0:
+            raise ModelError(f"{self.origin}: config field {key!r} is {value}; it must be a positive integer")
         if value < 0:
             raise ModelError(f"{self.origin}: config field {key!r} is {value}; it must be non-negative")
         return value
@@ -373,33 +399,51 @@ def _runs(layers: list[Layer]) -> tuple[tuple[Layer, int], ...]:
     return tuple(runs)
 
 
-def _positive(c: _Config, value: int, what: str) -> int:
-    if value <= 0:
-        raise ModelError(f"{c.origin}: {what} must be positive, got {value}")
-    return value
+def _split_heads(c: _Config, hidden: int, heads: int) -> int:
+    """hidden // heads, for the families whose head width is not a config field."""
+    if hidden % heads:
+        raise ModelError(f"{c.origin}: hidden_size={hidden} is not a multiple of the {heads} attention heads")
+    return hidden // heads
 
 
 def _heads(c: _Config) -> tuple[int, int, int, int]:
     """(hidden, heads, kv_heads, head_dim) for the Llama-style families."""
-    hidden = _positive(c, c.req("hidden_size"), "hidden_size")
-    heads = _positive(c, c.req("num_attention_heads"), "num_attention_heads")
-    kv = c.get("num_key_value_heads", heads)
-    if kv <= 0 or heads % kv:
-        raise ModelError(f"{c.origin}: num_key_value_heads={kv} must divide num_attention_heads={heads}")
-    head_dim = c.get("head_dim", hidden // heads)
-    return hidden, heads, kv, head_dim
+    hidden = c.req("hidden_size")
+    heads = c.req("num_attention_heads")
+    kv = c.get("num_key_value_heads")
+    if heads % kv:
+        raise ModelError(f"{c.origin}: num_key_value_heads={kv} must divide num_attention_heads={heads}"
+                         + ("" if "num_key_value_heads" in c.raw else
+                            f" ({kv} is transformers' default for {c.model_type} when the key is missing)"))
+    if c.raw.get("head_dim") is None and isinstance(CONFIG_DEFAULTS[c.model_type]["head_dim"], Derived):
+        _split_heads(c, hidden, heads)
+    return hidden, heads, kv, c.get("head_dim")
 
 
-def _act(c: _Config, default: str) -> str:
+def _act(c: _Config) -> str:
+    """The activation under the key this family's modeling file reads (Gemma 2/3 ``hidden_activation``, GPT-2
+    and OPT ``activation_function``, Falcon ``activation``, the rest ``hidden_act``)."""
     for key in ("hidden_act", "hidden_activation", "activation_function", "activation"):
-        if c.raw.get(key):
-            return str(c.raw[key])
-    return default
+        if key in CONFIG_DEFAULTS[c.model_type]:
+            return str(c.get(key))
+    raise AssertionError(f"no activation key for {c.model_type}")
 
 
-def _rotary_fraction(c: _Config, default: float) -> float:
-    """The fraction of each head RoPE rotates: ``partial_rotary_factor`` (top level, or inside ``rope_parameters`` /
-    ``rope_scaling`` as transformers 5 stores it) or GPT-NeoX's ``rotary_pct``."""
+def _rope_extension(c: _Config) -> str | None:
+    """The RoPE scaling that lets a model run past ``max_position_embeddings`` (linear, dynamic, yarn, llama3,
+    longrope, ...), from ``rope_scaling`` or transformers 5's ``rope_parameters``; None for plain RoPE."""
+    for key in ("rope_scaling", "rope_parameters"):
+        holder = c.raw.get(key)
+        if isinstance(holder, dict):
+            kind = holder.get("rope_type", holder.get("type"))
+            if kind and kind != "default":
+                return str(kind)
+    return None
+
+
+def _rotary_fraction(c: _Config) -> float:
+    """The fraction of each head RoPE rotates: ``partial_rotary_factor`` (top level, or inside ``rope_parameters``
+    / ``rope_scaling`` as transformers 5 stores it) or GPT-NeoX's ``rotary_pct``."""
     for holder in (c.raw, c.raw.get("rope_parameters"), c.raw.get("rope_scaling")):
         if isinstance(holder, dict):
             for key in ("partial_rotary_factor", "rotary_pct"):
@@ -408,7 +452,11 @@ def _rotary_fraction(c: _Config, default: float) -> float:
                     if not 0.0 < value <= 1.0:
                         raise ModelError(f"{c.origin}: {key}={value} must be in (0, 1]")
                     return value
-    return default
+    return float(c.get("partial_rotary_factor"))
+
+
+def _positions(c: _Config, key: str = "max_position_embeddings") -> dict[str, Any]:
+    return dict(max_position_embeddings=c.get(key), rope_extension=_rope_extension(c))
 
 
 def _layer_windows(c: _Config, n_layers: int, window: int | None, sliding: Callable[[int], bool]) -> list[int | None]:
@@ -428,9 +476,8 @@ def _layer_windows(c: _Config, n_layers: int, window: int | None, sliding: Calla
 
 def _sparse_layer(c: _Config, idx: int) -> bool:
     """Qwen2-MoE / Qwen3-MoE rule (modeling_qwen2_moe.py, Qwen2MoeDecoderLayer)."""
-    step = c.get("decoder_sparse_step", 1)
-    only_mlp = c.get("mlp_only_layers", [])
-    return idx not in only_mlp and step > 0 and (idx + 1) % step == 0
+    step = c.get("decoder_sparse_step")
+    return idx not in c.get("mlp_only_layers") and step > 0 and (idx + 1) % step == 0
 
 
 def _llama_like(
@@ -441,17 +488,15 @@ def _llama_like(
     mlp_bias: bool = False,
     qk_norm: bool = False,
     num_norms: int = 2,
-    default_act: str = "silu",
     fused: bool = False,
     moe_for_layer: Callable[[int], MoE | None] | None = None,
-    default_tied: bool = False,
     rotary_fraction: float = 1.0,
     windows: Callable[[int], list[int | None]] | None = None,
     softcaps: tuple[float | None, float | None] = (None, None),
 ) -> dict[str, Any]:
     hidden, heads, kv, head_dim = _heads(c)
-    n_layers = _positive(c, c.req("num_hidden_layers"), "num_hidden_layers")
-    act = _act(c, default_act)
+    n_layers = c.req("num_hidden_layers")
+    act = _act(c)
     att = Attention("mha", heads, kv, head_dim, head_dim, qkv_bias, o_bias, fused_qkv=fused, qk_norm=qk_norm,
                     rotary_dim=int(head_dim * rotary_fraction), logit_softcap=softcaps[0])
     layer_windows = windows(n_layers) if windows else [None] * n_layers
@@ -464,45 +509,46 @@ def _llama_like(
         layers.append(Layer(att, mlp, moe, num_norms, sliding_window=layer_windows[idx]))
     return dict(
         hidden_size=hidden,
-        vocab_size=_positive(c, c.req("vocab_size"), "vocab_size"),
+        vocab_size=c.req("vocab_size"),
         layer_runs=_runs(layers),
         norm="rms",
         norm_vectors=1,
-        tied_embeddings=bool(c.get("tie_word_embeddings", default_tied)),
-        max_position_embeddings=c.get("max_position_embeddings", 0),
-        dropout=Dropout(attention=c.get("attention_dropout", 0.0)),
+        tied_embeddings=bool(c.get("tie_word_embeddings")),
+        dropout=Dropout(attention=c.get("attention_dropout")),
         final_logit_softcap=softcaps[1],
+        **_positions(c),
     )
 
 
-def _softcaps(c: _Config, attention: float | None, final: float | None) -> tuple[float | None, float | None]:
+def _softcaps(c: _Config) -> tuple[float | None, float | None]:
     """Gemma's (attn_logit_softcapping, final_logit_softcapping); an explicit null turns one off."""
-    return (c.raw.get("attn_logit_softcapping", attention), c.raw.get("final_logit_softcapping", final))
+    return c.get("attn_logit_softcapping"), c.get("final_logit_softcapping")
 
 
 def _parse_llama(c: _Config) -> dict[str, Any]:
-    bias = bool(c.get("attention_bias", False))
-    return _llama_like(c, qkv_bias=bias, o_bias=bias, mlp_bias=bool(c.get("mlp_bias", False)))
+    _split_heads(c, c.req("hidden_size"), c.req("num_attention_heads"))  # LlamaConfig.validate_architecture
+    bias = bool(c.get("attention_bias"))
+    return _llama_like(c, qkv_bias=bias, o_bias=bias, mlp_bias=bool(c.get("mlp_bias")))
 
 
-def _all_layers(window: int | None) -> Callable[[int], list[int | None]]:
+def _all_layers(c: _Config, window: int | None) -> Callable[[int], list[int | None]]:
     """One sliding window (or None) for every layer: the families whose model picks one mask function for all
     layers (``create_sliding_window_causal_mask`` when ``config.sliding_window`` is set)."""
     def windows(n_layers: int) -> list[int | None]:
         if window is not None and window <= 0:
-            raise ModelError(f"sliding_window must be positive, got {window}")
+            raise ModelError(f"{c.origin}: sliding_window must be positive, got {window}")
         return [window] * n_layers
     return windows
 
 
 def _parse_mistral(c: _Config) -> dict[str, Any]:
-    return _llama_like(c, qkv_bias=False, o_bias=False, windows=_all_layers(c.get("sliding_window", 4096)))
+    return _llama_like(c, qkv_bias=False, o_bias=False, windows=_all_layers(c, c.get("sliding_window")))
 
 
 def _qwen_windows(c: _Config) -> Callable[[int], list[int | None]]:
     """configuration_qwen2.py / qwen3: with use_sliding_window, layers from max_window_layers on are sliding."""
-    window = c.get("sliding_window", 4096) if c.get("use_sliding_window", False) else None
-    first = c.get("max_window_layers", 28)
+    window = c.get("sliding_window") if c.get("use_sliding_window") else None
+    first = c.get("max_window_layers")
     return lambda n: _layer_windows(c, n, window, lambda i: window is not None and i >= first)
 
 
@@ -512,14 +558,14 @@ def _parse_qwen2(c: _Config) -> dict[str, Any]:
 
 
 def _parse_qwen3(c: _Config) -> dict[str, Any]:
-    bias = bool(c.get("attention_bias", False))
+    bias = bool(c.get("attention_bias"))
     return _llama_like(c, qkv_bias=bias, o_bias=bias, qk_norm=True, windows=_qwen_windows(c))
 
 
 def _moe_fields(c: _Config, *, experts_keys: tuple[str, ...]) -> tuple[int, int]:
     """(routed experts, experts per token), validated."""
-    experts = _positive(c, c.req(*experts_keys), experts_keys[0])
-    top_k = _positive(c, c.req("num_experts_per_tok"), "num_experts_per_tok")
+    experts = c.req(*experts_keys)
+    top_k = c.req("num_experts_per_tok")
     if top_k > experts:
         raise ModelError(f"{c.origin}: num_experts_per_tok={top_k} exceeds the {experts} experts")
     return experts, top_k
@@ -527,202 +573,211 @@ def _moe_fields(c: _Config, *, experts_keys: tuple[str, ...]) -> tuple[int, int]
 
 def _parse_mixtral(c: _Config) -> dict[str, Any]:
     experts, top_k = _moe_fields(c, experts_keys=("num_local_experts", "num_experts"))
-    moe = MoE(experts, top_k, c.req("intermediate_size"), _act(c, "silu"))
+    moe = MoE(experts, top_k, c.req("intermediate_size"), _act(c))
     return _llama_like(c, qkv_bias=False, o_bias=False, moe_for_layer=lambda _: moe,
-                       windows=_all_layers(c.get("sliding_window", None)))
+                       windows=_all_layers(c, c.get("sliding_window")))
 
 
 def _parse_qwen2_moe(c: _Config) -> dict[str, Any]:
     experts, top_k = _moe_fields(c, experts_keys=("num_experts", "num_local_experts"))
-    shared = c.get("shared_expert_intermediate_size", 5632)
     # Qwen2MoeSparseMoeBlock always builds shared_expert_gate, even for a zero-width shared expert.
-    moe = MoE(experts, top_k, c.req("moe_intermediate_size"), _act(c, "silu"), shared, True,
-              normalize_top_k=bool(c.get("norm_topk_prob", False)), weights_in_compute_dtype=True)
-    bias = bool(c.get("qkv_bias", True))
+    moe = MoE(experts, top_k, c.req("moe_intermediate_size"), _act(c), c.get("shared_expert_intermediate_size"),
+              True, normalize_top_k=bool(c.get("norm_topk_prob")), weights_in_compute_dtype=True)
     # configuration_qwen2_moe.py: sliding layers are the odd-numbered ones below max_window_layers.
-    use_window = bool(c.get("use_sliding_window", False))
-    window = c.get("sliding_window", 4096) if use_window else None
-    first = c.get("max_window_layers", 28)
+    use_window = bool(c.get("use_sliding_window"))
+    window = c.get("sliding_window") if use_window else None
+    first = c.get("max_window_layers")
     return _llama_like(
-        c, qkv_bias=bias, o_bias=False, moe_for_layer=lambda i: moe if _sparse_layer(c, i) else None,
+        c, qkv_bias=bool(c.get("qkv_bias")), o_bias=False,
+        moe_for_layer=lambda i: moe if _sparse_layer(c, i) else None,
         windows=lambda n: _layer_windows(c, n, window, lambda i: use_window and bool((i + 1) % 2) and i < first),
     )
 
 
 def _parse_qwen3_moe(c: _Config) -> dict[str, Any]:
     experts, top_k = _moe_fields(c, experts_keys=("num_experts", "num_local_experts"))
-    moe = MoE(experts, top_k, c.req("moe_intermediate_size"), _act(c, "silu"),
-              normalize_top_k=bool(c.get("norm_topk_prob", False)), weights_in_compute_dtype=True)
-    bias = bool(c.get("attention_bias", False))
-    window = c.get("sliding_window", 4096) if c.get("use_sliding_window", False) else None
+    moe = MoE(experts, top_k, c.req("moe_intermediate_size"), _act(c),
+              normalize_top_k=bool(c.get("norm_topk_prob")), weights_in_compute_dtype=True)
+    bias = bool(c.get("attention_bias"))
+    window = c.get("sliding_window") if c.get("use_sliding_window") else None
     return _llama_like(
         c, qkv_bias=bias, o_bias=bias, qk_norm=True, moe_for_layer=lambda i: moe if _sparse_layer(c, i) else None,
-        windows=_all_layers(window),
+        windows=_all_layers(c, window),
     )
 
 
 def _parse_gemma(c: _Config) -> dict[str, Any]:
-    bias = bool(c.get("attention_bias", False))
-    return _llama_like(c, qkv_bias=bias, o_bias=bias, default_act="gelu_pytorch_tanh", default_tied=True)
+    bias = bool(c.get("attention_bias"))
+    return _llama_like(c, qkv_bias=bias, o_bias=bias)
 
 
 def _parse_gemma2(c: _Config) -> dict[str, Any]:
-    bias = bool(c.get("attention_bias", False))
-    window = c.get("sliding_window", 4096)  # configuration_gemma2.py: even-indexed layers are sliding
+    bias = bool(c.get("attention_bias"))
+    window = c.get("sliding_window")  # configuration_gemma2.py: even-indexed layers are sliding
     return _llama_like(
-        c, qkv_bias=bias, o_bias=bias, num_norms=4, default_act="gelu_pytorch_tanh", default_tied=True,
-        windows=lambda n: _layer_windows(c, n, window, lambda i: bool((i + 1) % 2)), softcaps=_softcaps(c, 50.0, 30.0),
+        c, qkv_bias=bias, o_bias=bias, num_norms=4,
+        windows=lambda n: _layer_windows(c, n, window, lambda i: bool((i + 1) % 2)), softcaps=_softcaps(c),
     )
 
 
 def _parse_gemma3_text(c: _Config) -> dict[str, Any]:
-    bias = bool(c.get("attention_bias", False))
-    window = c.get("sliding_window", 4096)
-    if c.get("use_bidirectional_attention", False):
+    bias = bool(c.get("attention_bias"))
+    window = c.get("sliding_window")
+    if window is not None and c.get("use_bidirectional_attention"):
         window = window // 2 + 1  # configuration_gemma3.py
-    pattern = c.get("sliding_window_pattern", 6)  # every pattern-th layer is global
+    pattern = c.get("sliding_window_pattern")  # every pattern-th layer is global
     return _llama_like(
-        c, qkv_bias=bias, o_bias=bias, qk_norm=True, num_norms=4, default_act="gelu_pytorch_tanh", default_tied=True,
-        windows=lambda n: _layer_windows(c, n, window, lambda i: bool((i + 1) % pattern)),
-        softcaps=_softcaps(c, None, None),
+        c, qkv_bias=bias, o_bias=bias, qk_norm=True, num_norms=4,
+        windows=lambda n: _layer_windows(c, n, window, lambda i: bool((i + 1) % pattern)), softcaps=_softcaps(c),
     )
 
 
 def _parse_phi3(c: _Config) -> dict[str, Any]:
-    spec = _llama_like(c, qkv_bias=False, o_bias=False, fused=True, rotary_fraction=_rotary_fraction(c, 1.0),
-                       windows=_all_layers(c.get("sliding_window", None)))
+    spec = _llama_like(c, qkv_bias=False, o_bias=False, fused=True, rotary_fraction=_rotary_fraction(c),
+                       windows=_all_layers(c, c.get("sliding_window")))
     spec["dropout"] = Dropout(
-        attention=c.get("attention_dropout", 0.0), hidden=c.get("resid_pdrop", 0.0), embedding=c.get("embd_pdrop", 0.0)
+        attention=c.get("attention_dropout"), hidden=c.get("resid_pdrop"), embedding=c.get("embd_pdrop")
     )
     return spec
 
 
 def _parse_deepseek_v3(c: _Config) -> dict[str, Any]:
-    hidden = _positive(c, c.req("hidden_size"), "hidden_size")
-    heads = _positive(c, c.req("num_attention_heads"), "num_attention_heads")
+    hidden = c.req("hidden_size")
+    heads = c.req("num_attention_heads")
     rope, nope, v = c.req("qk_rope_head_dim"), c.req("qk_nope_head_dim"), c.req("v_head_dim")
-    bias = bool(c.get("attention_bias", False))
+    bias = bool(c.get("attention_bias"))
     att = Attention(
         "mla", heads, heads, nope + rope, v, qkv_bias=bias, o_bias=bias,
-        q_lora_rank=c.get("q_lora_rank", None), kv_lora_rank=c.req("kv_lora_rank"), qk_rope_head_dim=rope,
-        rotary_dim=rope,
+        q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=c.req("kv_lora_rank"), qk_rope_head_dim=rope, rotary_dim=rope,
     )
     experts, top_k = _moe_fields(c, experts_keys=("n_routed_experts",))
-    act = _act(c, "silu")
+    act = _act(c)
     moe_i = c.req("moe_intermediate_size")
-    groups, top_groups = c.get("n_group", 8), c.get("topk_group", 4)
-    if groups <= 0 or experts % groups or not 0 < top_groups <= groups:
+    groups, top_groups = c.get("n_group"), c.get("topk_group")
+    if experts % groups or top_groups > groups:
         raise ModelError(f"{c.origin}: n_group={groups} must divide n_routed_experts={experts} and topk_group="
                          f"{top_groups} must be between 1 and n_group")
-    moe = MoE(experts, top_k, moe_i, act, shared_intermediate_size=moe_i * c.get("n_shared_experts", 1),
-              router="sigmoid_grouped", normalize_top_k=bool(c.get("norm_topk_prob", True)), groups=groups,
+    moe = MoE(experts, top_k, moe_i, act, shared_intermediate_size=moe_i * c.get("n_shared_experts"),
+              router="sigmoid_grouped", normalize_top_k=bool(c.get("norm_topk_prob")), groups=groups,
               top_groups=top_groups)
-    dense = MLP(c.req("intermediate_size"), True, act)
-    first_dense = c.get("first_k_dense_replace", 0)
-    n_layers = _positive(c, c.req("num_hidden_layers"), "num_hidden_layers")
+    first_dense = c.get("first_k_dense_replace")
+    n_layers = c.req("num_hidden_layers")
     # The multi-token-prediction module (num_nextn_predict_layers) is not part of DeepseekV3ForCausalLM.
-    layers = [Layer(att, dense if i < first_dense else None, None if i < first_dense else moe, 2) for i in range(n_layers)]
+    layers = [Layer(att, MLP(c.req("intermediate_size"), True, act) if i < first_dense else None,
+                    None if i < first_dense else moe, 2) for i in range(n_layers)]
     return dict(
         hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=_runs(layers), norm="rms", norm_vectors=1,
-        tied_embeddings=bool(c.get("tie_word_embeddings", False)),
-        max_position_embeddings=c.get("max_position_embeddings", 0),
-        dropout=Dropout(attention=c.get("attention_dropout", 0.0)),
+        tied_embeddings=bool(c.get("tie_word_embeddings")), dropout=Dropout(attention=c.get("attention_dropout")),
+        **_positions(c),
     )
 
 
 def _parse_gpt2(c: _Config) -> dict[str, Any]:
-    hidden = _positive(c, c.req("n_embd", "hidden_size"), "n_embd")
-    heads = _positive(c, c.req("n_head", "num_attention_heads"), "n_head")
-    n_layers = _positive(c, c.req("n_layer", "num_hidden_layers"), "n_layer")
-    inner = c.get("n_inner", 4 * hidden)
-    att = Attention("mha", heads, heads, hidden // heads, hidden // heads, True, True, fused_qkv=True)
-    layer = Layer(att, MLP(inner, False, _act(c, "gelu_new"), bias=True), None, 2)
-    positions = c.get("n_positions", 1024)
+    hidden = c.req("n_embd", "hidden_size")
+    heads = c.req("n_head", "num_attention_heads")
+    d = _split_heads(c, hidden, heads)
+    att = Attention("mha", heads, heads, d, d, True, True, fused_qkv=True)
+    # modeling_gpt2.py, GPT2Block: inner_dim = n_inner if not None else 4 * hidden_size.
+    layer = Layer(att, MLP(c.get("n_inner"), False, _act(c), bias=True), None, 2)
+    positions = c.get("n_positions")
     return dict(
-        hidden_size=hidden, vocab_size=_positive(c, c.req("vocab_size"), "vocab_size"), layer_runs=((layer, n_layers),),
-        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings", True)),
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("n_layer", "num_hidden_layers")),),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings")),
         max_position_embeddings=positions, position_table_rows=positions,
-        dropout=Dropout(c.get("attn_pdrop", 0.1), c.get("resid_pdrop", 0.1), c.get("embd_pdrop", 0.1)),
+        dropout=Dropout(c.get("attn_pdrop"), c.get("resid_pdrop"), c.get("embd_pdrop")),
     )
 
 
 def _parse_gpt_neox(c: _Config) -> dict[str, Any]:
-    hidden = _positive(c, c.req("hidden_size"), "hidden_size")
-    heads = _positive(c, c.req("num_attention_heads"), "num_attention_heads")
-    bias = bool(c.get("attention_bias", True))
-    d = hidden // heads
-    att = Attention("mha", heads, heads, d, d, bias, bias, fused_qkv=True,
-                    rotary_dim=int(d * _rotary_fraction(c, 0.25)))
-    mlp = MLP(c.req("intermediate_size"), False, _act(c, "gelu"), bias=True)
-    layer = Layer(att, mlp, None, 2, parallel_residual=bool(c.get("use_parallel_residual", True)))
+    hidden = c.req("hidden_size")
+    heads = c.req("num_attention_heads")
+    bias = bool(c.get("attention_bias"))
+    d = _split_heads(c, hidden, heads)
+    att = Attention("mha", heads, heads, d, d, bias, bias, fused_qkv=True, rotary_dim=int(d * _rotary_fraction(c)))
+    mlp = MLP(c.req("intermediate_size"), False, _act(c), bias=True)
+    layer = Layer(att, mlp, None, 2, parallel_residual=bool(c.get("use_parallel_residual")))
     return dict(
         hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("num_hidden_layers")),),
-        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings", False)),
-        max_position_embeddings=c.get("max_position_embeddings", 0),
-        dropout=Dropout(c.get("attention_dropout", 0.0), c.get("hidden_dropout", 0.0)),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings")),
+        dropout=Dropout(c.get("attention_dropout"), c.get("hidden_dropout")), **_positions(c),
     )
 
 
 def _parse_falcon(c: _Config) -> dict[str, Any]:
     # modeling_falcon.py: FalconAttention.query_key_value and FalconDecoderLayer's norms.
-    hidden = _positive(c, c.req("hidden_size"), "hidden_size")
-    heads = _positive(c, c.req("num_attention_heads", "n_head"), "num_attention_heads")
-    new_arch = bool(c.get("new_decoder_architecture", False))
+    hidden = c.req("hidden_size")
+    heads = c.req("num_attention_heads", "n_head")
+    d = _split_heads(c, hidden, heads)
+    new_arch = bool(c.get("new_decoder_architecture"))
+    parallel = bool(c.get("parallel_attn"))
+    norms_in_parallel = c.get("num_ln_in_parallel_attn")
     if new_arch:
-        kv = c.get("num_kv_heads", heads)
+        kv = c.get("num_kv_heads")
+        if heads % kv:
+            raise ModelError(f"{c.origin}: num_kv_heads={kv} must divide num_attention_heads={heads}")
+        if not parallel and norms_in_parallel in (None, 2):
+            # FalconDecoderLayer builds input_layernorm/post_attention_layernorm but its forward calls ln_attn.
+            raise ModelError(f"{c.origin}: new_decoder_architecture with parallel_attn=false does not run in "
+                             "transformers' FalconDecoderLayer; set parallel_attn=true")
+        norms = 2 if norms_in_parallel in (None, 2) else 1
     else:
-        kv = 1 if c.get("multi_query", True) else heads
-    bias = bool(c.get("bias", False))
-    d = hidden // heads
-    alibi = bool(c.get("alibi", False))
+        kv = 1 if c.get("multi_query") else heads
+        if parallel and norms_in_parallel == 2:
+            # FalconDecoderLayer builds ln_attn/ln_mlp but only the new architecture's forward uses them.
+            raise ModelError(f"{c.origin}: num_ln_in_parallel_attn=2 needs new_decoder_architecture=true in "
+                             "transformers' FalconDecoderLayer")
+        norms = 1 if parallel else 2
+    bias = bool(c.get("bias"))
+    alibi = bool(c.get("alibi"))
     att = Attention("mha", heads, kv, d, d, bias, bias, fused_qkv=True, rotary_dim=0 if alibi else d,
                     kv_broadcast=new_arch)
-    parallel = bool(c.get("parallel_attn", True))
-    if new_arch:
-        norms = c.get("num_ln_in_parallel_attn", 2) or 2
-    else:
-        norms = 1 if parallel else 2
-    mlp = MLP(c.get("ffn_hidden_size", 4 * hidden), False, _act(c, "gelu"), bias=bias)
+    mlp = MLP(c.get("ffn_hidden_size"), False, _act(c), bias=bias)
     layer = Layer(att, mlp, None, norms, parallel_residual=parallel or new_arch)
+    positions = _positions(c)
+    if alibi:
+        positions["max_position_embeddings"] = 0  # ALiBi has no position table and no trained length limit
     return dict(
-        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("num_hidden_layers", "n_layer")),),
-        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings", True)),
-        max_position_embeddings=c.get("max_position_embeddings", 0),
-        dropout=Dropout(c.get("attention_dropout", 0.0), c.get("hidden_dropout", 0.0)),
+        hidden_size=hidden, vocab_size=c.req("vocab_size"),
+        layer_runs=((layer, c.req("num_hidden_layers", "n_layer")),),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings")),
+        dropout=Dropout(c.get("attention_dropout"), c.get("hidden_dropout")), **positions,
     )
 
 
 def _parse_opt(c: _Config) -> dict[str, Any]:
-    hidden = _positive(c, c.req("hidden_size"), "hidden_size")
-    heads = _positive(c, c.req("num_attention_heads"), "num_attention_heads")
-    bias = bool(c.get("enable_bias", True))
-    att = Attention("mha", heads, heads, hidden // heads, hidden // heads, bias, bias)
-    mlp = MLP(c.req("ffn_dim"), False, _act(c, "relu"), bias=bias)
-    affine = bool(c.get("layer_norm_elementwise_affine", True))
+    hidden = c.req("hidden_size")
+    heads = c.req("num_attention_heads")
+    d = _split_heads(c, hidden, heads)
+    bias = bool(c.get("enable_bias"))
+    att = Attention("mha", heads, heads, d, d, bias, bias)
+    mlp = MLP(c.req("ffn_dim"), False, _act(c), bias=bias)
+    affine = bool(c.get("layer_norm_elementwise_affine"))
     layer = Layer(att, mlp, None, 2)
-    max_pos = c.get("max_position_embeddings", 2048)
-    proj = c.get("word_embed_proj_dim", hidden)
+    max_pos = c.get("max_position_embeddings")
+    proj = c.get("word_embed_proj_dim")
     return dict(
         hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("num_hidden_layers")),),
-        norm="layer", norm_vectors=2 if affine else 0, tied_embeddings=bool(c.get("tie_word_embeddings", True)),
+        norm="layer", norm_vectors=2 if affine else 0, tied_embeddings=bool(c.get("tie_word_embeddings")),
         max_position_embeddings=max_pos,
         position_table_rows=max_pos + 2,  # OPTLearnedPositionalEmbedding keeps an offset of 2 rows
         embedding_dim=proj if proj != hidden else 0,
-        final_norm=bool(c.get("do_layer_norm_before", True)) and not c.get("_remove_final_layer_norm", False),
-        dropout=Dropout(c.get("attention_dropout", 0.0), c.get("dropout", 0.1)),
+        final_norm=bool(c.get("do_layer_norm_before")) and not c.get("_remove_final_layer_norm"),
+        dropout=Dropout(c.get("attention_dropout"), c.get("dropout")),
     )
 
 
 def _parse_bloom(c: _Config) -> dict[str, Any]:
-    hidden = _positive(c, c.req("hidden_size", "n_embed"), "hidden_size")
-    heads = _positive(c, c.req("n_head", "num_attention_heads"), "n_head")
-    att = Attention("mha", heads, heads, hidden // heads, hidden // heads, True, True, fused_qkv=True)
-    layer = Layer(att, MLP(4 * hidden, False, "gelu", bias=True), None, 2)
+    hidden = c.req("hidden_size", "n_embed")
+    heads = c.req("n_head", "num_attention_heads")
+    d = _split_heads(c, hidden, heads)
+    att = Attention("mha", heads, heads, d, d, True, True, fused_qkv=True)
+    # BloomGelu: a tanh GELU written in Python inside a custom autograd Function (modeling_bloom.py)
+    layer = Layer(att, MLP(4 * hidden, False, "bloom_gelu", bias=True), None, 2)
     return dict(
-        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("n_layer", "num_hidden_layers")),),
-        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings", True)),
-        embedding_norm=True,
-        dropout=Dropout(c.get("attention_dropout", 0.0), c.get("hidden_dropout", 0.0)),
+        hidden_size=hidden, vocab_size=c.req("vocab_size"),
+        layer_runs=((layer, c.req("n_layer", "num_hidden_layers")),),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings")), embedding_norm=True,
+        dropout=Dropout(c.get("attention_dropout"), c.get("hidden_dropout")),
     )
 
 

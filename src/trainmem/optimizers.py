@@ -130,6 +130,11 @@ OPTIMIZERS: dict[str, Optimizer] = {
 }
 
 
+TRACEABLE_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
+"""Optimizers torch itself implements, which trace and measure run; the others' states follow their libraries'
+documented layouts (bitsandbytes, the Lion and Muon papers) without a run to check them."""
+
+
 def get_optimizer(name: str) -> Optimizer:
     try:
         return OPTIMIZERS[name]

@@ -19,15 +19,16 @@ from .settings import TrainingSettings
 MAX_SEARCH = 1 << 24
 
 
-def _largest(fits: Callable[[int], bool]) -> int:
-    """The largest n >= 1 with fits(n), or 0 if even 1 does not fit (fits must be monotone)."""
+def _largest(fits: Callable[[int], bool | None], limit: int = MAX_SEARCH) -> int:
+    """The largest n in [1, limit] with fits(n), or 0 if even 1 does not fit (fits must be monotone)."""
     if not fits(1):
         return 0
+    if fits(limit):
+        return limit
     low, high = 1, 2
-    while high <= MAX_SEARCH and fits(high):
+    while high < limit and fits(high):
         low, high = high, high * 2
-    if high > MAX_SEARCH:
-        return low
+    high = min(high, limit)
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
@@ -44,9 +45,17 @@ def max_batch(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: De
     return _largest(lambda b: estimate_model(model, replace(settings, batch=b), device).fits(gpu))
 
 
+def seq_limit(model: ModelSpec) -> int:
+    """The longest sequence worth searching: the model's position limit, unless RoPE scaling extends it."""
+    if model.max_position_embeddings and not model.rope_extension:
+        return model.max_position_embeddings
+    return MAX_SEARCH
+
+
 def max_seq(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions) -> int:
+    """The longest sequence that fits, capped at :func:`seq_limit` (a longer one would fit memory, not the model)."""
     _require_architecture(model)
-    return _largest(lambda s: estimate_model(model, replace(settings, seq=s), device).fits(gpu))
+    return _largest(lambda s: estimate_model(model, replace(settings, seq=s), device).fits(gpu), seq_limit(model))
 
 
 def sweep(model: ModelSpec, settings: TrainingSettings, batches: list[int], seqs: list[int],

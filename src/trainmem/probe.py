@@ -80,6 +80,7 @@ def saved_tensors(config: dict[str, Any], recipe: str | Recipe = "fp32", batch: 
     (:mod:`trainmem.cuda_emulation`), which is what a GPU saves; ``emulate="cpu"`` runs real CPU tensors."""
     import torch
 
+    from .step import enable_checkpointing
     from .trace import fake_gpu
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
@@ -87,7 +88,7 @@ def saved_tensors(config: dict[str, Any], recipe: str | Recipe = "fp32", batch: 
     with fake_gpu() if emulate == "cuda" else contextlib.nullcontext():
         model = build_model(config, recipe, attention, dropout)
         if checkpointing:  # what survives the forward is what the checkpoint keeps: each layer's inputs
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
         where = ["embedding"]
         for index, layer in enumerate(decoder_layers(model)):

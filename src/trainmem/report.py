@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import __version__
-from .estimate import Estimate
+from .estimate import NO_PEAK, Estimate
 from .hardware import GPUS, GPU
 from .units import format_bytes, format_count
 
@@ -76,8 +76,10 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
             for p in est.phases
         ],
         "peak": None,
-        "fits": {},
+        "fits": None,
+        "fits_unknown_reason": NO_PEAK,
         "notes": list(est.notes),
+        "warnings": list(est.warnings),
     }
     if est.peak is not None:
         pk = est.peak
@@ -88,6 +90,7 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
             "cuda_overhead_bytes": est.device.cuda_overhead_bytes,
         }
         doc["fits"] = est.fit_table()
+        doc["fits_unknown_reason"] = None
     if gpu is not None:
         doc["gpu"] = {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "fits": est.fits(gpu)}
     if extra:
@@ -143,6 +146,12 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
         _render_peak(est, unit, console, gpu)
     for note in est.notes:
         console.print(f"[dim]note: {note}[/dim]")
+    render_warnings(est, console)
+
+
+def render_warnings(est: Estimate, console) -> None:
+    for warning in est.warnings:
+        console.print(f"[bold yellow]warning:[/bold yellow] {warning}")
 
 
 def _render_activations(est: Estimate, unit: str, console, explain: bool) -> None:
@@ -272,7 +281,8 @@ def render_trace(est: Estimate, phases, seconds: float, unit: str, console) -> N
     from rich.table import Table
 
     table = Table(title=f"{_title(est)}: traced step vs estimate ({unit})",
-                  caption=f"traced in {seconds:.1f} s under FakeTensorMode; sizes rounded to 512 bytes like CUDA")
+                  caption=f"traced in {seconds:.1f} s under FakeTensorMode with CUDA's autocast lists and kernel "
+                          "choices; sizes rounded to 512 bytes like CUDA")
     table.add_column("phase")
     for col in ("parameters", "gradients", "states+master", "activations", "temporaries"):
         table.add_column(col, justify="right")
@@ -287,3 +297,4 @@ def render_trace(est: Estimate, phases, seconds: float, unit: str, console) -> N
                       format_bytes(p.allocated_bytes, unit), format_bytes(e.allocated_bytes, unit) if e else "",
                       error)
     console.print(table)
+    render_warnings(est, console)

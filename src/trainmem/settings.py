@@ -15,7 +15,7 @@ from .optimizers import get_optimizer
 from .recipes import get_recipe
 
 ATTENTION_KERNELS = ("eager", "sdpa", "flash")
-CHECKPOINTING = ("none", "full", "selective")
+CHECKPOINTING = ("none", "full")
 LOSSES = ("standard", "chunked")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
 
@@ -37,7 +37,7 @@ class TrainingSettings:
     attention: str = "sdpa"
     """Attention kernel: eager (materialises the s x s scores), sdpa (transformers' default) or flash."""
     checkpointing: str = "none"
-    """Activation checkpointing: none, full (HF gradient_checkpointing_enable) or selective (Megatron)."""
+    """Activation checkpointing: none or full (transformers' gradient_checkpointing_enable: every decoder layer)."""
     dropout: float | None = None
     """Dropout probability override; None keeps the config's."""
     loss: str = "standard"
@@ -62,6 +62,10 @@ class TrainingSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.checkpointing == "selective":
+            # Megatron's selective recompute (attention core only) has no transformers counterpart to trace.
+            raise ConfigError("checkpointing 'selective' is not supported: transformers checkpoints whole decoder "
+                              "layers; accepted: none, full")
         for name, accepted in (("attention", ATTENTION_KERNELS), ("checkpointing", CHECKPOINTING), ("loss", LOSSES),
                                ("optimizer_impl", OPTIMIZER_IMPLS)):
             if getattr(self, name) not in accepted:

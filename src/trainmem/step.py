@@ -12,10 +12,10 @@ import contextlib
 from typing import Any, Callable
 
 from .errors import ConfigError
+from .optimizers import TRACEABLE_OPTIMIZERS
 from .recipes import get_recipe
 from .settings import TrainingSettings
 
-TRACEABLE_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
 
 
 class Fp32StateAdamW:
@@ -65,6 +65,15 @@ class Fp32StateAdamW:
             p.grad = None
 
 
+def enable_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer (transformers renamed
+    ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` in 5.x and deprecated the old name)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def make_optimizer(torch, name: str, params: list, fused: bool, fp32_states_for_half: bool = False):
     if name in ("adamw", "adam") and fp32_states_for_half:
         return Fp32StateAdamW(torch, params, weight_decay=0.01 if name == "adamw" else 0.0, fused=fused)
@@ -95,16 +104,18 @@ class TrainingStep:
         self.settings = settings
         if settings.loss == "chunked":
             raise ConfigError("trace and measure run transformers' standard loss; --loss chunked is estimate-only")
-        if settings.checkpointing == "selective":
-            raise ConfigError("trace and measure support checkpointing none and full (selective is Megatron's)")
+        if settings.attention == "flash" and not str(device).startswith("cuda"):
+            raise ConfigError("--attention flash (flash_attention_2) needs the flash-attn package and a GPU; on the "
+                              "CPU and in trace use eager or sdpa (whose flash kernel the trace emulates)")
         kernel = effective_kernel(spec or spec_from_config(config), settings.attention)
+        kernel = "flash_attention_2" if kernel == "flash" else kernel
         # Built directly on the device (no .to(), which FakeTensorMode cannot apply to parameters).
         with torch.device(device):
             self.model = build_model(config, recipe, kernel, settings.dropout)
         self.recomputing = False
         """True while a checkpointed layer's forward is being recomputed inside backward."""
         if settings.checkpointing == "full":
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(self.model)
             self._mark_recomputes()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.masters = ([p.detach().float().requires_grad_(True) for p in self.params]

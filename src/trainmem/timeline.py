@@ -56,11 +56,20 @@ def _mlp_width(layer) -> int:
 
 def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
     """The gradient temporaries of one layer's MLP backward: while the product's backward runs, d(product),
-    d(activation) and d(up) coexist (3 x I wide; 2 for a plain GELU/ReLU MLP; GPT-2's Python gelu_new chains three),
+    d(activation) and d(up) coexist (3 x I wide; 2 for a plain GELU/ReLU MLP; GPT-2's Python gelu_new chains three; BLOOM's six),
     beside the residual stream's gradient (alive throughout, traced with and without checkpointing)."""
     layer = la.layer
     plain = layer.mlp is not None and not layer.mlp.gated and layer.mlp.activation != "gelu_new"
-    mlp = (2 if plain else 3) * _mlp_bytes(layer, p) * _mlp_width(layer)
+    wide = 2 if plain else 3
+    if layer.mlp is not None and layer.mlp.activation == "bloom_gelu":
+        # GeLUFunction.backward (modeling_bloom.bloom_gelu_back) evaluates the tanh GELU's derivative in Python:
+        # tanh_out, 0.5 * x, 1 - tanh_out**2, 0.107 * x and its product with x are alive at once beside the
+        # incoming gradient (6 I-wide, traced).
+        wide = 6
+    width = _mlp_bytes(layer, p)
+    if p.autocast and layer.mlp is not None and layer.mlp.activation == "gelu_new":
+        width = FP32  # pow upcasts x on CUDA's autocast list: the chain's gradients are fp32 (traced)
+    mlp = wide * width * _mlp_width(layer)
     return (mlp + p.residual * spec.hidden_size) * tokens
 
 
@@ -104,15 +113,19 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     att = layer.attention
     wide = 3  # gated: activation output, up output, product
     if layer.mlp is not None and not layer.mlp.gated:
-        wide = 5 if layer.mlp.activation == "gelu_new" else 2  # gelu_new's Python intermediates
+        # The Python GELUs' intermediates (traced): gelu_new's x, 0.5 * x, pow(x, 3) and 0.044715 * pow(x, 3);
+        # BloomGelu's x, x * 0.5, 0.79788456 * x, 0.044715 * x and its product with x.
+        wide = {"gelu_new": 4, "bloom_gelu": 5}.get(layer.mlp.activation, 2)
     if layer.moe:
         wide = 4  # the experts' one gate_up output (2 I wide) stays alive beside the activation and the product
     mlp = wide * _mlp_bytes(layer, p) * _mlp_width(layer)
     if layer.moe:  # grouped_mm_experts_forward holds the gathered tokens in a local until it returns
         mlp += layer.moe.top_k * p.experts * h
+    mlp += la.held_by_layer  # the attention weights eager attention returned, held in the block's locals
     attn = la.attention_forward or c * (2 * att.num_heads * att.head_dim + 2 * att.num_kv_heads * att.head_dim)
-    # beside the layer input (kept) and, in the MLP, the residual and the norm output
-    return int(max(mlp + 2 * w * h, attn + w * h) * tokens)
+    # Beside, in the MLP: the layer input (the caller's variable), the residual and the norm output; in attention,
+    # the layer input (its norm output is counted in ``attention_forward``).
+    return int(max(mlp + 3 * w * h, attn + w * h) * tokens)
 
 
 def _autograd_grad_bytes(recipe: Recipe) -> int:
@@ -152,6 +165,8 @@ class _LayerBytes:
     """Freed when down_proj's backward has run: its input (the MLP product), under autocast the half copy of its
     weight, what a norm on the layer's output saved, and MoE's router-weighted expert outputs."""
     down_grad: int
+    down_weight_gradient: int
+    """The down projection's weight gradient as its matmul makes it (the half copy's dtype under autocast)."""
     grads: int
     transient: int
     """Largest gradient temporaries inside its backward."""
@@ -179,6 +194,9 @@ class _LayerBytes:
     """The down projection's backward: the gradient of its input (I wide) and of its output, beside the residual's."""
     freed_before_down: int
     """What a norm on the layer's output and MoE's weighted sum freed before the down projection's backward."""
+    returned_to_model: int = 0
+    """The attention probabilities the layer returns to a base model that holds them through the next layer
+    (LayerActivations.returned_to_model), in bytes."""
 
 
 def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
@@ -221,6 +239,9 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         item = _LayerBytes(
             kept=kept, full=full, product=_mlp_bytes(layer, p) * _mlp_width(layer) * tokens + down_copy + freed_before_mlp,
             down_grad=_param_bytes(down, recipe.gradient_bytes),
+            # Under autocast the matmul's weight gradient is first made in the half copy's dtype; its cast to the
+            # parameter's comes after the layer's down-projection input is freed (traced).
+            down_weight_gradient=p.compute * down if down_copy else _param_bytes(down, recipe.gradient_bytes),
             grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
             transient=_mlp_transient(spec, la, p, tokens),
             forward_transient=_forward_transient(spec, la, p, tokens),
@@ -241,6 +262,7 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                             + (p.compute * spec.hidden_size if p.autocast or _mlp_output_dropout(spec, layer, settings)
                                else 0)) * tokens,
             freed_before_down=freed_before_mlp,
+            returned_to_model=int(la.returned_to_model * tokens),
         )
         out.extend([item] * la.count)
     return out
@@ -312,7 +334,10 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     checkpointed = acts.checkpointing == "full" and bool(layers)
     # Under checkpointing, autocast's cast cache keeps every layer's half weight copies until the autocast
     # region ends, even though checkpointed layers save nothing (without it, backward keeps them: in saved).
-    cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if checkpointed and p.autocast else 0
+    # FalconLinear computes ``input @ self.weight.T``: autocast casts the view weight.T, not a leaf, so nothing is
+    # cached there and each cast copy dies with its matmul (traced).
+    cached = checkpointed and p.autocast and spec.model_type != "falcon"
+    cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if cached else 0
     # The CausalLM forward holds the base model's output (the final norm's) while it computes the logits and the
     # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
     final_hidden = p.residual * h * tokens if p.autocast and p.residual == FP32 and layers else 0
@@ -320,13 +345,17 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                            saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache
                            + final_hidden, 0)]
     if checkpointed:
-        kept_before_last = acts.embedding_bytes + acts.constant_bytes + cast_cache + sum(x.kept for x in layers[:-1])
+        # (the LM head's autocast weight copy is made when the head runs, after the layers)
+        kept_before_last = acts.embedding_bytes + acts.constant_bytes - _constant_bytes(acts, AUTOCAST_HEAD_COPY) \
+            + cast_cache + sum(x.kept for x in layers[:-1]) + acts.decoder_locals_bytes
+        # Falcon and BLOOM: the previous layer's returned probabilities, held by the base model's loop variable.
+        returned = layers[-2].returned_to_model if len(layers) > 1 else 0
         candidates_fw.append(Phase("forward", "inside the last layer", weights, grads_in_forward, states,
-                                   kept_before_last + acts.mask_bytes + layers[-1].forward_transient, 0))
+                                   kept_before_last + acts.mask_bytes + layers[-1].forward_transient + returned, 0))
     elif layers:
         # The last layer's down projection: everything the layers saved, the masks they shared and the KV cache
         # are alive, and its output is being written (a large attention mask or cache can put the peak here).
-        layers_saved = acts.embedding_bytes + acts.constant_bytes + sum(x.kept for x in layers)
+        layers_saved = acts.embedding_bytes + acts.constant_bytes + sum(x.kept for x in layers) + acts.decoder_locals_bytes
         last = acts.layers[-1]
         if last.softmax_extra:
             # Eager and math attention: the last layer's softmax, with its s x s input (and an fp32 upcast) beside
@@ -388,7 +417,7 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
         candidates.append(Phase(
             "backward", f"layer {index} down projection", weights,
             max(grads_in_forward, head_grad + grads_above), states,
-            live_acts - x.freed_before_down, x.down_transient + x.down_grad + tied_held))
+            live_acts - x.freed_before_down, x.down_transient + x.down_weight_gradient + tied_held))
         candidates.append(Phase(
             "backward", f"layer {index} attention", weights,
             max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
@@ -429,3 +458,22 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     load = Phase("load", "static state", weights, grads_between, states, 0, 0)
     between = Phase("between_steps", "after zero_grad", weights, grads_between, states, 0, 0)
     return (load, forward, backward, opt, between)
+
+
+def seed_rule_timeline(spec: ModelSpec, static: dict[str, int], activation_bytes: int, recipe: Recipe,
+                       optimizer: Optimizer, settings: TrainingSettings) -> tuple[Phase, ...]:
+    """The same five phases with the activations given as one number (the seed article's b*s*h*L*k*2 rule):
+    they are all alive at the end of forward and, as the rule counts them, when backward starts producing
+    gradients; the optimizer step and the time between steps are as in :func:`step_timeline`."""
+    weights, grads = static["weights"], static["gradients"]
+    states = static["optimizer_states"] + static["master_weights"]
+    grads_in_forward = grads if settings.grad_accum > 1 or recipe.persistent_gradients else 0
+    grads_between = grads if recipe.persistent_gradients else 0
+    temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer)
+    return (
+        Phase("load", "static state", weights, grads_between, states, 0, 0),
+        Phase("forward", "end of forward (seed rule)", weights, grads_in_forward, states, activation_bytes, 0),
+        Phase("backward", "activations and gradients (seed rule)", weights, grads, states, activation_bytes, 0),
+        Phase("optimizer", "step()", weights, grads, states, 0, temp),
+        Phase("between_steps", "after zero_grad", weights, grads_between, states, 0, 0),
+    )

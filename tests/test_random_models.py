@@ -1,0 +1,34 @@
+"""Differential test: random small models of every supported type under random training set-ups, each traced (the
+real transformers model, a real step, fake tensors) and estimated; every phase must be within 3% in total and 5%
+per category. The draws are the ones ``trainmem validate --random`` makes (``validate.random_case``), here from
+hypothesis with a fixed seed so that CI runs the same few dozen cases on every machine; a failure prints the
+config and the command that reproduces it."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from trainmem.validate import KNOWN_OUT_OF_TOLERANCE, random_case, run_random_case  # noqa: E402
+
+
+@settings(max_examples=30, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_estimate_matches_the_trace_of_a_random_model(data):
+    config, training = random_case(lambda label, options: data.draw(st.sampled_from(tuple(options)), label=label))
+    result = run_random_case(config, training)
+    assert result.row is not None, result.describe()
+    if KNOWN_OUT_OF_TOLERANCE(config, training):
+        return  # a documented gap (docs/accuracy.md); `trainmem validate --random` still reports it
+    assert result.ok, result.describe()
+
+
+def test_a_failure_names_the_config_and_the_command():
+    from trainmem.validate import random_case_for
+
+    config, training = random_case_for(0, 0)
+    text = run_random_case(config, training).describe()
+    assert '"model_type"' in text and "trainmem trace config.json --recipe" in text
