@@ -7,14 +7,13 @@ tracked step (forward, loss, backward, ``optimizer.step()``, ``zero_grad(set_to_
 parameter, buffer, gradient, activation, temporary or optimizer state. Sizes are rounded to 512 bytes as the CUDA
 caching allocator does (``--no-round`` keeps raw sizes).
 
-What differs from a GPU run: the CPU kernels' fake implementations stand in for CUDA's (the SDPA CPU flash kernel
-saves the same output and logsumexp as CUDA's flash kernel); CPU autocast's op lists are close to, not identical
-with, CUDA's. Where the CPU would run something a GPU does not, the trace runs what the GPU runs: with dropout,
-the flash kernel and the fused bool-mask dropout instead of the CPU's math-path fallback and float masks
-(``_cuda_dropout_kernels``). Two corrections to a plain MemTracker run: the whole of a checkpointed layer's
-recompute is tagged as activations (``_recompute_aware_tracker``), and transformers' packed-sequence check, which
-fake tensors cannot answer, is answered as a real run with one sequence per row does (``_unpacked_batches``).
-docs/accuracy.md lists the estimate-vs-trace differences.
+What differs from a GPU run: the CPU executes the step, so where a CPU kernel differs from CUDA's in what it keeps
+the trace runs CUDA's (``trainmem.cuda_emulation``): CUDA's autocast op lists and weight-cast cache, the SDPA kernel
+CUDA would select (flash, memory-efficient or math, by PyTorch's rules in ``trainmem.kernels``) and the fused
+bool-mask dropout. Two corrections to a plain MemTracker run: the whole of a checkpointed layer's recompute is
+tagged as activations (``_recompute_aware_tracker``), and transformers' packed-sequence check, which fake tensors
+cannot answer, is answered as a real run with one sequence per row does (``_unpacked_batches``). docs/accuracy.md
+lists the estimate-vs-trace differences.
 
 Needs torch and transformers (``pip install 'trainmem[trace]'``).
 """
