@@ -376,7 +376,7 @@ tests/test_random_models.py. A row listed under "Known gaps" is reported, not fa
 """,
     "## Known gaps": """## Known gaps
 
-- Full activation checkpointing: in the random run above, the checkpointed cases account for most failures. The
+- Full activation checkpointing: 12 of the random run's 14 cases out of tolerance are checkpointed. The
   recompute's moments in backward are not yet modelled for every family: GPT-2 and Phi-3 eager attention with
   dropout (the recomputed probabilities, mask and dropped copy are alive beside the gradient of the
   probabilities: -7% to -9% at the peak), Qwen3-MoE and Qwen2-MoE (-6% to -12%), DeepSeek-V3 (-5%), and the
@@ -591,9 +591,9 @@ class RandomResult:
 def KNOWN_OUT_OF_TOLERANCE(config: dict, settings: dict) -> str | None:  # noqa: N802 (a table as a predicate)
     """The reason a random case is a documented gap (docs/accuracy.md), or None where it must be within tolerance.
 
-    Full activation checkpointing: ``trainmem validate --random 200 --seed 7`` had 13 of its 101 checkpointed cases
-    outside tolerance in some phase (the recompute's moments in backward of MoE, Phi-3, GPT-2 and DeepSeek layers,
-    up to -12% at the peak), against 2 of 99 without."""
+    Full activation checkpointing: 12 of the 14 cases of ``trainmem validate --random 200 --seed 7`` outside
+    tolerance in some phase are checkpointed (the recompute's moments in backward of MoE, Phi-3, GPT-2 and DeepSeek
+    layers, up to -12% at the peak)."""
     if settings.get("checkpointing") == "full":
         return "full activation checkpointing: backward recompute moments not yet modelled for every family"
     return None
