@@ -362,15 +362,9 @@ def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precis
     else:
         scores = c + 2 * FP32 if upcasts else 2 * c
     if dropout > 0:  # at the dropout: the probabilities, their dropped copy and the mask
-        probs = FP32 if p.autocast or c == FP32 or upcasts and spec_softmax_stays_fp32(p) else c
+        probs = FP32 if p.autocast or c == FP32 else c
         scores = max(scores, 2 * probs + MASK)
     return inputs + scores * a * s
-
-
-def spec_softmax_stays_fp32(p: Precision) -> bool:
-    """Eager attention's dropout sees fp32 probabilities only where the softmax's fp32 output is not cast back
-    (autocast with fp32 queries); in half precision ``.to(query.dtype)`` casts it first."""
-    return p.autocast
 
 
 def flash_backward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int) -> float:

@@ -135,8 +135,8 @@ def _peak(phases: tuple[Phase, ...], device: DeviceOptions) -> Peak:
 
 def position_warning(model: ModelSpec, seq: int) -> str | None:
     """A warning when ``seq`` is past the length the model was built for and nothing extends it."""
-    limit = model.max_position_embeddings
-    if not limit or seq <= limit or model.rope_extension:
+    limit = model.position_limit
+    if limit is None or seq <= limit:
         return None
     if model.position_table_rows:
         return (f"seq {seq:,} is past {model.name}'s {limit:,} positions: its learned position table has no row for "

@@ -189,6 +189,14 @@ class ModelSpec:
     architecture, so activations cannot be derived from it."""
 
     @property
+    def position_limit(self) -> int | None:
+        """The longest sequence the model takes: ``max_position_embeddings``, unless RoPE scaling extends it or
+        there is none (ALiBi)."""
+        if self.max_position_embeddings and not self.rope_extension:
+            return self.max_position_embeddings
+        return None
+
+    @property
     def has_architecture(self) -> bool:
         return bool(self.layer_runs)
 

@@ -47,9 +47,7 @@ def max_batch(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: De
 
 def seq_limit(model: ModelSpec) -> int:
     """The longest sequence worth searching: the model's position limit, unless RoPE scaling extends it."""
-    if model.max_position_embeddings and not model.rope_extension:
-        return model.max_position_embeddings
-    return MAX_SEARCH
+    return model.position_limit or MAX_SEARCH
 
 
 def max_seq(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions) -> int:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import AUTOCAST_HEAD_COPY, FP32, INDEX, ActivationEstimate, LayerActivations, Precision
+from .activations import (AUTOCAST_HEAD_COPY, FP32, INDEX, ActivationEstimate, LayerActivations, Precision,
+                          _hidden_dropout_sites)
 from .models import ModelSpec, layer_tensors
 from .optimizers import Optimizer
 from .recipes import Recipe
@@ -74,8 +75,6 @@ def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: 
 
 
 def _mlp_output_dropout(spec: ModelSpec, layer, settings: TrainingSettings) -> bool:
-    from .activations import _hidden_dropout_sites
-
     p = spec.dropout.hidden if settings.dropout is None else settings.dropout
     return p > 0 and _hidden_dropout_sites(spec, layer) > 0
 
@@ -314,17 +313,47 @@ def _lm_head_moments(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe, 
     return moments
 
 
-def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate,
-                  recipe: Recipe, optimizer: Optimizer, settings: TrainingSettings) -> tuple[Phase, ...]:
-    weights, grads = static["weights"], static["gradients"]
-    states = static["optimizer_states"] + static["master_weights"]
-    p = Precision.of(recipe)
-    tokens, v, h = acts.tokens, spec.vocab_size, spec.hidden_size
-    accumulating = settings.grad_accum > 1
+@dataclass(frozen=True)
+class _Static:
+    """The step's static memory as every phase sees it."""
+
+    weights: int
+    grads: int
+    states: int
+    """Optimizer states and fp32 master weights."""
+    grads_in_forward: int
+    """Gradients alive during forward and backward before this micro-batch's own appear."""
+    grads_between: int
+    """Gradients alive between steps (after zero_grad)."""
+
+
+def _static(static: dict[str, int], recipe: Recipe, settings: TrainingSettings) -> _Static:
+    grads = static["gradients"]
     # With gradient accumulation the gradients of earlier micro-batches are alive in every forward but the first;
     # a persistent fp32 main-grad buffer (Megatron) is alive all the time.
-    grads_in_forward = grads if accumulating or recipe.persistent_gradients else 0
-    grads_between = grads if recipe.persistent_gradients else 0
+    return _Static(static["weights"], grads, static["optimizer_states"] + static["master_weights"],
+                   grads if settings.grad_accum > 1 or recipe.persistent_gradients else 0,
+                   grads if recipe.persistent_gradients else 0)
+
+
+def _outer_phases(spec: ModelSpec, st: _Static, recipe: Recipe, optimizer: Optimizer,
+                  settings: TrainingSettings) -> tuple[Phase, Phase, Phase]:
+    """load, optimizer and between_steps: the phases outside forward and backward, the same whatever models the
+    activations."""
+    temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer)
+    return (Phase("load", "static state", st.weights, st.grads_between, st.states, 0, 0),
+            Phase("optimizer", "step()", st.weights, st.grads, st.states, 0, temp),
+            Phase("between_steps", "after zero_grad", st.weights, st.grads_between, st.states, 0, 0))
+
+
+def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate,
+                  recipe: Recipe, optimizer: Optimizer, settings: TrainingSettings) -> tuple[Phase, ...]:
+    st = _static(static, recipe, settings)
+    weights, grads, states, grads_in_forward = st.weights, st.grads, st.states, st.grads_in_forward
+    p = Precision.of(recipe)
+    tokens, v, h = acts.tokens, spec.vocab_size, spec.hidden_size
+    # The LM head's autocast weight copy exists from the head's forward until its backward has run.
+    head_copy = _constant_bytes(acts, AUTOCAST_HEAD_COPY)
 
     # Forward: the peak is at the loss, when the logits, their fp32 upcast and log_softmax's output coexist
     # (all created in forward, so counted as activations). With full checkpointing it can instead be inside the
@@ -346,7 +375,7 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                            + final_hidden, 0)]
     if checkpointed:
         # (the LM head's autocast weight copy is made when the head runs, after the layers)
-        kept_before_last = acts.embedding_bytes + acts.constant_bytes - _constant_bytes(acts, AUTOCAST_HEAD_COPY) \
+        kept_before_last = acts.embedding_bytes + acts.constant_bytes - head_copy \
             + cast_cache + sum(x.kept for x in layers[:-1]) + acts.decoder_locals_bytes
         # Falcon and BLOOM: the previous layer's returned probabilities, held by the base model's loop variable.
         returned = layers[-2].returned_to_model if len(layers) > 1 else 0
@@ -386,8 +415,7 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
         # (the RMSNorm's weight product, which kept the normalised value, has already run its backward)
         final_norm_terms = [t for t in acts.head_terms if t.name.startswith("final norm:")
                             and not t.name.endswith("normalised")]
-        at_norm = saved - acts.head_bytes + int(sum(t.bytes_per_token for t in final_norm_terms) * tokens) - \
-            _constant_bytes(acts, AUTOCAST_HEAD_COPY)
+        at_norm = saved - acts.head_bytes + int(sum(t.bytes_per_token for t in final_norm_terms) * tokens) - head_copy
         norm_temps = (5 * FP32 if spec.norm == "rms" else 2 * p.residual) * h * tokens
         candidates.append(Phase("backward", "final norm", weights, max(grads_in_forward, head_grad), states,
                                 at_norm, norm_temps + tied_held_for(spec, recipe)))
@@ -396,7 +424,6 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     # (recomputed, under full checkpointing) are alive, and the MLP's input gradients are being computed.
     # Layers below still hold what they keep; layers above have freed theirs and produced their gradients.
     # Once the LM head's backward has run, its autocast weight copy is gone.
-    head_copy = _constant_bytes(acts, AUTOCAST_HEAD_COPY)
     base_kept = acts.embedding_bytes + acts.constant_bytes - head_copy
     # Tied embeddings: autograd sums the LM head's and the embedding's gradient contributions before accumulating
     # into .grad, so the head's V x h contribution is held as a temporary through the whole layer backward.
@@ -453,10 +480,7 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
     backward = max(candidates, key=lambda ph: ph.allocated_bytes)
 
-    temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer)
-    opt = Phase("optimizer", "step()", weights, grads, states, 0, temp)
-    load = Phase("load", "static state", weights, grads_between, states, 0, 0)
-    between = Phase("between_steps", "after zero_grad", weights, grads_between, states, 0, 0)
+    load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings)
     return (load, forward, backward, opt, between)
 
 
@@ -465,15 +489,13 @@ def seed_rule_timeline(spec: ModelSpec, static: dict[str, int], activation_bytes
     """The same five phases with the activations given as one number (the seed article's b*s*h*L*k*2 rule):
     they are all alive at the end of forward and, as the rule counts them, when backward starts producing
     gradients; the optimizer step and the time between steps are as in :func:`step_timeline`."""
-    weights, grads = static["weights"], static["gradients"]
-    states = static["optimizer_states"] + static["master_weights"]
-    grads_in_forward = grads if settings.grad_accum > 1 or recipe.persistent_gradients else 0
-    grads_between = grads if recipe.persistent_gradients else 0
-    temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer)
+    st = _static(static, recipe, settings)
+    load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings)
     return (
-        Phase("load", "static state", weights, grads_between, states, 0, 0),
-        Phase("forward", "end of forward (seed rule)", weights, grads_in_forward, states, activation_bytes, 0),
-        Phase("backward", "activations and gradients (seed rule)", weights, grads, states, activation_bytes, 0),
-        Phase("optimizer", "step()", weights, grads, states, 0, temp),
-        Phase("between_steps", "after zero_grad", weights, grads_between, states, 0, 0),
+        load,
+        Phase("forward", "end of forward (seed rule)", st.weights, st.grads_in_forward, st.states, activation_bytes, 0),
+        Phase("backward", "activations and gradients (seed rule)", st.weights, st.grads, st.states, activation_bytes,
+              0),
+        opt,
+        between,
     )
