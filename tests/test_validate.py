@@ -67,6 +67,7 @@ def test_report_rewrites_its_own_matrix_and_keeps_the_other_sections():
     (["--jobs", "0"], "--jobs must be at least 1, got 0"),
     (["--quick", "--full-size"], "--quick, --full-size and --random are different runs"),
     (["--random", "0"], "--random must be at least 1, got 0"),
+    (["--quick", "--seed", "3"], "--seed chooses the cases of --random"),
 ])
 def test_validate_bad_options_are_one_line(run_cli, tmp_path, args, message):
     out = tmp_path / "accuracy.md"

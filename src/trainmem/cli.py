@@ -525,12 +525,13 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
               "8-80 s each).")
 @click.option("--random", "random_cases", type=int, default=None,
               help="Instead of a matrix, N random models and set-ups (the differential test; every phase scored).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random: the same seed draws the "
+@click.option("--seed", type=int, default=None, help="Seed of --random (default 0): the same seed draws the "
               "same cases.")
 @click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Rows traced in parallel processes.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default="docs/accuracy.md", show_default=True,
               help="Markdown report to write; its other sections (the other matrix, benchmark results) are kept.")
-def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int, jobs: int, output: str) -> None:
+def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int | None, jobs: int,
+             output: str) -> None:
     """Trace and estimate a matrix of model types x recipes x attention x checkpointing x dropout (or random
     models with --random) and write the comparison as Markdown. Exit code 1 when a row is outside its tolerance.
 
@@ -550,6 +551,9 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int, 
         raise ConfigError("--quick, --full-size and --random are different runs: give one")
     if random_cases is not None and random_cases < 1:
         raise ConfigError(f"--random must be at least 1, got {random_cases}")
+    if seed is not None and random_cases is None:
+        raise ConfigError("--seed chooses the cases of --random; the matrices have no randomness: give --random N")
+    seed = seed or 0
     existing = None
     if os.path.exists(output):
         with open(output, encoding="utf-8") as handle:
