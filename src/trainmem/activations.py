@@ -95,6 +95,8 @@ class LayerActivations:
     """AttentionTerms.returned_to_model of this layer."""
     held_by_layer: float = 0.0
     """AttentionTerms.held_by_layer of this layer."""
+    matmul_backward: float = 0.0
+    """AttentionTerms.matmul_backward of this layer."""
 
     @property
     def bytes_per_token(self) -> float:
@@ -173,6 +175,14 @@ class AttentionTerms:
     """Bytes per token the decoder layer holds in locals through its MLP in a checkpointed forward: the attention
     weights eager attention returns (``hidden_states, _ = self.self_attn(...)``; BLOOM's ``attn_weights``) and
     GPT-2's ``attn_output``."""
+    matmul_backward: float = 0.0
+    """Eager and math attention: bytes per token of the temporaries when the product of the probabilities and v
+    runs its backward, the kernel's first: the gradient of its output (o_proj's input gradient) and of its two
+    inputs (the s x s probabilities, and v at every head), while nothing of the attention is freed yet."""
+    rotary_forward: float = 0.0
+    """Bytes per token alive during RoPE in a checkpointed forward (nothing saved): the norm output, the three
+    projections' outputs (q and k are still held by their variables) and, while q or k is rotated,
+    ``q * cos``, ``rotate_half(q)`` (a ``torch.cat``) and its product with ``sin`` (for k, beside the rotated q)."""
 
 
 def sdpa_mask(spec: ModelSpec, layer: Layer, seq: int) -> bool:
@@ -223,6 +233,9 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     mask = kernel == EAGER or sdpa_mask(spec, layer, s)
     repeat = kv < a and (kernel == EAGER or mask or d != dv or d > FLASH_MAX_HEAD_DIM)
     kv_passed = a if repeat else kv
+    # repeat_kv expands and reshapes: one key/value head becomes a stride-0 view of every head (no copy), which the
+    # memory-efficient kernel reads as it is; several heads are copied.
+    repeat_copies = repeat and kv > 1
     if kernel != EAGER:
         offsets = (0, 0, 0)
         if not use_cache and fused_views:
@@ -242,6 +255,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     v_cache = c * kv * dv if use_cache else 0.0
     k_kept = v_kept = False  # whether attention keeps the cache's own tensors (then the cache adds nothing)
     returned = released = backward = softmax_extra = after_softmax = bloom_forward = returned_to_model = 0.0
+    matmul_backward = 0.0
     held_by_layer = 0.0
 
     if kernel == FLASH:
@@ -270,9 +284,16 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
                 terms.append(Term("k, v copied into the KV cache (use_cache)", c * kv * (d + dv)))
             k_kept = v_kept = True
         else:
-            terms += [Term("q" + rot, c * a * d), Term("k" + rot + repeated, c * kv_passed * d),
-                      Term("v" + repeated, c * kv_passed * dv)]
-            k_kept, v_kept = not repeat and qk_bytes == c, not repeat
+            kept = kv_passed if repeat_copies else kv
+            repeated = " repeated to every head" if repeat_copies else \
+                (" (one head viewed as every head)" if repeat else "")
+            # autocast's cast of an fp32 k (rotary under autocast) copies the one-head view to every head
+            k_cast = repeat and not repeat_copies and qk_bytes != c
+            terms += [Term("q" + rot, c * a * d),
+                      Term("k" + rot + (" cast to every head" if k_cast else repeated),
+                           c * (kv_passed if k_cast else kept) * d),
+                      Term("v" + repeated, c * kept * dv)]
+            k_kept, v_kept = not repeat_copies and qk_bytes == c, not repeat_copies
         terms += [Term("attention output (o_proj input)", c * a * dv),
                   Term("softmax logsumexp (fp32, padded to 32 rows)", efficient_lse_per_token(a, s))]
         if mask:
@@ -287,6 +308,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         v_kept = c == FP32 and kv == a
         terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv))
         released, backward = math_backward_per_token(c, a, dv, s, dropout)
+        matmul_backward = math_matmul_backward_per_token(c, a, dv, s)
         softmax_extra = FP32 * a * s
         after_softmax = c * a * dv + ((MASK + FP32) * a * s if dropout > 0 else 0)
     else:  # eager
@@ -295,14 +317,19 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         # the dropout sees the probabilities cast to q's dtype (llama-style ``.to(query.dtype)``; GPT-2: v's)
         dropout_bytes = c if spec.model_type == "gpt2" else qk_bytes
         released, backward = eager_backward_per_token(eager, c, a, dv, s, dropout_bytes)
+        if fused_views and not use_cache and batch > 1:
+            released += c * a * dv  # the batched matmul's copy of v (a strided view of c_attn's output)
+        matmul_backward = c * a * s + 2 * c * a * dv
         held_by_layer = dropout_bytes * a * s + (c * spec.hidden_size if spec.model_type == "gpt2" else 0)
         softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s)
         if spec.model_type == "bloom":  # BloomAttention keeps the baddbmm scores in a local beside the masked ones
             softmax_extra += c * a * s
             bloom_forward = _bloom_forward(spec, p, a, d, s, dropout, settings.batch)
             returned_to_model = held_by_layer = c * a * s
-        k_kept = fused_views or (kv_passed == kv and qk_bytes == c)
-        v_kept = fused_views or kv_passed == kv
+        # repeat_kv's view of one head is copied by the batched matmul unless the batch is 1
+        kv_viewed = kv_passed == kv or (kv == 1 and settings.batch == 1)
+        k_kept = fused_views or (kv_viewed and qk_bytes == c)
+        v_kept = fused_views or kv_viewed
         # Llama-style eager attention returns the dropped-out probabilities; when they are fp32 (autocast with
         # rotary q) the matmul with v keeps a half cast instead, so the returned tensor is extra.
         if dropout > 0 and p.autocast and qk_bytes == FP32 and spec.model_type != "gpt2":
@@ -322,11 +349,20 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         inputs += qk_bytes * (a * d + kv * d)
     if not att.fused_qkv:
         inputs += c * kv * dv
-    if kv_passed != kv:
-        inputs += c * a * (d + dv)
-    return AttentionTerms(tuple(terms), kernel, cache_extra, returned, released, backward, forward=bloom_forward,
+    if repeat_copies:  # (k repeated in its own dtype: fp32 after rotary under autocast)
+        inputs += qk_bytes * a * d + c * a * dv
+    forward = bloom_forward
+    rotary_forward = 0.0
+    if rotary and not att.fused_qkv and att.rotary_dim == d:  # modeling_llama.py apply_rotary_pos_emb and kin
+        rotary_forward = (p.residual * spec.hidden_size + c * (a * d + kv * (d + dv))
+                          + qk_bytes * max(3 * a * d, a * d + 3 * kv * d))
+    if kernel == MATH:
+        forward = inputs + math_forward_per_token(c, a, kv_passed, d, dv, s, batch, has_mask=mask,
+                                                  enable_gqa=kv_passed < a, dropout=dropout)
+    return AttentionTerms(tuple(terms), kernel, cache_extra, returned, released, backward, forward=forward,
                           forward_inputs=inputs, softmax_extra=softmax_extra, after_softmax=after_softmax,
-                          returned_to_model=returned_to_model, held_by_layer=held_by_layer)
+                          returned_to_model=returned_to_model, held_by_layer=held_by_layer,
+                          matmul_backward=matmul_backward, rotary_forward=rotary_forward)
 
 
 def _bloom_forward(spec: ModelSpec, p: Precision, a: int, d: int, s: int, dropout: float, batch: int) -> float:
@@ -338,7 +374,9 @@ def _bloom_forward(spec: ModelSpec, p: Precision, a: int, d: int, s: int, dropou
     scores) or the end, where the context, its merged copy, dense's output and the residual sum exist too."""
     c, w, h = p.compute, p.residual, spec.hidden_size
     inputs = w * h + c * 3 * h + (3 * c * a * d if batch > 1 else 0)
-    at_softmax = c + w + (2 * FP32 if c != FP32 else FP32)
+    # softmax(dtype=fp32) upcasts half masked scores first; its fp32 output is then cast back to q's dtype
+    upcast, cast_back = (FP32 if w != FP32 else 0), (c if c != FP32 else 0)
+    at_softmax = c + w + FP32 + max(upcast, cast_back)
     at_end = c + w + c + (c + MASK if dropout > 0 else 0)
     return inputs + max(at_softmax * a * s, at_end * a * s + 3 * c * h + w * h)
 
@@ -367,6 +405,23 @@ def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precis
     return inputs + scores * a * s
 
 
+def math_forward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int, batch: int, has_mask: bool,
+                           enable_gqa: bool, dropout: float) -> float:
+    """The math kernel's worst forward moment beside its inputs, per token (aten/src/ATen/native/transformers/
+    attention.cpp, ``_scaled_dot_product_attention_math``, a composite whose ops were traced on plain tensors):
+    half q, k, v are first copied to fp32 (``query_acc`` and kin, locals until it returns); q is scaled; with
+    ``is_causal`` an fp32 (s, s) mask is built; with ``enable_gqa`` k and v are repeated to every head
+    (``repeat_interleave``); then the scores and the masked scores (``attn.add(mask)``, out of place) coexist, or,
+    with dropout, the probabilities, their dropped copy and its bool mask (the scaled k and the matmul's copies
+    are freed once the scores exist, as nothing is saved). A boolean mask from the caller is first converted to a
+    float one in q's dtype (``convert_boolean_attn_mask``), alive for the call."""
+    acc = FP32 * (a * d + kv * (d + dv)) if c != FP32 else 0
+    repeats = FP32 * a * (d + dv) if enable_gqa else 0
+    masks = c * s if has_mask else FP32 * s / batch
+    scores = 2 * FP32 * a * s + (MASK * a * s if dropout > 0 else 0)
+    return acc + repeats + FP32 * a * d + masks + scores
+
+
 def flash_backward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int) -> float:
     """The flash kernel's backward (flash_api.cpp ``mha_bwd``): dq, dk, dv at the padded head dim; an fp32 dq
     accumulator of (b, round128(s), a, round(d, 32 or 64)) and fp32 softmax_d of (b, a, round128(s)); with fewer
@@ -384,6 +439,12 @@ def math_backward_per_token(c: int, a: int, dv: int, s: int, dropout: float) -> 
     and the dropped probabilities are freed."""
     released = c * a * dv + FP32 * a * dv + (FP32 * a * s if dropout > 0 else 0)
     return released, 2 * FP32 * a * s + FP32 * a * dv
+
+
+def math_matmul_backward_per_token(c: int, a: int, dv: int, s: int) -> float:
+    """The math kernel's product with v, backward: the output's gradient in q's dtype and its fp32 cast (the
+    kernel's ``.to(origin_dtype)``), and the fp32 gradients of the probabilities and of v."""
+    return c * a * dv + (FP32 * a * dv if c != FP32 else 0) + FP32 * a * (s + dv)
 
 
 def eager_softmax_moment(terms: list[Term], p: Precision, a: int, s: int) -> tuple[float, float]:
@@ -405,7 +466,8 @@ def eager_backward_per_token(terms: list[Term], c: int, a: int, dv: int, s: int,
     """Eager attention's backward at its softmax: the gradient of the probabilities (in the softmax's dtype) and of
     the scores, s x s each, and the gradient of v (every head); by then the output copy, v, the probabilities the
     matmul with v kept and the dropout mask are freed."""
-    by_name = {t.name.split(" repeated")[0]: t.bytes_per_token for t in terms}
+    by_name = {("v" if t.name.startswith("v (a view") else t.name.split(" repeated")[0]): t.bytes_per_token
+               for t in terms}
     probs = next(t.bytes_per_token for t in terms if t.name.startswith("softmax probabilities")) / (a * s)
     # Two s x s gradients coexist at the softmax's backward, and at the dropout's when the dropout runs on the fp32
     # probabilities (then with its mask still alive); a dropout on probabilities already cast to half has smaller
@@ -434,7 +496,13 @@ def _eager_terms(spec: ModelSpec, att: Attention, p: Precision, s: int, batch: i
         repeated = " repeated to every head" if kv_passed != kv else ""
         # repeat_kv's expand + reshape copies, except one kv head with batch 1, which reshapes without a copy
         kept = a if kv_passed != kv and not (kv == 1 and batch == 1) else kv
-        terms += [Term("q", c * a * d), Term("k" + repeated, c * kept * d), Term("v" + repeated, c * kept * dv)]
+        terms += [Term("q", c * a * d), Term("k" + repeated, c * kept * d)]
+        if att.fused_qkv and batch == 1 and kept == kv and not use_cache:
+            # GPT-NeoX/Phi-3 (RoPE makes new q and k): v is a view of the fused projection output, which the
+            # matmul with v keeps whole when it needs no copy (one sequence, no repeat, no cache)
+            terms.append(Term("v (a view of the fused q/k/v output, which it keeps)", c * (a * d + kv * (d + dv))))
+        else:
+            terms.append(Term("v" + repeated, c * kept * dv))
     # The softmax's dtype: fp32 where the family upcasts (Llama and most) or autocast does (CUDA's list), else the
     # scores' dtype (GPT-2, Falcon, OPT compute it in the matmul's dtype without autocast).
     softmax_fp32 = p.autocast or spec.model_type != "gpt2"
@@ -496,8 +564,16 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         if not rotary and dropout > 0:
             scores = max(scores, extra - FP32 + 2 * r + MASK)
         forward = _falcon_forward_inputs(spec, layer, p, v_bytes, qk_bytes) + scores * a * s
-        return AttentionTerms(tuple(terms), EAGER, k_cache + v_cache, 0.0, released, 2 * r * a * s + c * a * d,
+        # The matmuls read k and v from the cache's torch.cat (DynamicLayer.update); they keep those very tensors
+        # when every head is there already and no autocast cast intervenes, and then the cache adds nothing.
+        cache_extra = (0.0 if kv_heads == a and qk_bytes == c else k_cache) + \
+            (0.0 if kv_heads == a and v_bytes == c else v_cache)
+        # With ALiBi and dropout under autocast the layer holds the returned fp32 dropped probabilities; the matmul
+        # with v keeps a half copy.
+        held = r * a * s if not rotary and dropout > 0 and r != c else 0.0
+        return AttentionTerms(tuple(terms), EAGER, cache_extra, held, released, 2 * r * a * s + c * a * d,
                               forward=forward, softmax_extra=extra * a * s, returned_to_model=r * a * s,
+                              matmul_backward=c * a * s + 2 * c * a * d,
                               after_softmax=c * a * d + ((c if r != c or dropout > 0 else 0) + (
                                   MASK if dropout > 0 else 0)) * a * s)
     backend = sdpa_backend(dtype=_DTYPE_OF_BYTES[c], head_dim_qk=d, head_dim_v=d, q_heads=a, kv_heads=kv_heads,
@@ -515,8 +591,14 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         if views:
             terms.append(Term(f"query_key_value output (kept by the view{'s' if len(views) > 1 else ''} "
                               f"{', '.join(views)})", c * (a + 2 * kv) * d))
-        terms += [Term(name, c * a * d) for name, is_view in (("q" + (" after rotary" if rotary else ""), q_view),
-                                                              ("k", k_view), ("v", v_view)) if not is_view]
+        # The new architecture's k and v are views broadcasting the key/value heads (their reshape to the same
+        # shape copies nothing): the kernel keeps the small index copies, unless RoPE (k) or the cache made new
+        # tensors at every head, or autocast cast them (a copy of a broadcast view has every head).
+        k_heads = kv if att.kv_broadcast and not rotary and not use_cache and qk_bytes == c else a
+        v_heads = kv if att.kv_broadcast and not use_cache and v_bytes == c else a
+        terms += [Term(name, c * heads * d) for name, is_view, heads in (
+            ("q" + (" after rotary" if rotary else ""), q_view, a), ("k", k_view, k_heads), ("v", v_view, v_heads))
+            if not is_view]
         terms += [Term("attention output (dense input)", c * a * d),
                   Term("softmax logsumexp (fp32, padded to 32 rows)", efficient_lse_per_token(a, s))]
         if rotary:  # the boolean (b, 1, s, s) mask, converted to a float one per call
@@ -535,7 +617,8 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
     terms.append(Term("attention output copied contiguous (dense input)", c * a * d))
     released, backward = math_backward_per_token(c, a, d, s, sdpa_dropout)
-    return AttentionTerms(tuple(terms), MATH, k_cache + v_cache, 0.0, released, backward)
+    return AttentionTerms(tuple(terms), MATH, k_cache + v_cache, 0.0, released, backward,
+                          matmul_backward=math_matmul_backward_per_token(c, a, d, s))
 
 
 def _falcon_forward_inputs(spec: ModelSpec, layer: Layer, p: Precision, fused_bytes: int, qk_bytes: int) -> float:
@@ -606,8 +689,12 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
         terms += [Term("v, contiguous copy", c * a * dv), Term("attention output, contiguous (o_proj input)",
                                                                 c * a * dv)]
         released = 2 * c * a * dv + (c * a * s if c != FP32 or dropout > 0 else 0)
+        if dropout > 0 and q_bytes != FP32:
+            # the dropout (on probabilities cast to q's half dtype) has run its backward by the softmax's: its mask
+            # is freed (with fp32 probabilities the dropout's own moment, mask alive, is the larger)
+            released += MASK * a * s
         return AttentionTerms(tuple(terms), EAGER, cache_extra, 0.0, released, 2 * FP32 * a * s + c * a * dv,
-                              forward_inputs=inputs)
+                              forward_inputs=inputs, matmul_backward=c * a * s + 2 * c * a * dv)
     backend = sdpa_backend(dtype=_DTYPE_OF_BYTES[c], head_dim_qk=qk, head_dim_v=dv, q_heads=a, kv_heads=a,
                            has_mask=False, enable_gqa=False, q_len=s, kv_len=s, is_causal=True,
                            storage_offsets=(0, 0, nope))
@@ -636,7 +723,9 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
             terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
         terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv))
         released, backward = math_backward_per_token(c, a, dv, s, dropout)
-    return AttentionTerms(tuple(terms), backend, cache_extra, 0.0, released, backward, forward_inputs=inputs)
+    matmul_backward = math_matmul_backward_per_token(c, a, dv, s) if backend == MATH else 0.0
+    return AttentionTerms(tuple(terms), backend, cache_extra, 0.0, released, backward, forward_inputs=inputs,
+                          matmul_backward=matmul_backward)
 
 
 def _mlp_terms(mlp: MLP, p: Precision, fc1_bytes: int | None = None) -> list[Term]:
@@ -683,6 +772,8 @@ def _moe_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
     if moe.shared_intermediate_size:
         shared = MLP(moe.shared_intermediate_size, True, moe.activation)
         terms += [Term(f"shared expert: {t.name}", t.bytes_per_token) for t in _mlp_terms(shared, p)]
+    elif moe.shared_always_built and p.autocast:
+        terms.append(Term("zero-width shared experts: their gate and up projections' input casts", 2 * p.compute * h))
     if moe.shared_expert_gate:
         # sigmoid(shared_expert_gate(x)) * shared_expert(x): the product keeps both factors.
         terms.append(Term("shared expert output and its sigmoid gate", p.compute * (h + 1)))
@@ -800,9 +891,10 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     checkpoint = (Term("layer input (checkpoint)", r * h),)
     return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention.kernel, attention.cache_extra,
                             attention.returned_extra, attention_bytes, attention.released, attention.backward,
-                            attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout),
+                            max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout),
+                                attention.rotary_forward),
                             attention.softmax_extra, attention.after_softmax, attention.returned_to_model,
-                            attention.held_by_layer)
+                            attention.held_by_layer, matmul_backward=attention.matmul_backward)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -904,7 +996,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         constant.append(Term("position ids", INDEX * s))
     if spec.embedding_norm:
         embedding += _norm_terms(spec, h, p, "embedding norm", p.residual)
-    if emb_dropout > 0 and spec.model_type in ("gpt2", "phi3"):
+    if emb_dropout > 0 and spec.model_type in _EMBEDDING_DROPOUT:
         embedding.append(Term("embedding dropout mask", MASK * h))
     rotary_dims = {layer.attention.rotary_dim for layer, _ in spec.layer_runs if layer.attention.rotary_dim}
     if rotary_dims:
@@ -918,6 +1010,12 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         # Checkpointed layers receive the masks as keyword arguments, which the checkpoints keep for the recompute,
         # so they live until the first layer's backward (traced); without checkpointing they die with the forward.
         constant.append(Term("attention masks kept for the recompute", masks_used))
+    elif masks_used and any(la.kernel == EFFICIENT and not any(t.name.startswith("ALiBi mask") for t in la.terms)
+                            for la in layers if la.layer.attention.rotary_dim == 0 and spec.model_type == "falcon"):
+        # Falcon's ALiBi mask reaches the memory-efficient kernel uncopied (already in q's dtype, width a multiple
+        # of 16), and the kernel keeps it for backward: one tensor shared by every layer (traced).
+        constant.append(Term("ALiBi mask kept by the memory-efficient kernel", masks_used))
+        masks_built -= masks_used
 
     head = _norm_terms(spec, h, p, "final norm", p.residual) if spec.final_norm and spec.norm_vectors else []
     if spec.model_type.startswith("gemma"):
@@ -950,18 +1048,26 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         constant_terms=tuple(constant), logits_bytes=logits_bytes, loss_transient_bytes=loss_transient,
         checkpointing=settings.checkpointing, kv_cache_bytes=kv_cache,
         mask_bytes=masks_built if settings.checkpointing != "full" else masks_built - masks_used,
-        decoder_locals_bytes=_decoder_locals(spec, p) * tokens,
+        decoder_locals_bytes=_decoder_locals(spec, p, emb_dropout) * tokens,
     )
 
 
-def _decoder_locals(spec: ModelSpec, p: Precision) -> int:
+_EMBEDDING_DROPOUT = ("gpt2", "gpt_neox")
+"""Families whose base model drops out the embeddings (GPT2Model ``drop``: ``embd_pdrop``; GPTNeoXModel
+``emb_dropout``: ``hidden_dropout``). Phi-3's ``embd_pdrop`` is read by no module in transformers 5."""
+
+
+def _decoder_locals(spec: ModelSpec, p: Precision, emb_dropout: float) -> int:
     """Per token, see ActivationEstimate.decoder_locals_bytes (GPT2Model.forward: inputs_embeds, position_embeds;
-    OPTDecoder.forward: inputs_embeds, pos_embeds, the fp32 position_attention_mask and int64 position_ids)."""
+    OPTDecoder.forward: inputs_embeds, pos_embeds, the fp32 position_attention_mask and int64 position_ids;
+    GPTNeoXModel.forward: inputs_embeds, when the embedding dropout makes a new tensor of it)."""
     embedded = p.residual * spec.hidden_size
     if spec.model_type == "gpt2":
         return 2 * embedded
     if spec.model_type == "opt":
         return 2 * embedded + FP32 + INDEX
+    if spec.model_type == "gpt_neox" and emb_dropout > 0:
+        return embedded
     return 0
 
 
@@ -979,7 +1085,9 @@ def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tu
     """The attention masks the base model builds once per forward (masking_utils.py): (bytes built, bytes handed to
     the layers). Eager attention gets a float (batch, 1, s, s) mask in the hidden states' dtype for full attention
     always and for sliding attention when a layer slides; SDPA a boolean one only where a layer needs a mask
-    (sdpa_mask). Falcon with ALiBi folds the bias in: a float (batch, heads, s, s) one. Masks built but handed to no
+    (sdpa_mask), built (1, 1, s, s) and expanded to the batch as a view when no padding mask is passed (the step
+    trainmem models passes none: one full sequence per row); the eager float mask is the ``torch.where`` of that
+    view, so it has the batch dimension. Falcon with ALiBi folds the bias in: a float (batch, heads, s, s) one. Masks built but handed to no
     layer (a full-attention one in a model whose layers all slide) live until the base model returns."""
     if not spec.has_architecture:
         return 0, 0
@@ -993,4 +1101,4 @@ def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tu
         built = used | _MASKS_ALWAYS_BUILT.get(spec.model_type, set())
         return len(built) * p.residual * b * s * s, len(used) * p.residual * b * s * s
     used = {layer.sliding_window is not None for layer, _ in spec.layer_runs if sdpa_mask(spec, layer, s)}
-    return len(used) * MASK * b * s * s, len(used) * MASK * b * s * s
+    return len(used) * MASK * s * s, len(used) * MASK * s * s

@@ -96,6 +96,9 @@ class MoE:
     groups: int = 1
     """DeepSeek-V3's expert groups (``n_group``) and the groups each token may use (``topk_group``)."""
     top_groups: int = 1
+    shared_always_built: bool = False
+    """DeepSeek-V3 builds its shared-expert MLP whatever ``n_shared_experts`` is: with 0 it is zero wide, yet under
+    autocast its gate and up projections still cast their input to half."""
 
 
 @dataclass(frozen=True)
@@ -643,9 +646,8 @@ def _parse_gemma3_text(c: _Config) -> dict[str, Any]:
 def _parse_phi3(c: _Config) -> dict[str, Any]:
     spec = _llama_like(c, qkv_bias=False, o_bias=False, fused=True, rotary_fraction=_rotary_fraction(c),
                        windows=_all_layers(c, c.get("sliding_window")))
-    spec["dropout"] = Dropout(
-        attention=c.get("attention_dropout"), hidden=c.get("resid_pdrop"), embedding=c.get("embd_pdrop")
-    )
+    # (Phi3Model in transformers 5 has no embedding dropout: embd_pdrop is read by no module)
+    spec["dropout"] = Dropout(attention=c.get("attention_dropout"), hidden=c.get("resid_pdrop"))
     return spec
 
 
@@ -667,7 +669,7 @@ def _parse_deepseek_v3(c: _Config) -> dict[str, Any]:
                          f"{top_groups} must be between 1 and n_group")
     moe = MoE(experts, top_k, moe_i, act, shared_intermediate_size=moe_i * c.get("n_shared_experts"),
               router="sigmoid_grouped", normalize_top_k=bool(c.get("norm_topk_prob")), groups=groups,
-              top_groups=top_groups)
+              top_groups=top_groups, shared_always_built=True)
     first_dense = c.get("first_k_dense_replace")
     n_layers = c.req("num_hidden_layers")
     # The multi-token-prediction module (num_nextn_predict_layers) is not part of DeepseekV3ForCausalLM.
@@ -707,7 +709,8 @@ def _parse_gpt_neox(c: _Config) -> dict[str, Any]:
     return dict(
         hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("num_hidden_layers")),),
         norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings")),
-        dropout=Dropout(c.get("attention_dropout"), c.get("hidden_dropout")), **_positions(c),
+        dropout=Dropout(c.get("attention_dropout"), c.get("hidden_dropout"), c.get("hidden_dropout")),
+        **_positions(c),
     )
 
 

@@ -117,7 +117,9 @@ class TrainingStep:
         if settings.checkpointing == "full":
             enable_checkpointing(self.model)
             self._mark_recomputes()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Zero-element parameters (DeepSeek-V3's shared experts with n_shared_experts 0) hold no memory, and
+        # torch.optim.Adafactor divides by their size.
+        self.params = [p for p in self.model.parameters() if p.requires_grad and p.numel() > 0]
         self.masters = ([p.detach().float().requires_grad_(True) for p in self.params]
                         if recipe.master_weights else None)
         self.main_grads = None

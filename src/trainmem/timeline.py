@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import (AUTOCAST_HEAD_COPY, FP32, INDEX, ActivationEstimate, LayerActivations, Precision,
+from .activations import (AUTOCAST_HEAD_COPY, FP32, INDEX, MASK, ActivationEstimate, LayerActivations, Precision,
                           _hidden_dropout_sites)
 from .models import ModelSpec, layer_tensors
 from .optimizers import Optimizer
@@ -103,10 +103,73 @@ def _experts_transient(spec: ModelSpec, la: LayerActivations, p: Precision, reci
     return (k * (2 * w * i + w * h + FP32) + p.residual * h) * tokens + weight_grad
 
 
-def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
+def _experts_weighting_transient(spec: ModelSpec, layer, p: Precision, tokens: int) -> int:
+    """See _LayerBytes.experts_weighting_transient (traced: transformers' grouped_mm experts, Qwen2-MoE's block)."""
+    moe = layer.moe
+    if moe is None:
+        return 0
+    per_token = (3 * moe.top_k * p.experts + p.residual) * spec.hidden_size
+    if moe.shared_expert_gate:
+        per_token += (p.compute + p.residual) * spec.hidden_size
+    return int(per_token * tokens)
+
+
+def _mlp_output_bytes(spec: ModelSpec, layer, p: Precision) -> int:
+    """The dtype a dense MLP returns: the compute dtype, except FalconLinear's bias added after an autocast matmul
+    (fp32); MoE blocks return the hidden states' dtype (``.to(hidden_states.dtype)``)."""
+    if layer.mlp is None:
+        return p.residual
+    if spec.model_type == "falcon" and p.autocast and layer.attention.qkv_bias:
+        return p.residual
+    return p.compute
+
+
+def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings: TrainingSettings,
+                   tokens: int) -> int:
+    """See _LayerBytes.recompute_end. FalconDecoderLayer also holds ``attention_output`` (dense's output) and,
+    under autocast, the attention's fp32 norm output through the MLP; FalconLinear adds its bias after the matmul,
+    so under autocast fc1's output, its GELU (held while fc2 runs; fc2 keeps a half copy) and fc2's output plus
+    bias are fp32 (traced)."""
+    layer = la.layer
+    per_token = la.returned_extra
+    if layer.mlp:
+        per_token += (p.compute + (p.residual if p.autocast else 0)) * spec.hidden_size
+    if _mlp_output_dropout(spec, layer, settings):
+        if spec.model_type == "falcon":
+            # dropout_add(mlp_output, ...): the recompute reaches the dropout, whose output and mask exist (traced)
+            per_token += _mlp_output_bytes(spec, layer, p) * spec.hidden_size
+        else:
+            per_token -= MASK * spec.hidden_size
+    if spec.model_type == "falcon":
+        biased = p.autocast and layer.attention.qkv_bias
+        per_token += (p.residual if biased else p.compute) * spec.hidden_size  # attention_output
+        if p.autocast and not (layer.parallel_residual and layer.num_norms == 1):
+            per_token += p.residual * spec.hidden_size  # attention_layernorm_out, not the MLP's norm output
+        if biased:
+            per_token += p.residual * spec.hidden_size  # dense_4h_to_h's output plus its bias
+            per_token += p.residual * layer.mlp.intermediate_size  # the GELU's fp32 output
+    return int(per_token * tokens)
+
+
+def _layer_casts(spec: ModelSpec, la: LayerActivations, p: Precision) -> tuple[int, int]:
+    """The half weight copies autocast's cast cache holds for a layer by its attention kernel (its input
+    projections') and by its MLP product (all but the down projection's, made when it runs). The grouped_mm
+    experts are not autocast."""
+    matrices = [t for t in layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors) if len(t.shape) == 2]
+    attention = sum(t.numel for t in matrices if t.name.split(".")[0] in _ATTENTION_INPUT_PROJECTIONS)
+    mlp = sum(t.numel for t in matrices if not t.name.startswith(_DOWN_PROJECTIONS))
+    return p.compute * attention, p.compute * mlp
+
+
+_DOWN_PROJECTIONS = ("mlp.down_proj", "mlp.fc2", "mlp.experts.down_proj")
+
+
+def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
+                       casts: tuple[int, int] = (0, 0)) -> int:
     """A layer's forward when autograd keeps nothing (non-reentrant checkpointing): tensors die as soon as Python
     drops them, so the worst moment is the MLP product being formed from the activation and up outputs (3 I-wide
-    tensors), or attention with q, k, v and its output, beside the residual stream and the norm output."""
+    tensors), or attention with q, k, v and its output, beside the residual stream and the norm output, and the
+    weight casts autocast has cached by then (``casts``, see _layer_casts)."""
     c, w, h = p.compute, p.residual, spec.hidden_size
     layer = la.layer
     att = layer.attention
@@ -115,8 +178,10 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
         # The Python GELUs' intermediates (traced): gelu_new's x, 0.5 * x, pow(x, 3) and 0.044715 * pow(x, 3);
         # BloomGelu's x, x * 0.5, 0.79788456 * x, 0.044715 * x and its product with x.
         wide = {"gelu_new": 4, "bloom_gelu": 5}.get(layer.mlp.activation, 2)
-    if layer.moe:
-        wide = 4  # the experts' one gate_up output (2 I wide) stays alive beside the activation and the product
+    if layer.moe or (layer.mlp is not None and layer.mlp.fused_gate_up):
+        # one gate_up output (2 I wide: Phi-3's gate_up_proj, the experts') stays alive beside the activation and
+        # the product, its two halves being views of it
+        wide = 4
     mlp = wide * _mlp_bytes(layer, p) * _mlp_width(layer)
     if layer.moe:  # grouped_mm_experts_forward holds the gathered tokens in a local until it returns
         mlp += layer.moe.top_k * p.experts * h
@@ -124,7 +189,7 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     attn = la.attention_forward or c * (2 * att.num_heads * att.head_dim + 2 * att.num_kv_heads * att.head_dim)
     # Beside, in the MLP: the layer input (the caller's variable), the residual and the norm output; in attention,
     # the layer input (its norm output is counted in ``attention_forward``).
-    return int(max(mlp + 3 * w * h, attn + w * h) * tokens)
+    return int(max((mlp + 3 * w * h) * tokens + casts[1], (attn + w * h) * tokens + casts[0]))
 
 
 def _autograd_grad_bytes(recipe: Recipe) -> int:
@@ -165,6 +230,11 @@ class _LayerBytes:
     weight, what a norm on the layer's output saved, and MoE's router-weighted expert outputs."""
     down_grad: int
     down_weight_gradient: int
+    down_gradient_cast: tuple[int, int]
+    """Under autocast, when the activation keeps its output (ReLU), so that down_proj's input outlives its backward:
+    (what is freed, the temporaries) at the cast of its half weight gradient to the parameter's dtype, when the
+    half weight copy is gone and d(input), the residual's gradient, the half gradient and its cast exist; (0, 0)
+    otherwise, where the input is freed first (traced)."""
     """The down projection's weight gradient as its matmul makes it (the half copy's dtype under autocast)."""
     grads: int
     transient: int
@@ -177,6 +247,15 @@ class _LayerBytes:
     experts_transient: int
     """MoE layers: the gate_up grouped_mm backward's gradients, of its output, of its input and of its weight
     (the weight's is a temporary until autograd accumulates it into .grad)."""
+    experts_weighting_transient: int
+    """MoE layers: the backward of the router weighting, the experts' first, while all of the layer's activations
+    are alive: beside the residual stream's gradient, the gradient of the weighted outputs in token order, its
+    scatter back to expert order, and the product's two gradients (outputs' and weights'), each top-k x h.
+    Qwen2-MoE's gated shared expert (``sigmoid(gate(x)) * shared_expert(x)``, computed last) has run its product's
+    and its gate's backward by then: the gradient of the shared expert's output waits for its MLP's backward, and
+    the MoE input's gradient holds the gate's contribution."""
+    experts_weighting_freed: int
+    """What the gated shared expert's product backward has freed by that moment: the shared expert's output."""
     output_norm_transient: int
     """Gradient temporaries of a norm on the layer's output (Gemma 2/3's post-feedforward norm), whose backward
     runs first, while all of the layer's activations are alive; 0 where the layer ends with the residual add."""
@@ -188,6 +267,23 @@ class _LayerBytes:
     attention_transient: int
     """The attention kernel backward's temporaries, beside the residual stream's gradient."""
     attention_grads_pending: int
+    recompute_end: int
+    """Under full checkpointing, what exists at the end of the layer's recompute beyond its activations: the
+    recompute stops once the last saved tensor exists (torch.utils.checkpoint's early stop), inside the
+    down projection, whose output has just been written, and the layer's locals still hold the attention weights
+    eager attention returned (LayerActivations.returned_extra). Under autocast the MLP's argument, the norm's
+    fp32 output (its Linears keep half copies instead), is alive too: the caller's frame holds it during the
+    call (``self.mlp(self.post_attention_layernorm(x))``). A dropout after the MLP has not run: its mask, part of
+    the layer's activations, does not exist yet."""
+    recompute_gradient: int
+    """The temporaries the layer's backward made before its first node that needs a saved tensor started the
+    recompute: beside the residual stream's gradient, under autocast its cast to the MLP output's half dtype (the
+    residual add's backward)."""
+    matmul_live: int
+    """Eager and math attention: what the layer holds when the product of the probabilities and v runs its
+    backward, when of the attention only o_proj's input is freed; 0 for the fused kernels."""
+    matmul_transient: int
+    """The temporaries at that moment (LayerActivations.matmul_backward), beside the residual stream's gradient."""
     """Gradients of the layer not yet produced at that moment: the q/k/v projections' and the input norm's."""
     down_transient: int
     """The down projection's backward: the gradient of its input (I wide) and of its output, beside the residual's."""
@@ -198,16 +294,25 @@ class _LayerBytes:
     (LayerActivations.returned_to_model), in bytes."""
 
 
+def casts_cached(spec: ModelSpec, p: Precision, settings: TrainingSettings) -> bool:
+    """Under checkpointing, autocast's cast cache keeps every layer's half weight copies until the autocast region
+    ends, even though checkpointed layers save nothing (without it, backward keeps them: in saved).
+    FalconLinear computes ``input @ self.weight.T``: autocast casts the view weight.T, not a leaf, so nothing is
+    cached there and each cast copy dies with its matmul (traced)."""
+    return settings.checkpointing == "full" and p.autocast and spec.model_type != "falcon"
+
+
 def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                      settings: TrainingSettings) -> list[_LayerBytes]:
     if not spec.has_architecture:
         return []
     p = Precision.of(recipe)
     tokens = acts.tokens
+    cached = casts_cached(spec, p, settings)
     out = []
     for la in acts.layers:
         tensors = layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors)
-        down = sum(t.numel for t in tensors if t.name.startswith(("mlp.down_proj", "mlp.fc2", "mlp.experts.down_proj")))
+        down = sum(t.numel for t in tensors if t.name.startswith(_DOWN_PROJECTIONS))
         layer = la.layer
         full = int(la.bytes_per_token * tokens) + la.constant_bytes
         kept = acts.layer_saved_bytes(la)
@@ -223,6 +328,8 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         # saved, before the MLP's backward starts.
         output_norm = [t for t in la.terms if t.name.startswith("post-feedforward norm")]
         freed_before_mlp = int(sum(t.bytes_per_token for t in output_norm) * tokens)
+        if _mlp_output_dropout(spec, layer, settings):  # the dropout after the MLP has run its backward: its mask
+            freed_before_mlp += MASK * spec.hidden_size * tokens
         if layer.moe:
             # The experts' weighted outputs and each (token, expert) pair's weight and index are freed by the
             # backward of the router-weighted sum, which runs before the experts' down_proj backward (traced).
@@ -240,12 +347,19 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             down_grad=_param_bytes(down, recipe.gradient_bytes),
             # Under autocast the matmul's weight gradient is first made in the half copy's dtype; its cast to the
             # parameter's comes after the layer's down-projection input is freed (traced).
-            down_weight_gradient=p.compute * down if down_copy else _param_bytes(down, recipe.gradient_bytes),
+            down_weight_gradient=p.compute * down if down_copy else _param_bytes(down, _autograd_grad_bytes(recipe)),
+            down_gradient_cast=((down_copy, (_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size)
+                                 * tokens + p.compute * down + _param_bytes(down, recipe.gradient_bytes))
+                                if down_copy and layer.mlp.activation == "relu" and not layer.mlp.gated else (0, 0)),
             grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
             transient=_mlp_transient(spec, la, p, tokens),
-            forward_transient=_forward_transient(spec, la, p, tokens),
+            forward_transient=_forward_transient(spec, la, p, tokens,
+                                                 _layer_casts(spec, la, p) if cached else (0, 0)),
             experts_freed=int(sum(t.bytes_per_token for t in la.terms if t.name in _EXPERT_TERMS_FREED) * tokens),
             experts_transient=_experts_transient(spec, la, p, recipe, tokens),
+            experts_weighting_transient=_experts_weighting_transient(spec, layer, p, tokens),
+            experts_weighting_freed=(p.compute * spec.hidden_size * tokens
+                                     if layer.moe and layer.moe.shared_expert_gate else 0),
             # Gemma's RMSNorm backward in fp32: the upcast output gradient, its product with (1 + weight), and the
             # rsqrt and input branches, five h-wide fp32 tensors at once (traced), beside the residual gradient.
             output_norm_transient=(5 * FP32 * spec.hidden_size * tokens if output_norm else 0),
@@ -255,11 +369,19 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             attention_live=attention_live,
             attention_transient=int((la.attention_backward + p.residual * spec.hidden_size) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, recipe.gradient_bytes),
+            # (o_proj's backward has run: its input, the attention output, is freed)
+            recompute_end=_recompute_end(spec, la, p, settings, tokens),
+            recompute_gradient=int((p.residual + (p.compute if _mlp_output_bytes(spec, layer, p) != p.residual
+                                                 else 0)) * spec.hidden_size * tokens),
+            matmul_live=(attention_live + int(la.attention_released * tokens)
+                         - p.compute * layer.attention.num_heads * layer.attention.v_head_dim * tokens
+                         if la.matmul_backward else 0),
+            matmul_transient=int((la.matmul_backward + p.residual * spec.hidden_size) * tokens),
             # The gradient reaching the MLP's output is the residual stream's own, unless a dropout (a new masked
-            # copy) or autocast (a half cast) sits between them.
+            # copy), autocast (a half cast) or a norm on the layer's output (its input's gradient) sits between them.
             down_transient=(_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size
                             + (p.compute * spec.hidden_size if p.autocast or _mlp_output_dropout(spec, layer, settings)
-                               else 0)) * tokens,
+                               or output_norm else 0)) * tokens,
             freed_before_down=freed_before_mlp,
             returned_to_model=int(la.returned_to_model * tokens),
         )
@@ -361,11 +483,7 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     saved = acts.saved_bytes
     layers = _expanded_layers(spec, acts, recipe, settings)
     checkpointed = acts.checkpointing == "full" and bool(layers)
-    # Under checkpointing, autocast's cast cache keeps every layer's half weight copies until the autocast
-    # region ends, even though checkpointed layers save nothing (without it, backward keeps them: in saved).
-    # FalconLinear computes ``input @ self.weight.T``: autocast casts the view weight.T, not a leaf, so nothing is
-    # cached there and each cast copy dies with its matmul (traced).
-    cached = checkpointed and p.autocast and spec.model_type != "falcon"
+    cached = checkpointed and casts_cached(spec, p, settings)
     cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if cached else 0
     # The CausalLM forward holds the base model's output (the final norm's) while it computes the logits and the
     # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
@@ -375,8 +493,10 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                            + final_hidden, 0)]
     if checkpointed:
         # (the LM head's autocast weight copy is made when the head runs, after the layers)
+        # (the last layer's weight casts are counted in its forward_transient, as far as it has made them)
         kept_before_last = acts.embedding_bytes + acts.constant_bytes - head_copy \
-            + cast_cache + sum(x.kept for x in layers[:-1]) + acts.decoder_locals_bytes
+            + (cast_cache - acts.layers[-1].constant_bytes if cached else 0) + sum(x.kept for x in layers[:-1]) \
+            + acts.decoder_locals_bytes
         # Falcon and BLOOM: the previous layer's returned probabilities, held by the base model's loop variable.
         returned = layers[-2].returned_to_model if len(layers) > 1 else 0
         candidates_fw.append(Phase("forward", "inside the last layer", weights, grads_in_forward, states,
@@ -445,6 +565,12 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
             "backward", f"layer {index} down projection", weights,
             max(grads_in_forward, head_grad + grads_above), states,
             live_acts - x.freed_before_down, x.down_transient + x.down_weight_gradient + tied_held))
+        if x.down_gradient_cast[1]:
+            freed, transient = x.down_gradient_cast
+            candidates.append(Phase(
+                "backward", f"layer {index} down projection's weight gradient cast", weights,
+                max(grads_in_forward, head_grad + grads_above), states,
+                live_acts - x.freed_before_down - freed, transient + tied_held))
         candidates.append(Phase(
             "backward", f"layer {index} attention", weights,
             max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
@@ -454,6 +580,16 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                 "backward", f"layer {index} experts' gate_up", weights,
                 max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
                 live_acts - x.experts_freed, x.experts_transient + tied_held))
+        if x.matmul_live:
+            candidates.append(Phase(
+                "backward", f"layer {index} attention's product with v", weights,
+                max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
+                base_kept + kept_below[index] + x.matmul_live, x.matmul_transient + tied_held))
+        if x.experts_weighting_transient:
+            candidates.append(Phase(
+                "backward", f"layer {index} experts' router weighting", weights,
+                max(grads_in_forward, head_grad + grads_above), states, live_acts - x.experts_weighting_freed,
+                x.experts_weighting_transient + tied_held))
         if x.output_norm_transient:
             candidates.append(Phase(
                 "backward", f"layer {index} output norm", weights, max(grads_in_forward, head_grad + grads_above),
@@ -463,17 +599,19 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
             # the gradient of its output is waiting.
             candidates.append(Phase(
                 "backward", f"layer {index} recomputed", weights, max(grads_in_forward, head_grad + grads_above),
-                states, base_kept + kept_below[index] + x.kept + x.full, tied_held + p.residual * h * tokens))
+                states, base_kept + kept_below[index] + x.kept + x.full + x.recompute_end,
+                tied_held + x.recompute_gradient))
         grads_above += x.grads
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
-    # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights its
-    # contribution and the sum of both exist beside the held LM-head one (3 x V x h). Only a large vocabulary
-    # with small activations (checkpointing, short sequences) makes this the peak, e.g. Llama-3-8B (traced).
+    # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights that
+    # contribution exists beside the held LM-head one, into which the autograd engine then adds it in place
+    # (input_buffer.cpp; the trace does the same, see trace._shared_parameter_sum). Only a large vocabulary with
+    # small activations (checkpointing, short sequences) makes this the peak, e.g. Llama-3-8B (traced).
     emb_input_grad = p.residual * h * tokens if layers else 0
     if tied_held:
         candidates.append(Phase("backward", "embedding (tied weights)", weights,
                                 max(grads_in_forward, grads - tied_held), states, base_kept,
-                                3 * tied_held + emb_input_grad))
+                                2 * tied_held + emb_input_grad))
     elif layers:
         emb_grad = _param_bytes(spec.param_groups[0].tensors[0].numel, _autograd_grad_bytes(recipe))
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, grads - emb_grad), states,

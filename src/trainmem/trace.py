@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,7 +160,13 @@ def _recompute_aware_tracker(mem_tracker, run):
     e.g. the residual adds, were tagged as temporaries, and an early-stopped recompute left it set for the rest
     of backward)."""
 
+    import torch
+
     class RecomputeAwareTracker(mem_tracker.MemTracker):
+        def __init__(self):
+            super().__init__()
+            self._fresh_zeros: dict[int, weakref.ref] = {}
+
         @property
         def _in_ac(self) -> bool:
             return run.recomputing
@@ -168,7 +175,64 @@ def _recompute_aware_tracker(mem_tracker, run):
         def _in_ac(self, value: bool) -> None:
             pass  # MemTracker's own marker is replaced by the step's
 
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            in_backward = torch._C._current_autograd_node() is not None
+            if in_backward:
+                func = _plain_tensor_overload(self._fresh_zeros, func, args)
+                if _gradient_sum(self, mem_tracker, func, args):
+                    func = torch.ops.aten.add_.Tensor
+            result = super().__torch_dispatch__(func, types, args, kwargs)
+            if in_backward and str(func) in _ZEROS:
+                self._fresh_zeros[id(result)] = weakref.ref(result)
+            return result
+
     return RecomputeAwareTracker()
+
+
+_ZEROS = frozenset({"aten.new_zeros.default", "aten.zeros.default", "aten.zeros_like.default"})
+_IN_PLACE_OF = {"aten.index_put.default": ("index_put_", "default"),
+                "aten.scatter_add.default": ("scatter_add_", "default"), "aten.scatter.src": ("scatter_", "src"),
+                "aten.scatter.value": ("scatter_", "value"), "aten.index_add.default": ("index_add_", "default")}
+
+
+def _plain_tensor_overload(fresh_zeros: dict, func, args):
+    """The overload a backward formula calls on plain tensors, where fake tensors make it call another.
+
+    Several autograd formulas (torch/csrc/autograd/FunctionsManual.cpp: ``index_backward``, ``gather_backward``,
+    ``value_selecting_reduction_backward``) fill a fresh zero tensor in place (``_index_put_impl_``,
+    ``scatter_add_``, ``scatter_``) unless a tensor is a subclass (``areAnyTensorSubclassLike``), when they call
+    the out-of-place op instead. A FakeTensor is a subclass, so under the trace the gradient of an index (MoE's
+    token gathers) would exist twice. Inside backward, an out-of-place fill of a zero tensor that backward just
+    created runs in place, as it does on a GPU."""
+    import torch
+
+    in_place = _IN_PLACE_OF.get(str(func))
+    if in_place and args:
+        ref = fresh_zeros.pop(id(args[0]), None)
+        if ref is not None and ref() is args[0]:
+            packet, overload = in_place
+            return getattr(getattr(torch.ops.aten, packet), overload)
+    return func
+
+
+def _gradient_sum(tracker, mem_tracker, func, args) -> bool:
+    """Whether this is the autograd engine summing two gradients of one tensor used twice (the residual stream,
+    tied embeddings: the LM head's contribution and the embedding's), which it does in place into one that
+    nothing else references (torch/csrc/autograd/input_buffer.cpp, ``can_accumulate_inplace``), but out of place
+    while a dispatch mode is active (``isTensorSubclassLike``), as one is for any trace. Both operands must be
+    gradients (made in this backward, outside a recompute), so nothing saved for backward is changed."""
+    if str(func) != "aten.add.Tensor" or len(args) != 2:
+        return False
+    old, new = args
+    if not (isinstance(old, type(new)) and hasattr(old, "shape") and old.shape == new.shape
+            and old.dtype == new.dtype and old.is_contiguous()):
+        return False
+    temporary = mem_tracker._MemRefType.TEMP
+    for tensor in (old, new):
+        winfo = tracker._WINFO.get(tensor.untyped_storage(), (None, None))[0]
+        if winfo is None or winfo.reftype != temporary:
+            return False
+    return True
 
 
 def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,

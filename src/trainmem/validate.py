@@ -491,7 +491,7 @@ def random_case(pick) -> tuple[dict, dict]:
         if model_type.endswith("moe"):
             experts = pick("experts", (2, 3, 4))
             cfg.update(num_experts=experts, num_experts_per_tok=pick("top_k", tuple(range(1, experts + 1))),
-                       moe_intermediate_size=pick("moe_intermediate", (hidden // 64 * 16, hidden)),
+                       moe_intermediate_size=pick("moe_intermediate", (max(16, hidden // 64 * 16), hidden)),
                        decoder_sparse_step=pick("sparse_step", (1, 2)), mlp_only_layers=pick("mlp_only", ([], [0])),
                        norm_topk_prob=pick("norm_topk", (False, True)))
             if model_type == "qwen2_moe":
@@ -544,7 +544,8 @@ def random_case(pick) -> tuple[dict, dict]:
         rope = pick("rope_dim", (16, 32))
         experts = pick("experts", (2, 4))
         cfg.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads, num_hidden_layers=layers,
-                   intermediate_size=inter, moe_intermediate_size=pick("moe_intermediate", (hidden // 64 * 16, hidden // 32 * 16)),
+                   intermediate_size=inter,
+                   moe_intermediate_size=pick("moe_intermediate", (max(16, hidden // 64 * 16), max(16, hidden // 32 * 16))),
                    n_routed_experts=experts, num_experts_per_tok=pick("top_k", tuple(range(1, experts + 1))),
                    n_shared_experts=pick("shared", (0, 1)), first_k_dense_replace=pick("dense_layers", (0, 1)),
                    n_group=1, topk_group=1, q_lora_rank=pick("q_lora", (None, hidden // 2)),
