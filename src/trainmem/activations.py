@@ -97,6 +97,8 @@ class LayerActivations:
     """AttentionTerms.held_by_layer of this layer."""
     matmul_backward: float = 0.0
     """AttentionTerms.matmul_backward of this layer."""
+    recompute_locals: float = 0.0
+    """AttentionTerms.recompute_locals of this layer."""
 
     @property
     def bytes_per_token(self) -> float:
@@ -183,6 +185,10 @@ class AttentionTerms:
     """Bytes per token alive during RoPE in a checkpointed forward (nothing saved): the norm output, the three
     projections' outputs (q and k are still held by their variables) and, while q or k is rotated,
     ``q * cos``, ``rotate_half(q)`` (a ``torch.cat``) and its product with ``sin`` (for k, beside the rotated q)."""
+    recompute_locals: float = 0.0
+    """BLOOM: bytes per token BloomAttention.forward holds at its end beyond what it saved (it ends with the
+    residual add): the fused q/k/v output (copied from with more than one sequence), the baddbmm scores, the
+    masked scores, dense's output and the residual sum, and with hidden dropout its dropped copy."""
 
 
 def sdpa_mask(spec: ModelSpec, layer: Layer, seq: int) -> bool:
@@ -255,7 +261,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     v_cache = c * kv * dv if use_cache else 0.0
     k_kept = v_kept = False  # whether attention keeps the cache's own tensors (then the cache adds nothing)
     returned = released = backward = softmax_extra = after_softmax = bloom_forward = returned_to_model = 0.0
-    matmul_backward = 0.0
+    matmul_backward = recompute_locals = 0.0
     held_by_layer = 0.0
 
     if kernel == FLASH:
@@ -299,7 +305,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         if mask:
             terms.append(Term("attention mask converted to the compute dtype (padded to 16 columns)",
                               c * efficient_mask_width(s)))
-        backward = c * (a * d + kv_passed * (d + dv))
+        backward = c * (a * d + kv_passed * (d + dv)) + c * a * dv  # dq, dk, dv beside d(output)
     elif kernel == MATH:
         terms += [Term("q scaled (fp32)", FP32 * a * d), Term("k scaled, every head (fp32)", FP32 * a * d),
                   Term("v, every head (fp32)", FP32 * a * dv), Term("softmax probabilities (fp32)", FP32 * a * s)]
@@ -326,6 +332,10 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             softmax_extra += c * a * s
             bloom_forward = _bloom_forward(spec, p, a, d, s, dropout, settings.batch)
             returned_to_model = held_by_layer = c * a * s
+            h, w = spec.hidden_size, p.residual
+            hidden_dropout = spec.dropout.hidden if settings.dropout is None else settings.dropout
+            recompute_locals = ((3 * c * h if settings.batch > 1 else 0) + (c + w) * a * s + c * h + w * h
+                                + (c * h if hidden_dropout > 0 else 0))
         # repeat_kv's view of one head is copied by the batched matmul unless the batch is 1
         kv_viewed = kv_passed == kv or (kv == 1 and settings.batch == 1)
         k_kept = fused_views or (kv_viewed and qk_bytes == c)
@@ -362,23 +372,26 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     return AttentionTerms(tuple(terms), kernel, cache_extra, returned, released, backward, forward=forward,
                           forward_inputs=inputs, softmax_extra=softmax_extra, after_softmax=after_softmax,
                           returned_to_model=returned_to_model, held_by_layer=held_by_layer,
-                          matmul_backward=matmul_backward, rotary_forward=rotary_forward)
+                          matmul_backward=matmul_backward, rotary_forward=rotary_forward,
+                          recompute_locals=recompute_locals)
 
 
 def _bloom_forward(spec: ModelSpec, p: Precision, a: int, d: int, s: int, dropout: float, batch: int) -> float:
     """BloomAttention.forward in a checkpointed forward, per token: its locals live until it returns, so beside
     the norm output, the fused q/k/v output and (batch > 1: with one sequence the merge of the batch and head
     dimensions is a view) the three copies ``reshape`` makes of its strided views, the
-    baddbmm scores, the masked scores (in the mask's dtype, the parameters') and the probabilities (cast back to
-    q's dtype, and dropped out) all accumulate: the worst moment is the softmax (with its fp32 upcast of half
-    scores) or the end, where the context, its merged copy, dense's output and the residual sum exist too."""
+    baddbmm scores and the masked scores (in the mask's dtype, the parameters') stay, and the probabilities (cast
+    back to q's dtype, then dropped out: the dropout's input is freed once it returns) follow: the worst moment is
+    the softmax (with its fp32 upcast of half scores), the dropout (its input, output and mask), or the end, where
+    the context, its merged copy, dense's output and the residual sum exist too (traced)."""
     c, w, h = p.compute, p.residual, spec.hidden_size
     inputs = w * h + c * 3 * h + (3 * c * a * d if batch > 1 else 0)
     # softmax(dtype=fp32) upcasts half masked scores first; its fp32 output is then cast back to q's dtype
     upcast, cast_back = (FP32 if w != FP32 else 0), (c if c != FP32 else 0)
     at_softmax = c + w + FP32 + max(upcast, cast_back)
-    at_end = c + w + c + (c + MASK if dropout > 0 else 0)
-    return inputs + max(at_softmax * a * s, at_end * a * s + 3 * c * h + w * h)
+    at_dropout = c + w + 2 * c + MASK if dropout > 0 else 0
+    at_end = c + w + c + (MASK if dropout > 0 else 0)
+    return inputs + max(at_softmax * a * s, at_dropout * a * s, at_end * a * s + 3 * c * h + w * h)
 
 
 def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precision, s: int, dropout: float) -> float:
@@ -425,12 +438,13 @@ def math_forward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int, bat
 def flash_backward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int) -> float:
     """The flash kernel's backward (flash_api.cpp ``mha_bwd``): dq, dk, dv at the padded head dim; an fp32 dq
     accumulator of (b, round128(s), a, round(d, 32 or 64)) and fp32 softmax_d of (b, a, round128(s)); with fewer
-    key/value heads, dk and dv expanded to every query head before they are summed back."""
+    key/value heads, dk and dv expanded to every query head before they are summed back; beside them the gradient of
+    the output it reads (o_proj's input gradient, traced)."""
     d8, dv8 = flash_head_dim(d), flash_head_dim(dv)
     rows = math.ceil(s / 128) * 128 / s
     d_rounded = math.ceil(d8 / (32 if d8 <= 128 else 64)) * (32 if d8 <= 128 else 64)
     expanded = c * a * (d8 + dv8) if kv < a else 0
-    return c * (a * d8 + kv * (d8 + dv8)) + FP32 * a * (d_rounded + 1) * rows + expanded
+    return c * (a * d8 + kv * (d8 + dv8)) + FP32 * a * (d_rounded + 1) * rows + expanded + c * a * dv
 
 
 def math_backward_per_token(c: int, a: int, dv: int, s: int, dropout: float) -> tuple[float, float]:
@@ -540,14 +554,19 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
     terms: list[Term] = []
     if kernel == EAGER:
         dropout = dropout if not rotary else 0.0
-        terms += [Term("q", c * a * d), Term("k, every head", c * a * d), Term("v, every head", c * a * d),
+        # The matmuls broadcast one key/value head over the query heads: with one sequence the reshape to a batch
+        # of matrices is a view (stride 0), so they keep the one-head tensors (the cache's, with use_cache).
+        one_head = kv_heads == 1 and settings.batch == 1
+        kept_heads = 1 if one_head else a
+        kv_name = "" if one_head else ", every head"
+        terms += [Term("q", c * a * d), Term("k" + kv_name, c * kept_heads * d), Term("v" + kv_name, c * kept_heads * d),
                   Term("softmax probabilities" + (" (fp32)" if r == FP32 else ""), r * a * s)]
         if dropout > 0:
             terms.append(Term("attention dropout mask", MASK * a * s))
         if r != c or dropout > 0:
             terms.append(Term("probabilities in compute dtype (matmul with v)", c * a * s))
         terms.append(Term("attention output, merged (dense input)", c * a * d))
-        released = c * a * d * 2 + (c * a * s if r != c or dropout > 0 else 0)
+        released = c * a * d + c * kept_heads * d + (c * a * s if r != c or dropout > 0 else 0)
         # At the softmax (without checkpointing): the scores (a local), the masked scores the softmax reads (fp32
         # under autocast, where the mask is) and, with ALiBi, the fp32 upcast, the biased logits and (in half
         # precision) the cast back the softmax makes for its dtype argument.
@@ -566,8 +585,8 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         forward = _falcon_forward_inputs(spec, layer, p, v_bytes, qk_bytes) + scores * a * s
         # The matmuls read k and v from the cache's torch.cat (DynamicLayer.update); they keep those very tensors
         # when every head is there already and no autocast cast intervenes, and then the cache adds nothing.
-        cache_extra = (0.0 if kv_heads == a and qk_bytes == c else k_cache) + \
-            (0.0 if kv_heads == a and v_bytes == c else v_cache)
+        cache_extra = (0.0 if kv_heads == kept_heads and qk_bytes == c else k_cache) + \
+            (0.0 if kv_heads == kept_heads and v_bytes == c else v_cache)
         # With ALiBi and dropout under autocast the layer holds the returned fp32 dropped probabilities; the matmul
         # with v keeps a half copy.
         held = r * a * s if not rotary and dropout > 0 and r != c else 0.0
@@ -608,7 +627,7 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
             terms.append(Term("ALiBi mask cast/padded per layer (heads x padded columns)",
                               c * a * efficient_mask_width(s)))
         extra = (0.0 if qk_bytes == c else k_cache) + (0.0 if v_bytes == c else v_cache)
-        return AttentionTerms(tuple(terms), EFFICIENT, extra, 0.0, 0.0, c * 3 * a * d)
+        return AttentionTerms(tuple(terms), EFFICIENT, extra, 0.0, 0.0, c * 4 * a * d)  # dq, dk, dv, d(output)
     # A single key/value head broadcast over one sequence's heads reshapes without a copy (stride 0)
     kv_kept = 1 if kv_heads == 1 and settings.batch == 1 else a
     terms += [Term("q scaled (fp32)", FP32 * a * d), Term("k scaled (fp32)", FP32 * kv_kept * d),
@@ -713,7 +732,7 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
                   Term("v (a view of kv_b_proj's output, which it keeps)", kv_b_out),
                   Term("attention output (o_proj input)", c * a * dv),
                   Term("softmax logsumexp (fp32, padded to 32 rows)", efficient_lse_per_token(a, s))]
-        released, backward = 0.0, c * a * (2 * qk + dv)
+        released, backward = 0.0, c * a * (2 * qk + 2 * dv)  # dq, dk, dv beside d(output)
     else:
         v_kept = Term("v (a view of kv_b_proj's output, which it keeps)", kv_b_out) if c == FP32 else \
             Term("v (fp32)", FP32 * a * dv)
@@ -894,7 +913,8 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
                             max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout),
                                 attention.rotary_forward),
                             attention.softmax_extra, attention.after_softmax, attention.returned_to_model,
-                            attention.held_by_layer, matmul_backward=attention.matmul_backward)
+                            attention.held_by_layer, matmul_backward=attention.matmul_backward,
+                            recompute_locals=attention.recompute_locals)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -992,6 +1012,13 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     constant: list[Term] = []
     if spec.model_type == "opt":
         embedding.append(Term("position ids", INDEX))
+    projected = spec.embedding_dim and spec.embedding_dim != h  # OPT's word_embed_proj_dim (OPT-350m)
+    if projected:
+        # project_in (E -> h) keeps its input, the embeddings (cast to half under autocast); autocast's copy of its
+        # weight lives until its backward, the step's last
+        embedding.append(Term("project_in input (the embeddings)", p.compute * spec.embedding_dim))
+        if p.autocast:
+            constant.append(Term("autocast copy of the project_in weight", p.compute * spec.embedding_dim * h))
     if spec.model_type == "gpt2":
         constant.append(Term("position ids", INDEX * s))
     if spec.embedding_norm:
@@ -1020,7 +1047,12 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     head = _norm_terms(spec, h, p, "final norm", p.residual) if spec.final_norm and spec.norm_vectors else []
     if spec.model_type.startswith("gemma"):
         constant.append(Term("final norm (1 + weight) in fp32", FP32 * h))
-    head += _linear_inputs(p, h, 1, "final norm output (LM head input)", p.residual)
+    if projected:
+        # project_out (h -> E) keeps the final norm output (its half copy under autocast); the LM head, its output
+        head += _linear_inputs(p, h, 1, "final norm output (project_out input)", p.residual)
+        head.append(Term("project_out output (LM head input)", p.compute * spec.embedding_dim))
+    else:
+        head += _linear_inputs(p, h, 1, "final norm output (LM head input)", p.residual)
     if spec.final_logit_softcap:
         head.append(Term("final logit softcapping tanh output", p.compute * v))
     if settings.loss == "chunked":
@@ -1037,7 +1069,8 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         loss_transient = (FP32 * v * tokens) if p.compute != FP32 else 0
     constant.append(Term("loss total_weight", FP32))
     if p.autocast:
-        head_weight = spec.vocab_size * (spec.embedding_dim or h)
+        # (with project_out, its weight's copy too: both are made after the layers and used by the head's backward)
+        head_weight = spec.vocab_size * (spec.embedding_dim or h) + (h * spec.embedding_dim if projected else 0)
         constant.append(Term(AUTOCAST_HEAD_COPY, p.compute * head_weight))
     # DynamicLayer.update torch.cat's each layer's keys and values into the cache the model returns; what attention
     # does not keep itself (fp32 rotated keys under autocast, k and v a kernel copies) is alive until the output is
@@ -1065,7 +1098,9 @@ def _decoder_locals(spec: ModelSpec, p: Precision, emb_dropout: float) -> int:
     if spec.model_type == "gpt2":
         return 2 * embedded
     if spec.model_type == "opt":
-        return 2 * embedded + FP32 + INDEX
+        # with project_in, inputs_embeds is its output (half under autocast)
+        projected = spec.embedding_dim and spec.embedding_dim != spec.hidden_size
+        return (p.compute * spec.hidden_size if projected else embedded) + embedded + FP32 + INDEX
     if spec.model_type == "gpt_neox" and emb_dropout > 0:
         return embedded
     return 0

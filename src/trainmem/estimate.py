@@ -156,10 +156,6 @@ def validation_notes(model: ModelSpec, settings: TrainingSettings) -> tuple[str,
     if settings.attention == "flash":
         notes.append("not validated: --attention flash (flash_attention_2) needs the flash-attn package and a GPU, so "
                      "it is not traced; its terms are those of SDPA's flash kernel")
-    if settings.checkpointing == "full" and model.has_architecture:
-        notes.append("not validated to 3%: with --checkpointing full the backward estimate is within 3% of the trace "
-                     "in most but not all families (up to -12% for MoE layers, -9% for eager attention with dropout; "
-                     "docs/accuracy.md, Known gaps)")
     return tuple(notes)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .activations import (AUTOCAST_HEAD_COPY, FP32, INDEX, MASK, ActivationEstimate, LayerActivations, Precision,
-                          _hidden_dropout_sites)
+                          _hidden_dropout_sites, _router_score_bytes)
 from .models import ModelSpec, layer_tensors
 from .optimizers import Optimizer
 from .recipes import Recipe
@@ -55,10 +55,13 @@ def _mlp_width(layer) -> int:
     return layer.mlp.intermediate_size
 
 
-def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
+def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
+                   settings: TrainingSettings | None = None) -> int:
     """The gradient temporaries of one layer's MLP backward: while the product's backward runs, d(product),
     d(activation) and d(up) coexist (3 x I wide; 2 for a plain GELU/ReLU MLP; GPT-2's Python gelu_new chains three; BLOOM's six),
-    beside the residual stream's gradient (alive throughout, traced with and without checkpointing)."""
+    beside the residual stream's gradient (alive throughout, traced with and without checkpointing). Falcon's
+    biased Linears under autocast make its MLP fp32; with parallel attention and hidden dropout the dropped
+    gradient of the summed outputs waits for the attention's backward too (traced)."""
     layer = la.layer
     plain = layer.mlp is not None and not layer.mlp.gated and layer.mlp.activation != "gelu_new"
     wide = 2 if plain else 3
@@ -70,7 +73,12 @@ def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: 
     width = _mlp_bytes(layer, p)
     if p.autocast and layer.mlp is not None and layer.mlp.activation == "gelu_new":
         width = FP32  # pow upcasts x on CUDA's autocast list: the chain's gradients are fp32 (traced)
+    falcon = spec.model_type == "falcon" and layer.mlp is not None
+    if falcon and p.autocast and layer.attention.qkv_bias:
+        width = FP32
     mlp = wide * width * _mlp_width(layer)
+    if falcon and layer.parallel_residual and settings is not None and _mlp_output_dropout(spec, layer, settings):
+        mlp += _mlp_output_bytes(spec, layer, p) * spec.hidden_size
     return (mlp + p.residual * spec.hidden_size) * tokens
 
 
@@ -108,10 +116,34 @@ def _experts_weighting_transient(spec: ModelSpec, layer, p: Precision, tokens: i
     moe = layer.moe
     if moe is None:
         return 0
-    per_token = (3 * moe.top_k * p.experts + p.residual) * spec.hidden_size
+    # the weighted outputs' dtype: the experts' output times the routing weights (fp32 unless cast to the compute
+    # dtype), promoted
+    weights = p.compute if moe.weights_in_compute_dtype else _router_score_bytes(moe, p)
+    per_token = (3 * moe.top_k * max(p.experts, weights) + p.residual) * spec.hidden_size
     if moe.shared_expert_gate:
         per_token += (p.compute + p.residual) * spec.hidden_size
+    elif _shared_first(layer):
+        per_token += p.residual * spec.hidden_size  # the MoE input's gradient, with the shared experts' part
     return int(per_token * tokens)
+
+
+def _shared_first(layer) -> bool:
+    """Whether the shared experts' backward runs before the routed experts' (DeepSeek-V3's order)."""
+    return bool(layer.moe and layer.moe.shared_intermediate_size and layer.moe.router == "sigmoid_grouped")
+
+
+def _experts_weighting_freed(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
+    """See _LayerBytes.experts_weighting_freed."""
+    layer = la.layer
+    if layer.moe and layer.moe.shared_expert_gate:
+        return p.compute * spec.hidden_size * tokens
+    if _shared_first(layer):
+        return int(sum(t.bytes_per_token for t in la.terms if t.name.startswith("shared expert:")) * tokens)
+    return 0
+
+
+def _has_output_norm(la: LayerActivations) -> bool:
+    return any(t.name.startswith("post-feedforward norm") for t in la.terms)
 
 
 def _mlp_output_bytes(spec: ModelSpec, layer, p: Precision) -> int:
@@ -129,26 +161,30 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
     """See _LayerBytes.recompute_end. FalconDecoderLayer also holds ``attention_output`` (dense's output) and,
     under autocast, the attention's fp32 norm output through the MLP; FalconLinear adds its bias after the matmul,
     so under autocast fc1's output, its GELU (held while fc2 runs; fc2 keeps a half copy) and fc2's output plus
-    bias are fp32 (traced)."""
+    bias are fp32. Its recompute goes on to ``dropout_add`` when there is hidden dropout, which is the worse
+    moment unless the fp32 GELU output (freed by then) outweighs it (traced)."""
     layer = la.layer
+    h = spec.hidden_size
     per_token = la.returned_extra
+    if layer.mlp and _has_output_norm(la):
+        # Gemma 2/3: the recompute goes on into the post-feedforward norm, whose input (the MLP's output) it holds;
+        # the MLP's argument is gone by then
+        return int((per_token + p.compute * h) * tokens)
     if layer.mlp:
-        per_token += (p.compute + (p.residual if p.autocast else 0)) * spec.hidden_size
-    if _mlp_output_dropout(spec, layer, settings):
-        if spec.model_type == "falcon":
-            # dropout_add(mlp_output, ...): the recompute reaches the dropout, whose output and mask exist (traced)
-            per_token += _mlp_output_bytes(spec, layer, p) * spec.hidden_size
-        else:
-            per_token -= MASK * spec.hidden_size
-    if spec.model_type == "falcon":
-        biased = p.autocast and layer.attention.qkv_bias
-        per_token += (p.residual if biased else p.compute) * spec.hidden_size  # attention_output
-        if p.autocast and not (layer.parallel_residual and layer.num_norms == 1):
-            per_token += p.residual * spec.hidden_size  # attention_layernorm_out, not the MLP's norm output
-        if biased:
-            per_token += p.residual * spec.hidden_size  # dense_4h_to_h's output plus its bias
-            per_token += p.residual * layer.mlp.intermediate_size  # the GELU's fp32 output
-    return int(per_token * tokens)
+        per_token += (p.residual if p.autocast else 0) * h  # the MLP's argument
+    dropout = _mlp_output_dropout(spec, layer, settings)
+    at_down = (p.compute * h if layer.mlp else 0) - (MASK * h if dropout else 0)  # its output; no mask yet
+    if spec.model_type != "falcon":
+        return int((per_token + at_down) * tokens)
+    biased = p.autocast and layer.attention.qkv_bias
+    out = p.residual if biased else p.compute
+    per_token += out * h  # attention_output
+    if p.autocast and not (layer.parallel_residual and layer.num_norms == 1):
+        per_token += p.residual * h  # attention_layernorm_out, not the MLP's norm output
+    if biased:
+        at_down += p.residual * h + p.residual * layer.mlp.intermediate_size  # output plus bias; the fp32 GELU
+    at_dropout = 2 * out * h if dropout else at_down  # the MLP's output and its dropped copy (the mask exists)
+    return int((per_token + max(at_down, at_dropout)) * tokens)
 
 
 def _layer_casts(spec: ModelSpec, la: LayerActivations, p: Precision) -> tuple[int, int]:
@@ -231,10 +267,10 @@ class _LayerBytes:
     down_grad: int
     down_weight_gradient: int
     down_gradient_cast: tuple[int, int]
-    """Under autocast, when the activation keeps its output (ReLU), so that down_proj's input outlives its backward:
-    (what is freed, the temporaries) at the cast of its half weight gradient to the parameter's dtype, when the
-    half weight copy is gone and d(input), the residual's gradient, the half gradient and its cast exist; (0, 0)
-    otherwise, where the input is freed first (traced)."""
+    """Under autocast, a dense MLP: (what is freed, the temporaries) at the cast of down_proj's half weight
+    gradient to the parameter's dtype, when its half weight copy is gone, and its input too unless the activation
+    keeps it (ReLU keeps its output), while d(input), the residual's gradient, the half gradient and its cast
+    exist (traced); (0, 0) otherwise."""
     """The down projection's weight gradient as its matmul makes it (the half copy's dtype under autocast)."""
     grads: int
     transient: int
@@ -255,7 +291,12 @@ class _LayerBytes:
     and its gate's backward by then: the gradient of the shared expert's output waits for its MLP's backward, and
     the MoE input's gradient holds the gate's contribution."""
     experts_weighting_freed: int
-    """What the gated shared expert's product backward has freed by that moment: the shared expert's output."""
+    """What the gated shared expert's product backward has freed by that moment: the shared expert's output.
+    DeepSeek-V3 adds its shared experts' output last (``experts(x) + shared_experts(residuals)``), so their whole
+    backward has run by then: their activations are freed, their weight gradients exist (below) and the MoE
+    input's gradient holds their contribution."""
+    experts_weighting_grads: int
+    """The shared experts' weight gradients that exist at that moment (DeepSeek-V3), else 0."""
     output_norm_transient: int
     """Gradient temporaries of a norm on the layer's output (Gemma 2/3's post-feedforward norm), whose backward
     runs first, while all of the layer's activations are alive; 0 where the layer ends with the residual add."""
@@ -275,6 +316,10 @@ class _LayerBytes:
     fp32 output (its Linears keep half copies instead), is alive too: the caller's frame holds it during the
     call (``self.mlp(self.post_attention_layernorm(x))``). A dropout after the MLP has not run: its mask, part of
     the layer's activations, does not exist yet."""
+    recompute_attention_end: int
+    """BLOOM under full checkpointing: what the layer holds when its recomputed attention returns (the attention's
+    activations, its kept input, and BloomAttention's unsaved locals, LayerActivations.recompute_locals); 0
+    elsewhere."""
     recompute_gradient: int
     """The temporaries the layer's backward made before its first node that needs a saved tensor started the
     recompute: beside the residual stream's gradient, under autocast its cast to the MLP output's half dtype (the
@@ -322,6 +367,7 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # it with what the checkpoint kept.
             if spec.norm == "layer" or p.residual == FP32:
                 full -= p.residual * spec.hidden_size * tokens
+        full_shares_input = p.residual * spec.hidden_size * tokens if spec.norm == "layer" or p.residual == FP32 else 0
         # (grouped_mm experts are not autocast: their weights get no half copy)
         down_copy = p.compute * down if p.autocast and layer.mlp is not None else 0
         # A norm on the layer's output (Gemma's post-feedforward norm) has run its backward, and freed what it
@@ -348,18 +394,21 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # Under autocast the matmul's weight gradient is first made in the half copy's dtype; its cast to the
             # parameter's comes after the layer's down-projection input is freed (traced).
             down_weight_gradient=p.compute * down if down_copy else _param_bytes(down, _autograd_grad_bytes(recipe)),
-            down_gradient_cast=((down_copy, (_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size)
-                                 * tokens + p.compute * down + _param_bytes(down, recipe.gradient_bytes))
-                                if down_copy and layer.mlp.activation == "relu" and not layer.mlp.gated else (0, 0)),
+            down_gradient_cast=((down_copy + (0 if layer.mlp.activation == "relu" and not layer.mlp.gated
+                                              else _mlp_bytes(layer, p) * _mlp_width(layer) * tokens),
+                                 (_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size) * tokens
+                                 + p.compute * down + _param_bytes(down, recipe.gradient_bytes))
+                                if down_copy else (0, 0)),
             grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
-            transient=_mlp_transient(spec, la, p, tokens),
+            transient=_mlp_transient(spec, la, p, tokens, settings),
             forward_transient=_forward_transient(spec, la, p, tokens,
                                                  _layer_casts(spec, la, p) if cached else (0, 0)),
             experts_freed=int(sum(t.bytes_per_token for t in la.terms if t.name in _EXPERT_TERMS_FREED) * tokens),
             experts_transient=_experts_transient(spec, la, p, recipe, tokens),
             experts_weighting_transient=_experts_weighting_transient(spec, layer, p, tokens),
-            experts_weighting_freed=(p.compute * spec.hidden_size * tokens
-                                     if layer.moe and layer.moe.shared_expert_gate else 0),
+            experts_weighting_freed=_experts_weighting_freed(spec, la, p, tokens),
+            experts_weighting_grads=(_param_bytes(sum(t.numel for t in tensors if t.name.startswith("mlp.shared_expert.")),
+                                                  recipe.gradient_bytes) if _shared_first(layer) else 0),
             # Gemma's RMSNorm backward in fp32: the upcast output gradient, its product with (1 + weight), and the
             # rsqrt and input branches, five h-wide fp32 tensors at once (traced), beside the residual gradient.
             output_norm_transient=(5 * FP32 * spec.hidden_size * tokens if output_norm else 0),
@@ -371,16 +420,26 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             attention_grads_pending=_param_bytes(projections + first_norm, recipe.gradient_bytes),
             # (o_proj's backward has run: its input, the attention output, is freed)
             recompute_end=_recompute_end(spec, la, p, settings, tokens),
-            recompute_gradient=int((p.residual + (p.compute if _mlp_output_bytes(spec, layer, p) != p.residual
-                                                 else 0)) * spec.hidden_size * tokens),
+            recompute_attention_end=(kept + int((la.attention_bytes_per_token + la.recompute_locals) * tokens)
+                                     + (p.compute * sum(t.numel for t in tensors if len(t.shape) == 2
+                                                        and not t.name.startswith("mlp.")) if p.autocast else 0)
+                                     - (full_shares_input if acts.checkpointing == "full" else 0)
+                                     if la.recompute_locals else 0),
+            # (Gemma's post-feedforward norm: its output cast back to the input dtype saves nothing, so its
+            # backward, an fp32 gradient, runs before the recompute)
+            recompute_gradient=int((p.residual + (FP32 if output_norm and p.compute != FP32 else
+                                                  0 if output_norm else p.compute if _mlp_output_bytes(
+                spec, layer, p) != p.residual else 0)) * spec.hidden_size * tokens),
             matmul_live=(attention_live + int(la.attention_released * tokens)
                          - p.compute * layer.attention.num_heads * layer.attention.v_head_dim * tokens
                          if la.matmul_backward else 0),
             matmul_transient=int((la.matmul_backward + p.residual * spec.hidden_size) * tokens),
             # The gradient reaching the MLP's output is the residual stream's own, unless a dropout (a new masked
             # copy), autocast (a half cast) or a norm on the layer's output (its input's gradient) sits between them.
+            # Routed experts: the gradient of their outputs, in expert order (top-k x h), is what reaches them.
             down_transient=(_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size
-                            + (p.compute * spec.hidden_size if p.autocast or _mlp_output_dropout(spec, layer, settings)
+                            + (layer.moe.top_k * p.experts * spec.hidden_size if layer.moe else
+                               p.compute * spec.hidden_size if p.autocast or _mlp_output_dropout(spec, layer, settings)
                                or output_norm else 0)) * tokens,
             freed_before_down=freed_before_mlp,
             returned_to_model=int(la.returned_to_model * tokens),
@@ -487,7 +546,9 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if cached else 0
     # The CausalLM forward holds the base model's output (the final norm's) while it computes the logits and the
     # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
-    final_hidden = p.residual * h * tokens if p.autocast and p.residual == FP32 and layers else 0
+    # (OPT's project_out makes the output a half tensor the head keeps)
+    projected = spec.embedding_dim and spec.embedding_dim != h
+    final_hidden = p.residual * h * tokens if p.autocast and p.residual == FP32 and layers and not projected else 0
     candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
                            saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache
                            + final_hidden, 0)]
@@ -588,7 +649,8 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
         if x.experts_weighting_transient:
             candidates.append(Phase(
                 "backward", f"layer {index} experts' router weighting", weights,
-                max(grads_in_forward, head_grad + grads_above), states, live_acts - x.experts_weighting_freed,
+                max(grads_in_forward, head_grad + grads_above + x.experts_weighting_grads), states,
+                live_acts - x.experts_weighting_freed,
                 x.experts_weighting_transient + tied_held))
         if x.output_norm_transient:
             candidates.append(Phase(
@@ -601,6 +663,11 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                 "backward", f"layer {index} recomputed", weights, max(grads_in_forward, head_grad + grads_above),
                 states, base_kept + kept_below[index] + x.kept + x.full + x.recompute_end,
                 tied_held + x.recompute_gradient))
+            if x.recompute_attention_end:
+                candidates.append(Phase(
+                    "backward", f"layer {index} recomputed attention's end", weights,
+                    max(grads_in_forward, head_grad + grads_above), states,
+                    base_kept + kept_below[index] + x.recompute_attention_end, tied_held + x.recompute_gradient))
         grads_above += x.grads
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
     # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights that

@@ -10,10 +10,11 @@ caching allocator does (``--no-round`` keeps raw sizes).
 What differs from a GPU run: the CPU executes the step, so where a CPU kernel differs from CUDA's in what it keeps
 the trace runs CUDA's (``trainmem.cuda_emulation``): CUDA's autocast op lists and weight-cast cache, the SDPA kernel
 CUDA would select (flash, memory-efficient or math, by PyTorch's rules in ``trainmem.kernels``) and the fused
-bool-mask dropout. Two corrections to a plain MemTracker run: the whole of a checkpointed layer's recompute is
-tagged as activations (``_recompute_aware_tracker``), and transformers' packed-sequence check, which fake tensors
-cannot answer, is answered as a real run with one sequence per row does (``_unpacked_batches``). docs/accuracy.md
-lists the estimate-vs-trace differences.
+bool-mask dropout. Three corrections to a plain MemTracker run: the whole of a checkpointed layer's recompute is
+tagged as activations (``_recompute_aware_tracker``); backward runs in place what a GPU runs in place, where the
+active dispatch mode would turn it out of place (``_plain_tensor_overload``, ``_gradient_sum``); and
+transformers' packed-sequence check, which fake tensors cannot answer, is answered as a real run with one
+sequence per row does (``_unpacked_batches``). docs/accuracy.md lists the estimate-vs-trace differences.
 
 Needs torch and transformers (``pip install 'trainmem[trace]'``).
 """
