@@ -385,6 +385,7 @@ tests/test_random_models.py, and the random cases that once failed (tests/test_r
 - The seeds above were used to find what to model (seeds 7 and 11 entirely, seed 2026's first draw had 388 of
   400); a draw no one has looked at may find more.
 
+""",
     "## Where the trace corrects a plain MemTracker run": """## Where the trace corrects a plain MemTracker run
 
 - Recomputed activations: MemTracker tags what a checkpointed layer's recompute allocates as activations only
