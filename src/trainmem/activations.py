@@ -323,7 +323,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         # the dropout sees the probabilities cast to q's dtype (llama-style ``.to(query.dtype)``; GPT-2: v's)
         dropout_bytes = c if spec.model_type == "gpt2" else qk_bytes
         released, backward = eager_backward_per_token(eager, c, a, dv, s, dropout_bytes)
-        if fused_views and not use_cache and batch > 1:
+        if fused_views and not use_cache and batch > 1 and a > 1:
             released += c * a * dv  # the batched matmul's copy of v (a strided view of c_attn's output)
         matmul_backward = c * a * s + 2 * c * a * dv
         held_by_layer = dropout_bytes * a * s + (c * spec.hidden_size if spec.model_type == "gpt2" else 0)
@@ -502,18 +502,18 @@ def _eager_terms(spec: ModelSpec, att: Attention, p: Precision, s: int, batch: i
     terms: list[Term] = []
     if fused_views:
         # GPT-2: q (and without a cache k and v) are views of the fused projection output, whose storage is kept,
-        # unless the batched matmul must copy q (batch > 1), which then keeps the copy instead.
+        # unless the batched matmul must copy q (batch > 1 with several heads), which then keeps the copy instead.
         terms.append(Term("q, k, v (one fused projection output)", c * (a * d + 2 * kv * d)))
-        if use_cache and batch == 1:
+        if use_cache and (batch == 1 or a == 1):
             terms.append(Term("k, v copied into the KV cache (use_cache)", c * kv * (d + dv)))
     else:
         repeated = " repeated to every head" if kv_passed != kv else ""
         # repeat_kv's expand + reshape copies, except one kv head with batch 1, which reshapes without a copy
         kept = a if kv_passed != kv and not (kv == 1 and batch == 1) else kv
         terms += [Term("q", c * a * d), Term("k" + repeated, c * kept * d)]
-        if att.fused_qkv and batch == 1 and kept == kv and not use_cache:
+        if att.fused_qkv and (batch == 1 or kv == 1) and kept == kv and not use_cache:
             # GPT-NeoX/Phi-3 (RoPE makes new q and k): v is a view of the fused projection output, which the
-            # matmul with v keeps whole when it needs no copy (one sequence, no repeat, no cache)
+            # matmul with v keeps whole when it needs no copy (one sequence or one head, no repeat, no cache)
             terms.append(Term("v (a view of the fused q/k/v output, which it keeps)", c * (a * d + kv * (d + dv))))
         else:
             terms.append(Term("v" + repeated, c * kept * dv))

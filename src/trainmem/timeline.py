@@ -116,15 +116,19 @@ def _experts_weighting_transient(spec: ModelSpec, layer, p: Precision, tokens: i
     moe = layer.moe
     if moe is None:
         return 0
-    # the weighted outputs' dtype: the experts' output times the routing weights (fp32 unless cast to the compute
-    # dtype), promoted
-    weights = p.compute if moe.weights_in_compute_dtype else _router_score_bytes(moe, p)
-    per_token = (3 * moe.top_k * max(p.experts, weights) + p.residual) * spec.hidden_size
+    per_token = (3 * moe.top_k * _weighted_bytes(moe, p) + p.residual) * spec.hidden_size
     if moe.shared_expert_gate:
         per_token += (p.compute + p.residual) * spec.hidden_size
     elif _shared_first(layer):
         per_token += p.residual * spec.hidden_size  # the MoE input's gradient, with the shared experts' part
     return int(per_token * tokens)
+
+
+def _weighted_bytes(moe, p: Precision) -> int:
+    """The router-weighted expert outputs' dtype: the experts' output times the routing weights (fp32 unless cast
+    to the compute dtype), promoted."""
+    weights = p.compute if moe.weights_in_compute_dtype else _router_score_bytes(moe, p)
+    return max(p.experts, weights)
 
 
 def _shared_first(layer) -> bool:
@@ -140,6 +144,21 @@ def _experts_weighting_freed(spec: ModelSpec, la: LayerActivations, p: Precision
     if _shared_first(layer):
         return int(sum(t.bytes_per_token for t in la.terms if t.name.startswith("shared expert:")) * tokens)
     return 0
+
+
+def _norm_moment(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Recipe, tensors, tokens: int,
+                 attention_live: int) -> tuple[int, int, int]:
+    """See _LayerBytes.norm_moment."""
+    terms = [t for t in la.terms if t.name.startswith(("post-attention norm", "MLP norm"))
+             and not t.name.endswith(("normalised", "(MLP input)")) and "half copy" not in t.name]
+    if spec.norm != "rms" or not terms or la.layer.parallel_residual or _has_output_norm(la):
+        return 0, 0, 0
+    live = attention_live + int((la.attention_released + sum(t.bytes_per_token for t in terms)) * tokens)
+    o_proj = sum(t.numel for t in tensors if t.name.startswith("o_proj"))
+    live += p.compute * o_proj if p.autocast else 0  # o_proj's backward has not run: its half weight copy is alive
+    mlp_grads = _param_bytes(sum(t.numel for t in tensors if t.name.startswith("mlp.")), recipe.gradient_bytes)
+    temps = (5 * FP32 + p.residual) * spec.hidden_size * tokens
+    return live, mlp_grads, temps
 
 
 def _has_output_norm(la: LayerActivations) -> bool:
@@ -166,6 +185,9 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
     layer = la.layer
     h = spec.hidden_size
     per_token = la.returned_extra
+    if layer.moe:
+        # the routed experts' recompute ends at the gather back to token order: the weighted outputs exist
+        return int((per_token + layer.moe.top_k * _weighted_bytes(layer.moe, p) * h) * tokens)
     if layer.mlp and _has_output_norm(la):
         # Gemma 2/3: the recompute goes on into the post-feedforward norm, whose input (the MLP's output) it holds;
         # the MLP's argument is gone by then
@@ -324,6 +346,11 @@ class _LayerBytes:
     """The temporaries the layer's backward made before its first node that needs a saved tensor started the
     recompute: beside the residual stream's gradient, under autocast its cast to the MLP output's half dtype (the
     residual add's backward)."""
+    norm_moment: tuple[int, int, int]
+    """RMSNorm layers: (what the layer holds, the gradients its MLP has produced, the temporaries) when the norm
+    between attention and MLP runs its backward: the MLP block's activations are freed, the attention block's and
+    the norm's own (less its normalised value) are alive, and LlamaRMSNorm's fp32 backward has five h-wide fp32
+    gradients at once beside the residual's (traced); (0, 0, 0) for LayerNorm families."""
     matmul_live: int
     """Eager and math attention: what the layer holds when the product of the probabilities and v runs its
     backward, when of the attention only o_proj's input is freed; 0 for the fused kernels."""
@@ -427,9 +454,13 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                      if la.recompute_locals else 0),
             # (Gemma's post-feedforward norm: its output cast back to the input dtype saves nothing, so its
             # backward, an fp32 gradient, runs before the recompute)
-            recompute_gradient=int((p.residual + (FP32 if output_norm and p.compute != FP32 else
-                                                  0 if output_norm else p.compute if _mlp_output_bytes(
-                spec, layer, p) != p.residual else 0)) * spec.hidden_size * tokens),
+            # (MoE: the gradient of the weighted outputs in token order, made by the sum's and the view's
+            # backward before the gather's backward needs its saved indices)
+            recompute_gradient=int((p.residual + (
+                layer.moe.top_k * _weighted_bytes(layer.moe, p) if layer.moe else
+                FP32 if output_norm and p.compute != FP32 else 0 if output_norm else
+                p.compute if _mlp_output_bytes(spec, layer, p) != p.residual else 0)) * spec.hidden_size * tokens),
+            norm_moment=_norm_moment(spec, la, p, recipe, tensors, tokens, attention_live),
             matmul_live=(attention_live + int(la.attention_released * tokens)
                          - p.compute * layer.attention.num_heads * layer.attention.v_head_dim * tokens
                          if la.matmul_backward else 0),
@@ -579,6 +610,7 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
                                    + p.compute * h * tokens, 0))
+    candidates_fw.append(candidates_fw.pop(0))  # the loss comes last: on a tie the earlier moment is the peak
     forward = max(candidates_fw, key=lambda ph: ph.allocated_bytes)
 
     # Backward start: nll_loss's gradient and log_softmax's gradient (both fp32, V wide) beside everything saved.
@@ -616,12 +648,31 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     for index in range(len(layers) - 1, -1, -1):
         x = layers[index]
         live_acts = base_kept + kept_below[index] + (x.kept + x.full if acts.checkpointing == "full" else x.full)
-        candidates.append(Phase(
-            "backward", f"layer {index} MLP", weights,
-            max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
-            live_acts - x.product, x.transient + tied_held))
-        # Just before: the down projection's own backward, with its input still held and the gradients of its
-        # output and input alive (the larger moment for a plain two-Linear MLP).
+        # In the order they happen: on a tie the earlier moment is the peak, as a peak counter sees it.
+        if acts.checkpointing == "full":
+            if x.recompute_attention_end:
+                candidates.append(Phase(
+                    "backward", f"layer {index} recomputed attention's end", weights,
+                    max(grads_in_forward, head_grad + grads_above), states,
+                    base_kept + kept_below[index] + x.recompute_attention_end, tied_held + x.recompute_gradient))
+            # The layer's forward has been recomputed (to its last saved tensor) and the gradient of its output
+            # is waiting.
+            candidates.append(Phase(
+                "backward", f"layer {index} recomputed", weights, max(grads_in_forward, head_grad + grads_above),
+                states, base_kept + kept_below[index] + x.kept + x.full + x.recompute_end,
+                tied_held + x.recompute_gradient))
+        if x.output_norm_transient:
+            candidates.append(Phase(
+                "backward", f"layer {index} output norm", weights, max(grads_in_forward, head_grad + grads_above),
+                states, live_acts - x.output_norm_freed, tied_held + p.residual * h * tokens + x.output_norm_transient))
+        if x.experts_weighting_transient:
+            candidates.append(Phase(
+                "backward", f"layer {index} experts' router weighting", weights,
+                max(grads_in_forward, head_grad + grads_above + x.experts_weighting_grads), states,
+                live_acts - x.experts_weighting_freed,
+                x.experts_weighting_transient + tied_held))
+        # The down projection's own backward, with its input still held and the gradients of its output and input
+        # alive (the larger moment for a plain two-Linear MLP).
         candidates.append(Phase(
             "backward", f"layer {index} down projection", weights,
             max(grads_in_forward, head_grad + grads_above), states,
@@ -633,46 +684,34 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                 max(grads_in_forward, head_grad + grads_above), states,
                 live_acts - x.freed_before_down - freed, transient + tied_held))
         candidates.append(Phase(
-            "backward", f"layer {index} attention", weights,
-            max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
-            base_kept + kept_below[index] + x.attention_live, x.attention_transient + tied_held))
+            "backward", f"layer {index} MLP", weights,
+            max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
+            live_acts - x.product, x.transient + tied_held))
         if x.experts_transient:
             candidates.append(Phase(
                 "backward", f"layer {index} experts' gate_up", weights,
                 max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
                 live_acts - x.experts_freed, x.experts_transient + tied_held))
+        if x.norm_moment[0]:
+            live, mlp_grads, temps = x.norm_moment
+            candidates.append(Phase(
+                "backward", f"layer {index} post-attention norm", weights,
+                max(grads_in_forward, head_grad + grads_above + mlp_grads), states,
+                base_kept + kept_below[index] + live, temps + tied_held))
         if x.matmul_live:
             candidates.append(Phase(
                 "backward", f"layer {index} attention's product with v", weights,
                 max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
                 base_kept + kept_below[index] + x.matmul_live, x.matmul_transient + tied_held))
-        if x.experts_weighting_transient:
-            candidates.append(Phase(
-                "backward", f"layer {index} experts' router weighting", weights,
-                max(grads_in_forward, head_grad + grads_above + x.experts_weighting_grads), states,
-                live_acts - x.experts_weighting_freed,
-                x.experts_weighting_transient + tied_held))
-        if x.output_norm_transient:
-            candidates.append(Phase(
-                "backward", f"layer {index} output norm", weights, max(grads_in_forward, head_grad + grads_above),
-                states, live_acts - x.output_norm_freed, tied_held + p.residual * h * tokens + x.output_norm_transient))
-        if acts.checkpointing == "full":
-            # Just before the layer's backward: its forward has been recomputed whole (nothing freed yet) and
-            # the gradient of its output is waiting.
-            candidates.append(Phase(
-                "backward", f"layer {index} recomputed", weights, max(grads_in_forward, head_grad + grads_above),
-                states, base_kept + kept_below[index] + x.kept + x.full + x.recompute_end,
-                tied_held + x.recompute_gradient))
-            if x.recompute_attention_end:
-                candidates.append(Phase(
-                    "backward", f"layer {index} recomputed attention's end", weights,
-                    max(grads_in_forward, head_grad + grads_above), states,
-                    base_kept + kept_below[index] + x.recompute_attention_end, tied_held + x.recompute_gradient))
+        candidates.append(Phase(
+            "backward", f"layer {index} attention", weights,
+            max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
+            base_kept + kept_below[index] + x.attention_live, x.attention_transient + tied_held))
         grads_above += x.grads
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
     # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights that
     # contribution exists beside the held LM-head one, into which the autograd engine then adds it in place
-    # (input_buffer.cpp; the trace does the same, see trace._shared_parameter_sum). Only a large vocabulary with
+    # (input_buffer.cpp; the trace does the same, see trace._gradient_sum). Only a large vocabulary with
     # small activations (checkpointing, short sequences) makes this the peak, e.g. Llama-3-8B (traced).
     emb_input_grad = p.residual * h * tokens if layers else 0
     if tied_held:
