@@ -2,17 +2,23 @@
 PY ?= python3
 PIP = $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: install dev test bench
+.PHONY: install dev test test-fast bench
 
 install:            ## the core: estimate, models, recipes (no torch)
 	$(PIP) -e .
 
-dev:                ## everything the tests need; torch 2.13.0 first so no multi-GB CUDA build is pulled in
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,hub]'
+# What `dev` installs, importable and this checkout's trainmem: then nothing is reinstalled.
+DEV_READY = import pathlib, sys, trainmem, torch, transformers, accelerate, matplotlib, huggingface_hub, pytest, \
+	hypothesis; sys.exit(not pathlib.Path(trainmem.__file__).resolve().is_relative_to(pathlib.Path("src").resolve()))
 
-test: dev
+dev:                ## everything the tests need; torch 2.13.0 first so no multi-GB CUDA build is pulled in
+	@$(PY) -c '$(DEV_READY)' 2>/dev/null || { $(PIP) torch==2.13.0 && $(PIP) -e '.[dev,hub]'; }
+
+test: dev           ## every test
 	$(PY) -m pytest -q
+
+test-fast: dev      ## the tests that run no model (under a minute): pytest -m "not slow"
+	$(PY) -m pytest -q -m "not slow"
 
 bench:
 	$(PY) benchmarks/estimate_speed.py

@@ -61,6 +61,7 @@ def test_autocast_follows_cuda_lists(op, args, cuda_dtype):
         assert plain.dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_gpt2_amp_trace_keeps_fp32_probabilities_as_a_gpu_does():
     """GPT-2 eager under amp-bf16: CUDA's autocast runs softmax in fp32, so the probabilities the matmul with v
     reads are fp32 (the CPU's autocast would keep them bf16); the traced peak is within 3% of the estimate."""

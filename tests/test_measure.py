@@ -7,6 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # every test here traces a model or runs real steps
 
 from scaled import SCALED  # noqa: E402
 from trainmem.measure import PHASES, _CudaRecorder, measure_steps, track  # noqa: E402

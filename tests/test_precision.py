@@ -64,6 +64,7 @@ def test_layer_types():
     assert layer_type("transformer.wte.weight") == "embedding" and layer_type("lm_head.weight") == "lm_head"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, extra", [("llama-2-7b", ["--layers", "2", "--hidden", "128"]),
                                           ("gpt2", ["--layers", "2", "--hidden", "128"])])
 def test_precision_check_cli(run_cli, tmp_path, model, extra):
@@ -85,6 +86,7 @@ def test_precision_check_bad_input(run_cli):
     assert code == 2 and "--layers must be a positive integer" in err
 
 
+@pytest.mark.slow
 def test_amp_demo_claims():
     """The claims docs/mixed-precision.md makes, at the demo's CI size (about 45 s on 2 cores)."""
     from trainmem.amp_demo import run_all

@@ -7,6 +7,7 @@ config and the command that reproduces it."""
 import pytest
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # every test here traces a model or runs real steps
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

@@ -32,6 +32,7 @@ TRACED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, kw", TRACED, ids=[f"{f}-{kw['recipe']}" for f, kw in TRACED])
 def test_phases_match_the_traced_step(family, kw):
     pytest.importorskip("transformers")

@@ -9,6 +9,7 @@ from trainmem.validate import (  # noqa: E402
     CATEGORY_TOLERANCE, MATRIX_MODELS, TOTAL_TOLERANCE, Row, markdown, validate)
 
 
+@pytest.mark.slow
 def test_quick_matrix_is_within_tolerance():
     rows = validate(quick=True)
     # every model type (both Falcon layouts): amp-bf16 sdpa with the config's dropout, and pure-bf16 eager with
@@ -103,6 +104,7 @@ def test_cuda_benchmark_section_replaces_only_its_own():
     assert "| llama |" in report  # the matrix is kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, recipe, checkpointing", [
     ("gpt2", "amp-bf16", "none"), ("llama", "amp-bf16", "full"), ("gemma2", "pure-bf16", "none"),
     ("phi3", "fp32", "none"), ("mixtral", "pure-bf16", "full")])
@@ -116,6 +118,7 @@ def test_dropout_rows_are_traced_as_on_a_gpu(family, recipe, checkpointing):
     assert row.within_tolerance, (row.total_error, {c: row.category_error(c) for c in row.trace})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label, layers, recipe, batch, seq, attention", [
     ("falcon", 2, "amp-bf16", 4, 2048, "sdpa"),   # Falcon-7B's old layout: multi-query, parallel attention
     ("gpt2", None, "fp32", 8, 1024, "eager"),     # with GPT-2's own dropout 0.1: probabilities, mask, dropped copy
