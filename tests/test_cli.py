@@ -24,7 +24,7 @@ def test_json_schema(run_cli):
     code, out, _ = run_cli("estimate", "meta-llama/Llama-2-7b-hf", "--recipe", "mixed-bf16", "--json", "--units", "GB")
     assert code == 0
     doc = json.loads(out)
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2 and doc["engine"] == "estimate" and doc["tool"]["name"] == "trainmem"
     assert doc["model"]["name"] == "llama-2-7b"
     assert doc["model"]["model_type"] == "llama"
     assert doc["model"]["parameters"] == 6_738_415_616
@@ -33,6 +33,30 @@ def test_json_schema(run_cli):
         assert doc["static"][name]["bytes"] == per_param * 6_738_415_616
         assert isinstance(doc["static"][name]["bytes"], int)
     assert doc["static"]["total_bytes"] == 16 * 6_738_415_616
+
+@pytest.mark.parametrize("args, engine", [
+    (("sweep", "llama-2-7b", "--batch", "1,2"), "sweep"), (("models",), "models"), (("recipes",), "recipes"),
+    (("dtypes", "--value", "1e-8"), "dtypes"), (("estimate", "--params", "7B"), "estimate"),
+])
+def test_every_json_document_starts_with_the_same_header(run_cli, args, engine):
+    from trainmem.report import SCHEMA_VERSION
+
+    code, out, _ = run_cli(*args, "--json")
+    doc = json.loads(out)
+    assert code == 0 and list(doc)[:3] == ["schema_version", "tool", "engine"]
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["engine"] == engine
+
+
+def test_a_phase_names_states_and_master_weights_apart_from_the_static_states(run_cli):
+    """mixed-bf16 Llama-2-7B: static optimizer_states is Adam's 8 bytes/param; the phases' category adds the fp32
+    master weights' 4."""
+    _, out, _ = run_cli("estimate", "llama-2-7b", "--recipe", "mixed-bf16", "--json")
+    doc = json.loads(out)
+    load = next(p for p in doc["phases"] if p["name"] == "load")
+    assert "optimizer_states_bytes" not in load
+    assert load["states_and_master_bytes"] == 12 * 6_738_415_616 == \
+        doc["static"]["optimizer_states"]["bytes"] + doc["static"]["master_weights"]["bytes"]
+
 
 def test_json_moe_active_parameters(run_cli):
     _, out, _ = run_cli("estimate", str(CONFIGS / "Mixtral-8x7B-v0.1.json"), "--json")

@@ -43,6 +43,18 @@ def _json_safe(value):
     return value
 
 
+def _header(engine: str) -> dict:
+    from .report import header
+
+    return header(engine)
+
+
+def _model_dict(spec) -> dict:
+    from .report import model_dict
+
+    return model_dict(spec)
+
+
 def _emit_json(document: dict) -> None:
     sys.stdout.write(json.dumps(_json_safe(document), indent=2, allow_nan=False) + "\n")
 
@@ -264,7 +276,7 @@ def sweep(batches, seqs, **options) -> None:
     if any(e.peak is None for e in estimates):
         raise ConfigError("a sweep needs activations: give a model config, not --params")
     if as_json:
-        _emit_json({"schema_version": 1, "sweep": [to_dict(e, target) for e in estimates]})
+        _emit_json({**_header("sweep"), "sweep": [to_dict(e, target) for e in estimates]})
     else:
         render_sweep(estimates, unit, _console(), target)
 
@@ -304,8 +316,7 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
         doc = result.as_dict()
         for row in doc["phases"]:
             row["estimate_allocated_bytes"] = estimated.get(row["name"])
-        _emit_json({"schema_version": 1, "engine": "measure", "model": spec.name, "settings": settings.as_dict(),
-                    **doc})
+        _emit_json({**_header("measure"), "model": _model_dict(spec), "settings": settings.as_dict(), **doc})
         return
     from rich.table import Table
 
@@ -340,7 +351,7 @@ def dtypes(value: Optional[float], as_json: bool) -> None:
              "eps": f.eps, "decimal_digits": f.decimal_digits, "bytes": f.storage_bytes} for f in FORMATS.values()]
     stored = describe(value) if value is not None else None
     if as_json:
-        _emit_json({"formats": rows, **({"value": value, "stored": stored} if stored else {})})
+        _emit_json({**_header("dtypes"), "formats": rows, **({"value": value, "stored": stored} if stored else {})})
         return
     from rich.table import Table
 
@@ -422,7 +433,8 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
     verdict = report.verdict(torch)
     if plot:
         plot_gradients(torch, report, plot)
-    doc = {"model": name, "parameters": sum(p.numel() for p in net.parameters()), "losses": report.losses,
+    doc = {**_header("precision-check"), "model": name, "parameters": sum(p.numel() for p in net.parameters()),
+           "losses": report.losses,
            "gradients": raw, "gradients_scaled": {"scale": loss_scale, **scaled},
            "loss_scale_range": {"smallest": low, "largest": high},
            "activations": {"max": report.max_activation(torch), "overflow_fp16": report.activation_overflow(torch)},
@@ -494,7 +506,7 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
     if plot:
         plot_runs(results, plot)
     if as_json:
-        _emit_json({"steps": steps, "grad_scale_down": grad_scale_down, "seconds": round(seconds, 1), "runs": [
+        _emit_json({**_header("amp-demo"), "steps": steps, "grad_scale_down": grad_scale_down, "seconds": round(seconds, 1), "runs": [
             {"name": r.name, "losses": r.losses, "final_loss": r.final_loss, "zero_grad_fraction": r.zero_grad_fraction,
              "skipped_steps": r.skipped_steps,
              "gap_to_fp32": None if reference is None else r.final_loss - reference.final_loss} for r in results]})
@@ -606,7 +618,7 @@ def models(as_json: bool) -> None:
         spec = catalog_spec(name)
         rows.append((name, spec.source, spec.model_type, spec.num_parameters, spec.num_active_parameters))
     if as_json:
-        _emit_json({"models": [dict(zip(("name", "hub_id", "model_type", "parameters", "active_parameters"), r))
+        _emit_json({**_header("models"), "models": [dict(zip(("name", "hub_id", "model_type", "parameters", "active_parameters"), r))
                                for r in rows]})
     else:
         render_models(rows, _console())
@@ -625,7 +637,7 @@ def recipes(optimizer: Optional[str], as_json: bool) -> None:
 
     rows = recipes_rows(optimizer)
     if as_json:
-        _emit_json({"recipes": rows})
+        _emit_json({**_header("recipes"), "recipes": rows})
     else:
         render_recipes(rows, _console())
 

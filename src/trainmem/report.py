@@ -13,7 +13,39 @@ from .estimate import NO_PEAK, Estimate
 from .hardware import GPUS, GPU
 from .units import format_bytes, format_count
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The one version of every JSON document trainmem prints (docs/json-schema.md lists what each version changed)."""
+
+_PHASE_KEYS = {"parameters": "parameters_bytes", "gradients": "gradients_bytes",
+               "optimizer_states": "states_and_master_bytes", "activations": "activations_bytes",
+               "temporaries": "temporaries_bytes"}
+"""A phase's categories in JSON. The static section's ``optimizer_states`` is the optimizer's states alone; in a
+phase the category holds the fp32 master weights too, so it has its own name."""
+
+
+def header(engine: str) -> dict[str, Any]:
+    """What every JSON document starts with: the schema version, the tool and the command that made it."""
+    return {"schema_version": SCHEMA_VERSION, "tool": {"name": "trainmem", "version": __version__}, "engine": engine}
+
+
+def phase_categories(phase) -> dict[str, int]:
+    return {_PHASE_KEYS[k]: v for k, v in phase.by_category().items()}
+
+
+def model_dict(m) -> dict[str, Any]:
+    """The ``model`` object of every document that names a model."""
+    return {
+        "name": m.name,
+        "model_type": m.model_type,
+        "source": m.source,
+        "parameters": m.num_parameters,
+        "active_parameters": m.num_active_parameters,
+        "largest_layer_parameters": m.largest_layer_parameters,
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "vocab_size": m.vocab_size,
+        "analytic": m.has_architecture or m.model_type == "nominal",
+    }
 
 
 def _activations_dict(est: Estimate) -> dict[str, Any] | None:
@@ -52,27 +84,13 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
     }
     static["total_bytes"] = est.static_bytes
     doc: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "tool": {"name": "trainmem", "version": __version__},
-        "engine": "estimate",
-        "model": {
-            "name": m.name,
-            "model_type": m.model_type,
-            "source": m.source,
-            "parameters": m.num_parameters,
-            "active_parameters": m.num_active_parameters,
-            "largest_layer_parameters": m.largest_layer_parameters,
-            "num_layers": m.num_layers,
-            "hidden_size": m.hidden_size,
-            "vocab_size": m.vocab_size,
-            "analytic": m.has_architecture or m.model_type == "nominal",
-        },
+        **header("estimate"),
+        "model": model_dict(m),
         "settings": est.settings.as_dict(),
         "static": static,
         "activations": _activations_dict(est),
         "phases": [
-            {"name": p.name, "moment": p.moment, "allocated_bytes": p.allocated_bytes, **{
-                f"{k}_bytes": v for k, v in p.by_category().items()}}
+            {"name": p.name, "moment": p.moment, "allocated_bytes": p.allocated_bytes, **phase_categories(p)}
             for p in est.phases
         ],
         "peak": None,
@@ -264,14 +282,15 @@ def trace_to_dict(est: Estimate, phases, seconds: float, rounded: bool) -> dict[
     doc["phases"] = []
     for p in phases:
         row = {"name": p.name, "moment": p.moment, "allocated_bytes": p.allocated_bytes,
-               **{f"{k}_bytes": v for k, v in p.by_category().items()}}
+               **phase_categories(p)}
         if p.name in estimated:
             e = estimated[p.name]["allocated_bytes"]
             row["estimate_allocated_bytes"] = e
             row["relative_error"] = (e - p.allocated_bytes) / p.allocated_bytes if p.allocated_bytes else 0.0
         doc["phases"].append(row)
     top = max(phases, key=lambda ph: ph.allocated_bytes)
-    doc["peak"] = {"phase": top.name, "allocated_bytes": top.allocated_bytes,
+    doc["estimate_peak"] = doc["peak"]  # the estimate's own, with its reserved, device and required bytes
+    doc["peak"] = {"phase": top.name, "moment": top.moment, "allocated_bytes": top.allocated_bytes,
                    "estimate_allocated_bytes": est.peak.allocated_bytes if est.peak else None}
     doc["trace"] = {"seconds": round(seconds, 2), "rounded_to_512_bytes": rounded}
     return doc
