@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -92,7 +93,15 @@ def _from_hub(repo_id: str) -> dict[str, Any]:
 
 def load_config(model: str) -> tuple[dict[str, Any], str, str]:
     """Return (config, display name, source) for a catalog name, repo id, path or Hub repo id."""
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if not isinstance(model, str):
+        raise ModelError(f"a model is a catalog name, a Hub repo id or a path, got {type(model).__name__}")
     key = model.strip()
+    if not key:
+        raise ModelError("no model given: a catalog name (trainmem models), a Hub repo id or a path to a config.json")
+    if len(key) > 255:
+        raise ModelError(f"model name of {len(key)} characters; a catalog name, repo id or path is at most 255")
     name = _aliases().get(key.lower())
     if name:
         config = catalog_config(name)

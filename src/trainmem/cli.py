@@ -67,8 +67,8 @@ def _parse_params(text: str) -> int:
         value = float(t[:-1] if scale != 1 else t) * scale
     except ValueError:
         raise ConfigError(f"--params: {text!r} is not a number; give e.g. 7e9, 7B or 6738415616") from None
-    if value <= 0 or value != value:
-        raise ConfigError(f"--params must be positive, got {text!r}")
+    if not 0 < value < 1e16:  # (NaN and infinity fail too)
+        raise ConfigError(f"--params must be a positive number below 1e16, got {text!r}")
     return int(value)
 
 
@@ -93,7 +93,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "") -> _Wo
     """Turn the shared flags into a validated workload. ``need_config`` names a command that cannot run on
     ``--params`` alone."""
     from .catalog import resolve_model_and_config
-    from .estimate import DeviceOptions
+    from .estimate import MAX_CUDA_OVERHEAD_BYTES, DeviceOptions
     from .hardware import MIB, get_gpu
     from .models import nominal_spec
     from .optimizers import get_optimizer
@@ -107,13 +107,14 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "") -> _Wo
     unit = parse_unit(options["units"])
     settings = make_settings(batch=batch, seq=seq, **{k: options[k] for k in SETTING_FLAGS})
     headroom, fragmentation, overhead = options["headroom"], options["fragmentation"], options["cuda_overhead"]
-    if headroom < 1.0:
-        raise ConfigError(f"--headroom must be at least 1.0, got {headroom:g}")
-    if not 0.0 <= fragmentation < 1.0:
-        raise ConfigError(f"--fragmentation must be in [0, 1), got {fragmentation:g}")
-    if overhead < 0:
-        raise ConfigError(f"--cuda-overhead must be non-negative MiB, got {overhead:g}")
-    device = DeviceOptions(headroom=headroom, fragmentation=fragmentation, cuda_overhead_bytes=int(overhead * MIB))
+    if not 0 <= overhead <= MAX_CUDA_OVERHEAD_BYTES / MIB:  # (NaN fails too)
+        raise ConfigError(f"--cuda-overhead must be from 0 to {MAX_CUDA_OVERHEAD_BYTES // MIB:,} MiB, got {overhead:g}")
+    try:
+        device = DeviceOptions(headroom=headroom, fragmentation=fragmentation, cuda_overhead_bytes=int(overhead * MIB))
+    except ConfigError as exc:
+        raise ConfigError(f"--{exc}") from None
+    if options["gpu"] is not None and not options["gpu"].strip():
+        raise ConfigError("--gpu is empty; give a GPU name (trainmem estimate --help lists them)")
     gpu = get_gpu(options["gpu"]) if options["gpu"] else None
     spec, config = (nominal_spec(_parse_params(params)), None) if params is not None else resolve_model_and_config(model)
     if spec.model_type == "nominal" and get_optimizer(settings.optimizer).needs_shapes:

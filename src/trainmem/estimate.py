@@ -32,13 +32,28 @@ class StaticComponent:
     note: str = ""
 
 
+MAX_HEADROOM = 10.0
+MAX_CUDA_OVERHEAD_BYTES = 2**40
+"""Bounds far above any real set-up (the seed's advice is 1.2-1.3x headroom; a CUDA context is a few hundred MiB)."""
+
+
 @dataclass(frozen=True)
 class DeviceOptions:
-    """How allocated bytes become what the GPU must hold."""
+    """How allocated bytes become what the GPU must hold. Checked here, so the API refuses what the CLI refuses."""
 
     headroom: float = DEFAULT_HEADROOM
     fragmentation: float = DEFAULT_FRAGMENTATION
     cuda_overhead_bytes: int = DEFAULT_CUDA_OVERHEAD_MIB * MIB
+
+    def __post_init__(self):
+        if not isinstance(self.headroom, (int, float)) or not 1.0 <= self.headroom <= MAX_HEADROOM:
+            raise ConfigError(f"headroom must be a number from 1.0 to {MAX_HEADROOM:g}, got {self.headroom!r}")
+        if not isinstance(self.fragmentation, (int, float)) or not 0.0 <= self.fragmentation < 1.0:
+            raise ConfigError(f"fragmentation must be in [0, 1), got {self.fragmentation!r}")
+        if (isinstance(self.cuda_overhead_bytes, bool) or not isinstance(self.cuda_overhead_bytes, int)
+                or not 0 <= self.cuda_overhead_bytes <= MAX_CUDA_OVERHEAD_BYTES):
+            raise ConfigError(f"cuda_overhead_bytes must be an integer from 0 to {MAX_CUDA_OVERHEAD_BYTES:,}, got "
+                              f"{self.cuda_overhead_bytes!r}")
 
 
 @dataclass(frozen=True)

@@ -359,6 +359,16 @@ _SIZES = frozenset({
 })
 """Config fields that count something a model has at least one of: zero or less is rejected."""
 
+_COUNTS = _SIZES | frozenset({
+    "qk_nope_head_dim", "first_k_dense_replace", "n_shared_experts", "decoder_sparse_step", "max_window_layers",
+    "sliding_window", "shared_expert_intermediate_size", "num_ln_in_parallel_attn", "query_pre_attn_scalar",
+})
+"""Config fields that are whole numbers: a float, a bool or a string there is refused, not rounded."""
+
+_LARGEST = {"num_hidden_layers": 10_000, "n_layer": 10_000}
+_LARGEST_SIZE = 2**31
+"""Bounds on counts, far above any real model (the largest have 126 layers), so a typo cannot stall the tool."""
+
 _NULL_MEANS_NONE = frozenset({
     "q_lora_rank", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "num_ln_in_parallel_attn",
 })
@@ -391,8 +401,13 @@ class _Config:
         return None if value is None else self._check(key, value)
 
     def _check(self, key: str, value: Any) -> Any:
+        if key in _COUNTS and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ModelError(f"{self.origin}: config field {key!r} is {json.dumps(value)[:40]}; it must be an integer")
         if isinstance(value, bool) or not isinstance(value, int):
             return value
+        largest = _LARGEST.get(key, _LARGEST_SIZE)
+        if key in _COUNTS and value > largest:
+            raise ModelError(f"{self.origin}: config field {key!r} is {value}; at most {largest:,} is accepted")
         if key in _SIZES and value <= 0:
             raise ModelError(f"{self.origin}: config field {key!r} is {value}; it must be a positive integer")
         if value < 0:
@@ -850,24 +865,48 @@ def nominal_spec(num_parameters: int) -> ModelSpec:
     )
 
 
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+CONFIG_SIZE_LIMIT = 8 * 2**20
+"""The largest config file read (real ones are a few KB): a FIFO, a device or a huge file is refused, not read."""
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
-    """Read a config.json (or the config.json inside a folder), with one-line errors."""
-    if path.is_dir():
-        path = path / "config.json"
+    """Read a config.json (or the config.json inside a folder), with one-line errors: only a regular file of at
+    most CONFIG_SIZE_LIMIT bytes holding a UTF-8 JSON object."""
+    try:
+        if path.is_dir():
+            path = path / "config.json"
+            if not path.is_file():
+                raise ModelError(f"{path.parent}: folder holds no config.json")
         if not path.is_file():
-            raise ModelError(f"{path.parent}: folder holds no config.json")
-    try:
-        text = path.read_text(encoding="utf-8")
+            raise ModelError(f"{path}: not a regular file; give a config.json or the folder holding one")
+        if path.stat().st_size > CONFIG_SIZE_LIMIT:
+            raise ModelError(f"{path}: {path.stat().st_size:,} bytes; a config.json is at most "
+                             f"{CONFIG_SIZE_LIMIT:,} bytes")
+        with path.open("rb") as handle:
+            data = handle.read(CONFIG_SIZE_LIMIT + 1)
     except OSError as exc:
-        raise ModelError(f"{path}: cannot read ({exc.strerror})") from None
+        raise ModelError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if len(data) > CONFIG_SIZE_LIMIT:
+        raise ModelError(f"{path}: more than {CONFIG_SIZE_LIMIT:,} bytes; a config.json is a few KB")
     try:
-        config = json.loads(text)
+        config = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ModelError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise ModelError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except RecursionError:
+        raise ModelError(f"{path}: JSON nested too deeply for a config") from None
     if not isinstance(config, dict):
-        raise ModelError(f"{path}: a config must be a JSON object, got {type(config).__name__}")
+        raise ModelError(f"{path}: a config must be a JSON object, got {_json_type(config)}")
     # Multimodal wrappers (Gemma 3, Llama 4, ...) keep the language model under text_config.
     if "text_config" in config and config.get("model_type") not in PARSERS:
+        if not isinstance(config["text_config"], dict):
+            raise ModelError(f"{path}: text_config must be a JSON object, got {_json_type(config['text_config'])}")
         inner = dict(config["text_config"])
         inner.setdefault("model_type", f"{config.get('model_type', '')}_text")
         return inner

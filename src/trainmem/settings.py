@@ -75,8 +75,8 @@ class TrainingSettings:
                               "foreach or auto")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.activation_k is not None and not self.activation_k > 0:
-            raise ConfigError(f"activation-k must be positive, got {self.activation_k!r}")
+        if self.activation_k is not None and not 0 < self.activation_k <= 10_000:  # (NaN and infinity fail too)
+            raise ConfigError(f"activation-k must be a positive number up to 10000, got {self.activation_k!r}")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
