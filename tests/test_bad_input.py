@@ -118,3 +118,15 @@ def test_random_malformed_configs_raise_only_the_packages_errors(model_type, fie
         estimate_model(spec_from_config(config), make_settings(batch=1, seq=64))
     except TrainmemError:
         pass  # refused with the package's one-line error
+
+
+@pytest.mark.parametrize("args", [("--loss", "chunked"), ("--attention", "flash")])
+def test_trace_refuses_what_it_cannot_run_before_importing_torch(args):
+    """In a fresh interpreter: the refusal comes before torch is imported (so before any slow work)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from trainmem.cli import main; rc = main(['trace', 'gpt2', *sys.argv[1:]]); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith("trainmem: error: "), done.stderr

@@ -242,11 +242,15 @@ def trace(batch, seq, no_round, **options) -> None:
     \b
     Example: trainmem trace llama-2-7b --batch 1 --seq 2048 --recipe mixed-bf16
     """
+    from .step import check_runnable
+
+    w = _workload(options, batch, seq, need_config="trace")
+    check_runnable(w.settings)
+
     from .estimate import estimate_model
     from .report import render_trace, trace_to_dict
     from .trace import trace_step
 
-    w = _workload(options, batch, seq, need_config="trace")
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
     config = w.config
     est = estimate_model(spec, settings, w.device)
@@ -304,6 +308,9 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     w = _workload(options, batch, seq, need_config="measure")
+    from .step import check_runnable
+
+    check_runnable(w.settings, device)
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
     config = w.config
     est = estimate_model(spec, settings, w.device)

@@ -89,6 +89,18 @@ def make_optimizer(torch, name: str, params: list, fused: bool, fp32_states_for_
     raise ConfigError(f"trace and measure support the optimizers {', '.join(TRACEABLE_OPTIMIZERS)}, not {name!r}")
 
 
+def check_runnable(settings: TrainingSettings, device: str = "cpu") -> None:
+    """Refuse, before any work (no torch import), what trace and measure cannot run."""
+    if settings.loss == "chunked":
+        raise ConfigError("trace and measure run transformers' standard loss; --loss chunked is estimate-only")
+    if settings.attention == "flash" and not str(device).startswith("cuda"):
+        raise ConfigError("--attention flash (flash_attention_2) needs the flash-attn package and a GPU; on the "
+                          "CPU and in trace use eager or sdpa (whose flash kernel the trace emulates)")
+    if settings.optimizer not in TRACEABLE_OPTIMIZERS:
+        raise ConfigError(f"trace and measure support the optimizers {', '.join(TRACEABLE_OPTIMIZERS)}, "
+                          f"not {settings.optimizer!r}")
+
+
 class TrainingStep:
     """The model, optimizer and batch of one set-up; ``forward_backward()`` then ``step()`` is one step."""
 
@@ -102,11 +114,7 @@ class TrainingStep:
         self.torch = torch
         self.recipe = recipe = get_recipe(settings.recipe)
         self.settings = settings
-        if settings.loss == "chunked":
-            raise ConfigError("trace and measure run transformers' standard loss; --loss chunked is estimate-only")
-        if settings.attention == "flash" and not str(device).startswith("cuda"):
-            raise ConfigError("--attention flash (flash_attention_2) needs the flash-attn package and a GPU; on the "
-                              "CPU and in trace use eager or sdpa (whose flash kernel the trace emulates)")
+        check_runnable(settings, device)
         kernel = effective_kernel(spec or spec_from_config(config), settings.attention)
         kernel = "flash_attention_2" if kernel == "flash" else kernel
         # Built directly on the device (no .to(), which FakeTensorMode cannot apply to parameters).
