@@ -1012,7 +1012,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     constant: list[Term] = []
     if spec.model_type == "opt":
         embedding.append(Term("position ids", INDEX))
-    projected = spec.embedding_dim and spec.embedding_dim != h  # OPT's word_embed_proj_dim (OPT-350m)
+    projected = spec.projects_embeddings  # OPT-350m
     if projected:
         # project_in (E -> h) keeps its input, the embeddings (cast to half under autocast); autocast's copy of its
         # weight lives until its backward, the step's last
@@ -1099,8 +1099,7 @@ def _decoder_locals(spec: ModelSpec, p: Precision, emb_dropout: float) -> int:
         return 2 * embedded
     if spec.model_type == "opt":
         # with project_in, inputs_embeds is its output (half under autocast)
-        projected = spec.embedding_dim and spec.embedding_dim != spec.hidden_size
-        return (p.compute * spec.hidden_size if projected else embedded) + embedded + FP32 + INDEX
+        return (p.compute * spec.hidden_size if spec.projects_embeddings else embedded) + embedded + FP32 + INDEX
     if spec.model_type == "gpt_neox" and emb_dropout > 0:
         return embedded
     return 0

@@ -514,7 +514,8 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
     if plot:
         plot_runs(results, plot)
     if as_json:
-        _emit_json({**_header("amp-demo"), "steps": steps, "grad_scale_down": grad_scale_down, "seconds": round(seconds, 1), "runs": [
+        _emit_json({**_header("amp-demo"), "steps": steps, "grad_scale_down": grad_scale_down,
+                    "seconds": round(seconds, 1), "runs": [
             {"name": r.name, "losses": r.losses, "final_loss": r.final_loss, "zero_grad_fraction": r.zero_grad_fraction,
              "skipped_steps": r.skipped_steps,
              "gap_to_fp32": None if reference is None else r.final_loss - reference.final_loss} for r in results]})
@@ -626,8 +627,8 @@ def models(as_json: bool) -> None:
         spec = catalog_spec(name)
         rows.append((name, spec.source, spec.model_type, spec.num_parameters, spec.num_active_parameters))
     if as_json:
-        _emit_json({**_header("models"), "models": [dict(zip(("name", "hub_id", "model_type", "parameters", "active_parameters"), r))
-                               for r in rows]})
+        keys = ("name", "hub_id", "model_type", "parameters", "active_parameters")
+        _emit_json({**_header("models"), "models": [dict(zip(keys, r)) for r in rows]})
     else:
         render_models(rows, _console())
 

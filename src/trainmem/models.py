@@ -192,6 +192,11 @@ class ModelSpec:
     architecture, so activations cannot be derived from it."""
 
     @property
+    def projects_embeddings(self) -> bool:
+        """OPT's word_embed_proj_dim: project_in and project_out between the embedding width and hidden_size."""
+        return bool(self.embedding_dim)
+
+    @property
     def position_limit(self) -> int | None:
         """The longest sequence the model takes: ``max_position_embeddings``, unless RoPE scaling extends it or
         there is none (ALiBi)."""

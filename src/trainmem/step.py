@@ -86,7 +86,12 @@ def make_optimizer(torch, name: str, params: list, fused: bool, fp32_states_for_
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=not fused, fused=fused or None)
     if name == "adafactor":
         return torch.optim.Adafactor(params, lr=1e-3, foreach=True)
-    raise ConfigError(f"trace and measure support the optimizers {', '.join(TRACEABLE_OPTIMIZERS)}, not {name!r}")
+    raise _not_traceable(name)
+
+
+def _not_traceable(optimizer: str) -> ConfigError:
+    return ConfigError(f"trace and measure support the optimizers {', '.join(TRACEABLE_OPTIMIZERS)}, "
+                       f"not {optimizer!r}")
 
 
 def check_runnable(settings: TrainingSettings, device: str = "cpu") -> None:
@@ -97,8 +102,7 @@ def check_runnable(settings: TrainingSettings, device: str = "cpu") -> None:
         raise ConfigError("--attention flash (flash_attention_2) needs the flash-attn package and a GPU; on the "
                           "CPU and in trace use eager or sdpa (whose flash kernel the trace emulates)")
     if settings.optimizer not in TRACEABLE_OPTIMIZERS:
-        raise ConfigError(f"trace and measure support the optimizers {', '.join(TRACEABLE_OPTIMIZERS)}, "
-                          f"not {settings.optimizer!r}")
+        raise _not_traceable(settings.optimizer)
 
 
 class TrainingStep:

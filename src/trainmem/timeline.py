@@ -175,6 +175,23 @@ def _mlp_output_bytes(spec: ModelSpec, layer, p: Precision) -> int:
     return p.compute
 
 
+def _recompute_gradient(spec: ModelSpec, layer, p: Precision, output_norm: bool) -> int:
+    """See _LayerBytes.recompute_gradient, per token: the residual stream's gradient, and beside it what the
+    layer's backward made before its first node that needs a saved tensor started the recompute."""
+    if layer.moe:
+        # the gradient of the weighted outputs in token order, made by the sum's and the view's backward before the
+        # gather's backward needs its saved indices
+        extra = layer.moe.top_k * _weighted_bytes(layer.moe, p)
+    elif output_norm:
+        # Gemma's post-feedforward norm: its output cast back to a half input dtype saves nothing, so its
+        # backward, an fp32 gradient, runs before the recompute
+        extra = FP32 if p.compute != FP32 else 0
+    else:
+        # under autocast, the residual add's backward casts the gradient to the MLP output's half dtype
+        extra = p.compute if _mlp_output_bytes(spec, layer, p) != p.residual else 0
+    return (p.residual + extra) * spec.hidden_size
+
+
 def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings: TrainingSettings,
                    tokens: int) -> int:
     """See _LayerBytes.recompute_end. FalconDecoderLayer also holds ``attention_output`` (dense's output) and,
@@ -388,13 +405,12 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         layer = la.layer
         full = int(la.bytes_per_token * tokens) + la.constant_bytes
         kept = acts.layer_saved_bytes(la)
-        if acts.checkpointing == "full":
-            # The recompute's first norm reads the kept layer input. Where it saves that tensor itself (LayerNorm;
-            # RMSNorm when the stream is already fp32, so its upcast is a no-op) the recomputed activations share
-            # it with what the checkpoint kept.
-            if spec.norm == "layer" or p.residual == FP32:
-                full -= p.residual * spec.hidden_size * tokens
-        full_shares_input = p.residual * spec.hidden_size * tokens if spec.norm == "layer" or p.residual == FP32 else 0
+        # Under full checkpointing the recompute's first norm reads the kept layer input. Where it saves that
+        # tensor itself (LayerNorm; RMSNorm when the stream is already fp32, so its upcast is a no-op) the
+        # recomputed activations share it with what the checkpoint kept.
+        shared_input = (p.residual * spec.hidden_size * tokens if acts.checkpointing == "full"
+                        and (spec.norm == "layer" or p.residual == FP32) else 0)
+        full -= shared_input
         # (grouped_mm experts are not autocast: their weights get no half copy)
         down_copy = p.compute * down if p.autocast and layer.mlp is not None else 0
         # A norm on the layer's output (Gemma's post-feedforward norm) has run its backward, and freed what it
@@ -445,22 +461,14 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             attention_live=attention_live,
             attention_transient=int((la.attention_backward + p.residual * spec.hidden_size) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, recipe.gradient_bytes),
-            # (o_proj's backward has run: its input, the attention output, is freed)
             recompute_end=_recompute_end(spec, la, p, settings, tokens),
             recompute_attention_end=(kept + int((la.attention_bytes_per_token + la.recompute_locals) * tokens)
                                      + (p.compute * sum(t.numel for t in tensors if len(t.shape) == 2
                                                         and not t.name.startswith("mlp.")) if p.autocast else 0)
-                                     - (full_shares_input if acts.checkpointing == "full" else 0)
-                                     if la.recompute_locals else 0),
-            # (Gemma's post-feedforward norm: its output cast back to the input dtype saves nothing, so its
-            # backward, an fp32 gradient, runs before the recompute)
-            # (MoE: the gradient of the weighted outputs in token order, made by the sum's and the view's
-            # backward before the gather's backward needs its saved indices)
-            recompute_gradient=int((p.residual + (
-                layer.moe.top_k * _weighted_bytes(layer.moe, p) if layer.moe else
-                FP32 if output_norm and p.compute != FP32 else 0 if output_norm else
-                p.compute if _mlp_output_bytes(spec, layer, p) != p.residual else 0)) * spec.hidden_size * tokens),
+                                     - shared_input if la.recompute_locals else 0),
+            recompute_gradient=int(_recompute_gradient(spec, layer, p, bool(output_norm)) * tokens),
             norm_moment=_norm_moment(spec, la, p, recipe, tensors, tokens, attention_live),
+            # (o_proj's backward has run: its input, the attention output, is freed)
             matmul_live=(attention_live + int(la.attention_released * tokens)
                          - p.compute * layer.attention.num_heads * layer.attention.v_head_dim * tokens
                          if la.matmul_backward else 0),
@@ -578,8 +586,8 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
     # The CausalLM forward holds the base model's output (the final norm's) while it computes the logits and the
     # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
     # (OPT's project_out makes the output a half tensor the head keeps)
-    projected = spec.embedding_dim and spec.embedding_dim != h
-    final_hidden = p.residual * h * tokens if p.autocast and p.residual == FP32 and layers and not projected else 0
+    final_hidden = (p.residual * h * tokens if p.autocast and p.residual == FP32 and layers
+                    and not spec.projects_embeddings else 0)
     candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
                            saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache
                            + final_hidden, 0)]
