@@ -1,0 +1,87 @@
+"""The settings grid whose ``estimate --json`` documents are pinned byte for byte (tests/test_estimate_grid.py).
+
+Recorded from commit 3f7be64, the last before issue 10's rework of the core (JSON schema 1), by
+``python tests/estimate_grid.py record``: each document is brought to schema 2 (the version and the renamed phase
+key, the only changes schema 2 made to an estimate) and hashed. A change to any byte of any document fails the test.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import itertools
+import json
+import sys
+from pathlib import Path
+
+GRID_FILE = Path(__file__).parent / "data" / "estimate_grid.json.gz"
+
+CORE = [dict(recipe=r, batch=b, seq=s, checkpointing=c, attention=a)
+        for r, b, s, c, a in itertools.product(["fp32", "amp-bf16", "mixed-bf16", "pure-bf16"], [1, 3], [512, 4096],
+                                               ["none", "full"], ["sdpa", "eager"])]
+EXTRA = [
+    dict(recipe="amp-fp16", batch=2, seq=1024),
+    dict(recipe="amp-bf16", batch=2, seq=1024, dropout=0.1),
+    dict(recipe="amp-bf16", batch=2, seq=1024, dropout=0.1, checkpointing="full"),
+    dict(recipe="fp32", batch=2, seq=1024, dropout=0.1, attention="eager"),
+    dict(recipe="mixed-bf16", batch=2, seq=1024, grad_accum=4),
+    dict(recipe="pure-bf16", batch=2, seq=1024, optimizer="sgd"),
+    dict(recipe="pure-bf16", batch=2, seq=1024, optimizer="adamw-8bit"),
+    dict(recipe="mixed-bf16", batch=2, seq=1024, optimizer_impl="foreach"),
+    dict(recipe="fp32", batch=2, seq=1024, optimizer_impl="fused"),
+    dict(recipe="mixed-bf16", batch=2, seq=1024, attention="flash"),
+    dict(recipe="amp-bf16", batch=2, seq=1024, loss="chunked"),
+    dict(recipe="mixed-bf16", batch=2, seq=1024, activation_k=34),
+    dict(recipe="mixed-bf16", batch=1, seq=131072),
+    dict(recipe="amp-bf16", batch=5, seq=777, attention="eager", checkpointing="full"),
+]
+SETTINGS = CORE + EXTRA
+
+
+def case_key(model: str, settings: dict) -> str:
+    return model + " " + " ".join(f"{k}={v}" for k, v in sorted(settings.items()))
+
+
+def canonical(doc: dict) -> str:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def to_schema_2(doc: dict) -> dict:
+    """A schema-1 estimate document as schema 2 writes it (docs/json-schema.md, "Changes")."""
+    doc = dict(doc, schema_version=2)
+    doc["phases"] = [{("states_and_master_bytes" if k == "optimizer_states_bytes" else k): v for k, v in p.items()}
+                     for p in doc["phases"]]
+    return doc
+
+
+def documents():
+    """(key, estimate document) for every catalog model and every setting in the grid, in order."""
+    from trainmem.catalog import catalog_names, catalog_spec
+    from trainmem.estimate import estimate_model
+    from trainmem.report import to_dict
+    from trainmem.settings import make_settings
+
+    for name in catalog_names():
+        spec = catalog_spec(name)
+        for values in SETTINGS:
+            yield case_key(name, values), to_dict(estimate_model(spec, make_settings(**values)))
+
+
+def digest(doc: dict) -> str:
+    return hashlib.sha256(canonical(doc).encode()).hexdigest()[:16]
+
+
+def record() -> None:
+    grid = {}
+    for key, doc in documents():
+        doc = to_schema_2(doc) if doc["schema_version"] == 1 else doc
+        peak = doc["peak"]
+        grid[key] = {"sha256": digest(doc), "peak_allocated_bytes": peak and peak["allocated_bytes"]}
+    GRID_FILE.parent.mkdir(exist_ok=True)
+    with gzip.open(GRID_FILE, "wt") as f:
+        json.dump(grid, f, indent=0, sort_keys=True)
+    print(f"{len(grid)} documents recorded in {GRID_FILE}")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["record"]:
+    record()
