@@ -1,7 +1,9 @@
-"""How long an estimate takes: in process for every catalog model at several settings, and the CLI end to end.
+"""How long an estimate takes: in process for every catalog model at several settings, the compiled step model's
+evaluations (what max-batch, sweep and the planner use), and the CLI end to end.
 
-Prints times; the claims in README.md ("under 5 ms in process", "well under 0.5 s for `trainmem estimate`")
-come from this script. Run: python benchmarks/estimate_speed.py
+Prints times; the claims in README.md ("under 5 ms in process", "well under 0.5 s for `trainmem estimate`") and
+docs/method.md (evaluations per second on one core) come from this script. Pin it to one core for that figure:
+taskset -c 0 python benchmarks/estimate_speed.py
 """
 
 import itertools
@@ -12,6 +14,7 @@ import time
 from trainmem.catalog import catalog_names, catalog_spec
 from trainmem.estimate import estimate_model
 from trainmem.settings import make_settings
+from trainmem.stepmodel import compile_step, evaluate
 
 SETTINGS = [
     make_settings(recipe=r, batch=b, seq=s, checkpointing=c, attention=a)
@@ -35,6 +38,22 @@ def main() -> None:
             if elapsed > worst[0]:
                 worst = (elapsed, f"{name} {s.recipe} b={s.batch} s={s.seq} {s.checkpointing} {s.attention}")
     print(f"in process: {count} estimates, mean {total / count * 1e3:.3f} ms, worst {worst[0] * 1e3:.3f} ms ({worst[1]})")
+    for name, recipe in (("llama-2-7b", "mixed-bf16"), ("mixtral-8x7b", "mixed-bf16"), ("deepseek-v3", "mixed-bf16"),
+                         ("deepseek-v3", "amp-bf16")):
+        spec = catalog_spec(name)
+        seq = 4096
+        start = time.perf_counter()
+        step = compile_step(spec, make_settings(recipe=recipe))
+        evaluate(step, 2, seq)
+        evaluate(step, 3, seq)  # the second batch at this seq compiles its lines
+        compile_s = time.perf_counter() - start
+        n = 50_000
+        start = time.perf_counter()
+        for i in range(n):
+            evaluate(step, 2 + i % 256, seq)
+        rate = n / (time.perf_counter() - start)
+        print(f"compiled {name} {recipe} seq {seq}: compile {compile_s * 1e3:.1f} ms, then {rate:,.0f} evaluations/s "
+              f"(batch 2-257, phases and peak)")
     runs = []
     for _ in range(5):
         start = time.perf_counter()

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .activations import ActivationEstimate, estimate_activations
+from .activations import ActivationEstimate
 from .errors import ConfigError, ModelError
 from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION, GPUS, MIB, GPU
 from .models import ModelSpec
 from .optimizers import TRACEABLE_OPTIMIZERS, get_optimizer
 from .recipes import get_recipe
 from .settings import TrainingSettings, make_settings
-from .timeline import Phase, seed_rule_timeline, step_timeline
+from .timeline import Phase, seed_activation_bytes  # noqa: F401 (part of this module's API)
 
 DEFAULT_HEADROOM = 1.25
 """The seed article's advice: pick a GPU with 1.2-1.3x the estimate."""
@@ -139,7 +139,8 @@ def static_components(model: ModelSpec, settings: TrainingSettings) -> tuple[Sta
     )
 
 
-def _peak(phases: tuple[Phase, ...], device: DeviceOptions) -> Peak:
+def peak_of_phases(phases: tuple[Phase, ...], device: DeviceOptions) -> Peak:
+    """The step's peak: its largest phase (the earliest on a tie), and what the GPU must hold for it."""
     top = max(phases, key=lambda ph: ph.allocated_bytes)
     dynamic = top.activations + top.temporaries + (top.gradients if top.name == "backward" else 0)
     reserved = top.allocated_bytes + int(device.fragmentation * dynamic)
@@ -174,52 +175,13 @@ def validation_notes(model: ModelSpec, settings: TrainingSettings) -> tuple[str,
     return tuple(notes)
 
 
-def seed_activation_bytes(model: ModelSpec, settings: TrainingSettings) -> int:
-    """The seed article's rule of thumb: batch * seq * hidden * layers * k values of 2 bytes."""
-    k = settings.activation_k or 0
-    return int(settings.batch * settings.seq * model.hidden_size * model.num_layers * k * 2)
-
-
 def estimate_model(model: ModelSpec, settings: TrainingSettings | None = None,
                    device: DeviceOptions | None = None) -> Estimate:
+    """The estimate of one set-up: the step model compiled (stepmodel.py) and evaluated at its batch and seq."""
+    from .stepmodel import compile_step
+
     settings = settings or TrainingSettings()
-    device = device or DeviceOptions()
-    static = static_components(model, settings)
-    warning = position_warning(model, settings.seq)
-    warnings = (warning,) if warning else ()
-    unchecked = validation_notes(model, settings)
-    if settings.activation_k is not None and not model.has_architecture:
-        raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
-                          f"{model.source or model.name} has none (give a model name or config.json)")
-    if not model.has_architecture:
-        note = ("activations need the architecture: give a model config, not only --params"
-                if model.model_type == "nominal" else
-                f"model_type {model.model_type!r} was counted by transformers; activations need an analytic spec")
-        return Estimate(model, settings, static, device=device, notes=(note, NO_PEAK, *unchecked), warnings=warnings)
-    recipe = get_recipe(settings.recipe)
-    optimizer = get_optimizer(settings.optimizer)
-    weights = {c.name: c.bytes for c in static}
-    if settings.activation_k is not None:
-        k_bytes = seed_activation_bytes(model, settings)
-        phases = seed_rule_timeline(model, weights, k_bytes, recipe, optimizer, settings)
-        acts = estimate_activations(model, recipe, settings)
-        per_layer_values = settings.batch * settings.seq * model.hidden_size * model.num_layers * 2
-        notes = (
-            f"activations from the seed's rule b*s*h*L*k*2 with k={settings.activation_k:g}",
-            f"the architecture model ({settings.attention} attention, {settings.recipe}) gives "
-            f"{acts.layers_bytes / 2**30:.2f} GiB for the decoder layers (k = {acts.layers_bytes / per_layer_values:.1f}) "
-            f"and {(acts.saved_bytes + acts.logits_bytes) / 2**30:.2f} GiB with embedding, head, loss and logits",
-            *unchecked,
-        )
-        return Estimate(model, settings, static, activation_k_bytes=k_bytes, phases=phases,
-                        peak=_peak(phases, device), device=device, notes=notes, warnings=warnings)
-    acts = estimate_activations(model, recipe, settings)
-    phases = step_timeline(model, weights, acts, recipe, optimizer, settings)
-    notes = list(unchecked)
-    if optimizer.paged:
-        notes.append("paged optimizer states live in CUDA unified memory: max_memory_allocated() does not count them")
-    return Estimate(model, settings, static, activations=acts, phases=phases, peak=_peak(phases, device),
-                    device=device, notes=tuple(notes), warnings=warnings)
+    return compile_step(model, settings, device).estimate(settings.batch, settings.seq)
 
 
 def estimate(model: str | ModelSpec, device: DeviceOptions | None = None, **settings) -> Estimate:

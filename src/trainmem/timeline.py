@@ -240,7 +240,7 @@ _DOWN_PROJECTIONS = ("mlp.down_proj", "mlp.fc2", "mlp.experts.down_proj")
 
 
 def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
-                       casts: tuple[int, int] = (0, 0)) -> int:
+                       casts: tuple[int, int] = (0, 0)) -> tuple[int, int]:
     """A layer's forward when autograd keeps nothing (non-reentrant checkpointing): tensors die as soon as Python
     drops them, so the worst moment is the MLP product being formed from the activation and up outputs (3 I-wide
     tensors), or attention with q, k, v and its output, beside the residual stream and the norm output, and the
@@ -264,7 +264,9 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     attn = la.attention_forward or c * (2 * att.num_heads * att.head_dim + 2 * att.num_kv_heads * att.head_dim)
     # Beside, in the MLP: the layer input (the caller's variable), the residual and the norm output; in attention,
     # the layer input (its norm output is counted in ``attention_forward``).
-    return int(max((mlp + 3 * w * h) * tokens + casts[1], (attn + w * h) * tokens + casts[0]))
+    # Both moments are returned, not their maximum: which is larger depends on the batch (the casts are constant),
+    # and every candidate must stay linear in the batch for the compiled step model (stepmodel.py).
+    return int((mlp + 3 * w * h) * tokens + casts[1]), int((attn + w * h) * tokens + casts[0])
 
 
 def _autograd_grad_bytes(recipe: Recipe) -> int:
@@ -314,8 +316,9 @@ class _LayerBytes:
     grads: int
     transient: int
     """Largest gradient temporaries inside its backward."""
-    forward_transient: int
-    """Largest set of its forward's own tensors alive at once when nothing is saved (checkpointed forward)."""
+    forward_transient: tuple[int, int]
+    """Its forward's own tensors alive at once when nothing is saved (checkpointed forward): in the MLP, and in
+    attention."""
     experts_freed: int
     """MoE layers: what the routed experts saved beyond their gathered input (gate_up outputs, activation and
     product, expert outputs), all freed when the experts' gate_up backward runs; 0 for a dense MLP."""
@@ -566,8 +569,11 @@ def _outer_phases(spec: ModelSpec, st: _Static, recipe: Recipe, optimizer: Optim
             Phase("between_steps", "after zero_grad", st.weights, st.grads_between, st.states, 0, 0))
 
 
-def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate,
-                  recipe: Recipe, optimizer: Optimizer, settings: TrainingSettings) -> tuple[Phase, ...]:
+def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate, recipe: Recipe,
+                    optimizer: Optimizer, settings: TrainingSettings) -> tuple[tuple[Phase, ...], ...]:
+    """Every moment that can be a phase's peak, per phase (load, forward, backward, optimizer, between_steps), in
+    the order they happen. Each moment's bytes are linear in the batch for a fixed sequence length (stepmodel.py
+    relies on it)."""
     st = _static(static, recipe, settings)
     weights, grads, states, grads_in_forward = st.weights, st.grads, st.states, st.grads_in_forward
     p = Precision.of(recipe)
@@ -599,8 +605,9 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
             + acts.decoder_locals_bytes
         # Falcon and BLOOM: the previous layer's returned probabilities, held by the base model's loop variable.
         returned = layers[-2].returned_to_model if len(layers) > 1 else 0
-        candidates_fw.append(Phase("forward", "inside the last layer", weights, grads_in_forward, states,
-                                   kept_before_last + acts.mask_bytes + layers[-1].forward_transient + returned, 0))
+        for transient in layers[-1].forward_transient:
+            candidates_fw.append(Phase("forward", "inside the last layer", weights, grads_in_forward, states,
+                                       kept_before_last + acts.mask_bytes + transient + returned, 0))
     elif layers:
         # The last layer's down projection: everything the layers saved, the masks they shared and the KV cache
         # are alive, and its output is being written (a large attention mask or cache can put the peak here).
@@ -619,7 +626,6 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
                                    + p.compute * h * tokens, 0))
     candidates_fw.append(candidates_fw.pop(0))  # the loss comes last: on a tie the earlier moment is the peak
-    forward = max(candidates_fw, key=lambda ph: ph.allocated_bytes)
 
     # Backward start: nll_loss's gradient and log_softmax's gradient (both fp32, V wide) beside everything saved.
     # The logits themselves are gone by then: log_softmax keeps its output, not its input, and a training loop
@@ -730,24 +736,41 @@ def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstim
         emb_grad = _param_bytes(spec.param_groups[0].tensors[0].numel, _autograd_grad_bytes(recipe))
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, grads - emb_grad), states,
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
-    backward = max(candidates, key=lambda ph: ph.allocated_bytes)
-
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings)
-    return (load, forward, backward, opt, between)
+    return (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
 
 
-def seed_rule_timeline(spec: ModelSpec, static: dict[str, int], activation_bytes: int, recipe: Recipe,
-                       optimizer: Optimizer, settings: TrainingSettings) -> tuple[Phase, ...]:
-    """The same five phases with the activations given as one number (the seed article's b*s*h*L*k*2 rule):
-    they are all alive at the end of forward and, as the rule counts them, when backward starts producing
-    gradients; the optimizer step and the time between steps are as in :func:`step_timeline`."""
+def peak_of(candidates: tuple[Phase, ...]) -> Phase:
+    """A phase's peak: its largest candidate, the earliest on a tie (candidates are in the order they happen)."""
+    return max(candidates, key=lambda ph: ph.allocated_bytes)
+
+
+def step_timeline(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate,
+                  recipe: Recipe, optimizer: Optimizer, settings: TrainingSettings) -> tuple[Phase, ...]:
+    """The five phases, each at its peak moment."""
+    return tuple(peak_of(c) for c in step_candidates(spec, static, acts, recipe, optimizer, settings))
+
+
+def seed_activation_bytes(spec: ModelSpec, settings: TrainingSettings) -> int:
+    """The seed article's rule of thumb: batch * seq * hidden * layers * k values of 2 bytes."""
+    k = settings.activation_k or 0
+    return int(settings.batch * settings.seq * spec.hidden_size * spec.num_layers * k * 2)
+
+
+def seed_rule_candidates(spec: ModelSpec, static: dict[str, int], recipe: Recipe, optimizer: Optimizer,
+                         settings: TrainingSettings) -> tuple[tuple[Phase, ...], ...]:
+    """The same five phases with the activations given as one number (the seed article's b*s*h*L*k*2 rule): they are all alive at the end of forward and, as the rule counts them, when
+    backward starts producing gradients; the optimizer step and the time between steps are as in
+    :func:`step_candidates`. One candidate per phase."""
+    activation_bytes = seed_activation_bytes(spec, settings)
     st = _static(static, recipe, settings)
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings)
     return (
-        load,
-        Phase("forward", "end of forward (seed rule)", st.weights, st.grads_in_forward, st.states, activation_bytes, 0),
-        Phase("backward", "activations and gradients (seed rule)", st.weights, st.grads, st.states, activation_bytes,
-              0),
-        opt,
-        between,
+        (load,),
+        (Phase("forward", "end of forward (seed rule)", st.weights, st.grads_in_forward, st.states, activation_bytes,
+               0),),
+        (Phase("backward", "activations and gradients (seed rule)", st.weights, st.grads, st.states,
+               activation_bytes, 0),),
+        (opt,),
+        (between,),
     )

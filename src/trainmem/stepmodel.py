@@ -1,0 +1,283 @@
+"""Compile once, evaluate fast: a training step's memory as a function of the micro-batch, for searches.
+
+``compile_step(spec, settings)`` does everything that does not depend on the batch or the sequence length once
+(static memory, the optimizer step, the notes). For each sequence length it is asked about, it then finds every
+moment that can be a phase's peak (timeline.step_candidates) as lines in the batch: a moment's bytes in each
+category are a constant plus a slope times the batch. ``evaluate(step, batch, seq)`` looks up, by bisection, which
+moment is each phase's peak at that batch and computes its bytes: a few arithmetic operations, no timeline.
+
+Why lines are exact, not fitted: for a fixed sequence every activation term is bytes per token times
+tokens = batch x seq (activations.py), and every other byte is constant. The lines are taken from batches 2 and 3
+and used only where that argument holds, checked at compile time for each sequence length:
+- the per-token values of every term and layer are the same at both batches, and the other terms constant or
+  proportional to the batch (masks with a batch dimension). Some values depend on the batch itself: the math
+  kernel's causal mask (one per call, counted per token), and everything at batch 1, where batched matmuls copy
+  less; batch 1 is always computed directly;
+- every per-token value is a whole number of bytes, so the floating-point products and sums are exact (the flash
+  kernel's rows padded to 128 are fractional per token unless the sequence is a multiple of 128);
+- the lines reproduce the direct computation at four more batches.
+Where a check fails, that sequence length is evaluated directly (the full estimate, same result, ~1 ms).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, fields, is_dataclass, replace
+
+from .activations import ActivationEstimate, estimate_activations
+from .errors import ConfigError
+from .estimate import (NO_PEAK, DeviceOptions, Estimate, Peak, peak_of_phases, position_warning,
+                       static_components, validation_notes)
+from .models import ModelSpec
+from .optimizers import get_optimizer
+from .recipes import get_recipe
+from .settings import TrainingSettings
+from .timeline import CATEGORIES, Phase, peak_of, seed_activation_bytes, seed_rule_candidates, step_candidates
+
+_SAMPLES = (2, 3)
+"""The batches the lines are taken from (batch 1 differs: see the module docstring)."""
+_CHECKS = (4, 5, 8, 61)
+"""More batches the lines must reproduce exactly."""
+_DIRECT = "direct"
+
+
+@dataclass(frozen=True)
+class _Moment:
+    """One moment of a phase as a line in the batch: bytes(b) = at_2 + slope * (b - 2), per category."""
+
+    moment: str
+    at_2: tuple[int, ...]
+    slope: tuple[int, ...]
+    total_at_2: int
+    total_slope: int
+
+    def total(self, batch: int) -> int:
+        return self.total_at_2 + self.total_slope * (batch - 2)
+
+    def phase(self, name: str, batch: int) -> Phase:
+        d = batch - 2
+        a, s = self.at_2, self.slope
+        return Phase(name, self.moment, a[0] + s[0] * d, a[1] + s[1] * d, a[2] + s[2] * d, a[3] + s[3] * d,
+                     a[4] + s[4] * d)
+
+
+@dataclass(frozen=True)
+class _PhaseForm:
+    """A phase's peak moment for every batch >= 2: ``moments[i]`` is the peak from batch ``starts[i]`` on."""
+
+    name: str
+    starts: tuple[int, ...]
+    moments: tuple[_Moment, ...]
+
+    def phase(self, batch: int) -> Phase:
+        return self.moments[bisect_right(self.starts, batch) - 1].phase(self.name, batch)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A step at one (batch, seq): each phase at its peak moment, and the step's peak."""
+
+    phases: tuple[Phase, ...]
+    peak: Peak | None
+
+
+class StepModel:
+    """A model and its settings, less batch and sequence length, compiled for fast evaluation (module docstring).
+
+    Built by :func:`compile_step`; its per-sequence forms are made the second time a sequence length is asked for,
+    so a single estimate costs one timeline and a search over batches costs a few.
+    """
+
+    def __init__(self, spec: ModelSpec, settings: TrainingSettings, device: DeviceOptions | None = None):
+        self.spec = spec
+        self.settings = settings
+        self.device = device or DeviceOptions()
+        self.recipe = get_recipe(settings.recipe)
+        self.optimizer = get_optimizer(settings.optimizer)
+        self.static = static_components(spec, settings)
+        self._static_bytes = {c.name: c.bytes for c in self.static}
+        self.unchecked = validation_notes(spec, settings)
+        if settings.activation_k is not None and not spec.has_architecture:
+            raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
+                              f"{spec.source or spec.name} has none (give a model name or config.json)")
+        self._forms: dict[int, tuple[_PhaseForm, ...] | str] = {}
+        """Per sequence length: its compiled phases, or _DIRECT, or the number of times it was asked for."""
+
+    # -- the direct computation (the reference the forms reproduce) -------------------------------------------
+
+    def settings_at(self, batch: int, seq: int) -> TrainingSettings:
+        return replace(self.settings, batch=batch, seq=seq)
+
+    def candidates(self, batch: int, seq: int) -> tuple[ActivationEstimate | None, tuple[tuple[Phase, ...], ...]]:
+        """The activations (None under the seed rule) and every phase's candidate moments at (batch, seq)."""
+        settings = self.settings_at(batch, seq)
+        if settings.activation_k is not None:
+            return None, seed_rule_candidates(self.spec, self._static_bytes, self.recipe, self.optimizer, settings)
+        acts = estimate_activations(self.spec, self.recipe, settings)
+        return acts, step_candidates(self.spec, self._static_bytes, acts, self.recipe, self.optimizer, settings)
+
+    # -- compiled forms ----------------------------------------------------------------------------------------
+
+    def form(self, batch: int, seq: int) -> tuple[_PhaseForm, ...] | None:
+        """The compiled phases that answer for (batch, seq), or None where it is computed directly: batch 1, a
+        sequence length asked for the first time, or one whose bytes are not lines in the batch."""
+        if batch < 2:
+            return None
+        form = self._forms.get(seq)
+        if form is None:
+            self._forms[seq] = 1
+        elif form == 1:
+            form = self._forms[seq] = _compile_seq(self, seq) or _DIRECT
+        return form if isinstance(form, tuple) else None
+
+    def phases(self, batch: int, seq: int) -> tuple[Phase, ...]:
+        """Each phase at its peak moment."""
+        form = self.form(batch, seq)
+        if form is not None:
+            return tuple(f.phase(batch) for f in form)
+        return tuple(peak_of(c) for c in self.candidates(batch, seq)[1])
+
+    def estimate(self, batch: int, seq: int) -> Estimate:
+        """The full estimate at (batch, seq), activations and notes included."""
+        spec, settings = self.spec, self.settings_at(batch, seq)
+        warning = position_warning(spec, seq)
+        warnings = (warning,) if warning else ()
+        if not spec.has_architecture:
+            note = ("activations need the architecture: give a model config, not only --params"
+                    if spec.model_type == "nominal" else
+                    f"model_type {spec.model_type!r} was counted by transformers; activations need an analytic spec")
+            return Estimate(spec, settings, self.static, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
+                            warnings=warnings)
+        if settings.activation_k is not None:
+            phases = tuple(peak_of(c) for c in self.candidates(batch, seq)[1])
+            acts = estimate_activations(spec, self.recipe, settings)
+            per_layer_values = batch * seq * spec.hidden_size * spec.num_layers * 2
+            notes = (
+                f"activations from the seed's rule b*s*h*L*k*2 with k={settings.activation_k:g}",
+                f"the architecture model ({settings.attention} attention, {settings.recipe}) gives "
+                f"{acts.layers_bytes / 2**30:.2f} GiB for the decoder layers "
+                f"(k = {acts.layers_bytes / per_layer_values:.1f}) and "
+                f"{(acts.saved_bytes + acts.logits_bytes) / 2**30:.2f} GiB with embedding, head, loss and logits",
+                *self.unchecked,
+            )
+            return Estimate(spec, settings, self.static, activation_k_bytes=seed_activation_bytes(spec, settings),
+                            phases=phases, peak=peak_of_phases(phases, self.device), device=self.device, notes=notes,
+                            warnings=warnings)
+        form = self.form(batch, seq)
+        if form is not None:
+            acts = estimate_activations(spec, self.recipe, settings)
+            phases = tuple(f.phase(batch) for f in form)
+        else:
+            acts, candidates = self.candidates(batch, seq)
+            phases = tuple(peak_of(c) for c in candidates)
+        notes = list(self.unchecked)
+        if self.optimizer.paged:
+            notes.append("paged optimizer states live in CUDA unified memory: max_memory_allocated() does not count "
+                         "them")
+        return Estimate(spec, settings, self.static, activations=acts, phases=phases,
+                        peak=peak_of_phases(phases, self.device), device=self.device, notes=tuple(notes),
+                        warnings=warnings)
+
+
+def _is_whole(value) -> bool:
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
+def _per_token_values(acts: ActivationEstimate):
+    """Every per-token number in the activations (terms and layer fields), recursively."""
+
+    def walk(obj):
+        if isinstance(obj, (int, float)) and not isinstance(obj, bool):
+            yield obj
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                yield from walk(item)
+        elif is_dataclass(obj):
+            for f in fields(obj):
+                yield from walk(getattr(obj, f.name))
+
+    for group in (acts.layers, acts.embedding_terms, acts.head_terms, acts.constant_terms):
+        yield from walk(group)
+
+
+def _compile_seq(step: StepModel, seq: int) -> tuple[_PhaseForm, ...] | None:
+    if not step.spec.has_architecture or step.settings.activation_k is not None:
+        return None  # nothing to search (no peak), or the seed rule, whose k makes its bytes fractional
+    (acts_a, cands_a), (acts_b, cands_b) = (step.candidates(b, seq) for b in _SAMPLES)
+    batch_free = (acts_a.layers == acts_b.layers and acts_a.embedding_terms == acts_b.embedding_terms
+                  and acts_a.head_terms == acts_b.head_terms)
+    # the terms outside the per-token ones are constant, or proportional to the batch (masks with a batch dim)
+    constants = all(a.name == b.name and (a.bytes_per_token == b.bytes_per_token or
+                                          a.bytes_per_token * _SAMPLES[1] == b.bytes_per_token * _SAMPLES[0])
+                    for a, b in zip(acts_a.constant_terms, acts_b.constant_terms, strict=True))
+    if not (batch_free and constants and all(_is_whole(v) for v in _per_token_values(acts_a))):
+        return None
+    if [[c.moment for c in p] for p in cands_a] != [[c.moment for c in p] for p in cands_b]:
+        return None
+    step_b = _SAMPLES[1] - _SAMPLES[0]
+    forms = []
+    for phase_a, phase_b in zip(cands_a, cands_b):
+        moments = []
+        for ca, cb in zip(phase_a, phase_b):
+            at_2 = tuple(ca.by_category()[k] for k in CATEGORIES)
+            diff = [cb.by_category()[k] - v for k, v in zip(CATEGORIES, at_2)]
+            if any(d % step_b for d in diff):
+                return None
+            slope = tuple(d // step_b for d in diff)
+            moments.append(_Moment(ca.moment, at_2, slope, sum(at_2), sum(slope)))
+        forms.append(_envelope(phase_a[0].name, moments))
+    forms = tuple(forms)
+    for batch in _CHECKS:  # the argument above, checked
+        direct = tuple(peak_of(c) for c in step.candidates(batch, seq)[1])
+        if tuple(f.phase(batch) for f in forms) != direct:
+            return None
+    return forms
+
+
+def _envelope(name: str, moments: list[_Moment]) -> _PhaseForm:
+    """Which moment is the peak at each batch >= 2: the largest, the earliest on a tie (as ``peak_of``). Walks up
+    the batches from 2, jumping to the first batch at which another moment overtakes the current peak; each jump
+    goes to a steeper line, so there are at most as many as distinct slopes."""
+    def winner(batch: int) -> int:
+        return max(range(len(moments)), key=lambda i: (moments[i].total(batch), -i))
+
+    starts, chosen = [], []
+    batch = 2
+    while True:
+        w = winner(batch)
+        starts.append(batch)
+        chosen.append(moments[w])
+        top = moments[w]
+        next_batch = None
+        for i, m in enumerate(moments):
+            rise = m.total_slope - top.total_slope
+            if rise <= 0:
+                continue  # never catches up
+            gap = top.total(batch) - m.total(batch)  # >= 0, and > 0 when m is earlier: top is the peak here
+            # the first step d >= 1 at which m is ahead, or level and earlier (rise * d - gap > 0, or >= 0)
+            d = gap // rise + 1 if i > w else max(-(-gap // rise), 1)
+            if next_batch is None or batch + d < next_batch:
+                next_batch = batch + d
+        if next_batch is None:
+            return _PhaseForm(name, tuple(starts), tuple(chosen))
+        batch = next_batch
+
+
+def compile_step(spec: ModelSpec, settings: TrainingSettings | None = None,
+                 device: DeviceOptions | None = None) -> StepModel:
+    """Compile ``spec`` trained with ``settings`` (whose batch and seq are ignored) for :func:`evaluate`."""
+    return StepModel(spec, settings or TrainingSettings(), device)
+
+
+def evaluate(step: StepModel, batch: int, seq: int) -> Evaluation:
+    """The phases and the peak at (batch, seq): byte for byte what :func:`trainmem.estimate.estimate_model` gives."""
+    if not step.spec.has_architecture:
+        return Evaluation((), None)
+    phases = step.phases(batch, seq)
+    return Evaluation(phases, peak_of_phases(phases, step.device))
+
+
+def required_bytes(step: StepModel, batch: int, seq: int) -> int | None:
+    """What a GPU must have for the step at (batch, seq) (``Peak.required_bytes``); None without a peak."""
+    peak = evaluate(step, batch, seq).peak
+    return peak and peak.required_bytes
