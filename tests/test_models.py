@@ -146,3 +146,19 @@ def test_unknown_model_type_is_counted_by_transformers(tmp_path):
 def test_unknown_model_name_suggests_catalog_names():
     with pytest.raises(ModelError, match="closest: llama-2-7b"):
         resolve_model("llama-2-7")
+
+
+def test_formulas_read_family_traits_not_model_type():
+    """Family behaviour is in FamilyTraits, filled by the parser: no formula module compares model_type."""
+    import re
+    from pathlib import Path
+
+    import trainmem
+    from trainmem.models import FAMILY_TRAITS, SUPPORTED_MODEL_TYPES
+
+    src = Path(trainmem.__file__).parent
+    for module in ("activations", "timeline", "stepmodel", "estimate", "kernels", "optimizers", "recipes", "planner"):
+        text = (src / f"{module}.py").read_text()
+        found = re.findall(r"model_type\s*(?:==|!=|\bin\b|\.startswith)", text)
+        assert not found, f"{module}.py tests model_type: {found}"
+    assert set(FAMILY_TRAITS) <= set(SUPPORTED_MODEL_TYPES)

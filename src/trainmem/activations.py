@@ -120,7 +120,7 @@ def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_byt
     """
     if spec.norm == "layer":
         return [Term(f"{label}: input", input_bytes * width), Term(f"{label}: mean, rstd", 2 * FP32)]
-    normed = FP32 if spec.model_type.startswith("gemma") else input_bytes
+    normed = FP32 if spec.traits.rms_norm_fp32_plus_one else input_bytes
     return [
         Term(f"{label}: input in fp32", FP32 * width),
         Term(f"{label}: rsqrt", FP32),
@@ -196,7 +196,7 @@ def sdpa_mask(spec: ModelSpec, layer: Layer, seq: int) -> bool:
     (masking_utils._ignore_causal_mask_sdpa: ``kv_length >= local_attention_size``), or Falcon, which always
     materialises its mask (modeling_falcon.py, ``allow_is_causal_skip=False``); otherwise SDPA runs with
     ``is_causal`` and no mask."""
-    if spec.model_type == "falcon":
+    if spec.traits.sdpa_mask_always:
         return True
     return layer.sliding_window is not None and seq >= layer.sliding_window
 
@@ -223,7 +223,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     if att.qk_norm:
         # Qwen3/Gemma3 q_norm and k_norm: RMSNorm over each head, input = projection output (compute dtype);
         # Gemma's RMSNorm keeps its normalised value in fp32.
-        normed = FP32 if spec.model_type.startswith("gemma") else c
+        normed = FP32 if spec.traits.rms_norm_fp32_plus_one else c
         for name, heads in (("q_norm", a), ("k_norm", kv)):
             terms += [Term(f"{name}: input in fp32", FP32 * heads * d), Term(f"{name}: rsqrt", FP32 * heads),
                       Term(f"{name}: normalised", normed * heads * d)]
@@ -235,7 +235,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     # k and v into the cache and attention reads those copies.
     fused_views = att.fused_qkv and not rotary
     # Partial-rotary families build q with torch.cat, laid out (b, a, s, d): flash's output follows q's layout.
-    q_by_cat = spec.model_type in ("gpt_neox", "phi3")
+    q_by_cat = spec.traits.q_built_by_cat
     mask = kernel == EAGER or sdpa_mask(spec, layer, s)
     repeat = kv < a and (kernel == EAGER or mask or d != dv or d > FLASH_MAX_HEAD_DIM)
     kv_passed = a if repeat else kv
@@ -246,9 +246,9 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         offsets = (0, 0, 0)
         if not use_cache and fused_views:
             offsets = (0, a * d, (a + kv) * d)
-        elif not use_cache and spec.model_type == "gpt_neox":
+        elif not use_cache and spec.traits.fused_qkv_layout == "per_head":
             offsets = (0, 0, 2 * d)
-        elif not use_cache and spec.model_type == "phi3":
+        elif not use_cache and spec.traits.fused_qkv_layout == "blocks":
             offsets = (0, 0, (a + kv) * d)
         if repeat or (p.autocast and qk_bytes != c):
             offsets = (0, 0, offsets[2] if not repeat else 0)
@@ -318,17 +318,18 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         softmax_extra = FP32 * a * s
         after_softmax = c * a * dv + ((MASK + FP32) * a * s if dropout > 0 else 0)
     else:  # eager
+        gpt2_eager = spec.traits.eager_attention == "gpt2"
         eager = _eager_terms(spec, att, p, s, batch, dropout, qk_bytes, kv_passed, fused_views, use_cache)
         terms += eager
         # the dropout sees the probabilities cast to q's dtype (llama-style ``.to(query.dtype)``; GPT-2: v's)
-        dropout_bytes = c if spec.model_type == "gpt2" else qk_bytes
+        dropout_bytes = c if gpt2_eager else qk_bytes
         released, backward = eager_backward_per_token(eager, c, a, dv, s, dropout_bytes)
         if fused_views and not use_cache and batch > 1 and a > 1:
             released += c * a * dv  # the batched matmul's copy of v (a strided view of c_attn's output)
         matmul_backward = c * a * s + 2 * c * a * dv
-        held_by_layer = dropout_bytes * a * s + (c * spec.hidden_size if spec.model_type == "gpt2" else 0)
+        held_by_layer = dropout_bytes * a * s + (c * spec.hidden_size if gpt2_eager else 0)
         softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s)
-        if spec.model_type == "bloom":  # BloomAttention keeps the baddbmm scores in a local beside the masked ones
+        if spec.traits.block == "bloom":  # BloomAttention keeps the baddbmm scores in a local beside the masked ones
             softmax_extra += c * a * s
             bloom_forward = _bloom_forward(spec, p, a, d, s, dropout, settings.batch)
             returned_to_model = held_by_layer = c * a * s
@@ -342,7 +343,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         v_kept = fused_views or kv_viewed
         # Llama-style eager attention returns the dropped-out probabilities; when they are fp32 (autocast with
         # rotary q) the matmul with v keeps a half cast instead, so the returned tensor is extra.
-        if dropout > 0 and p.autocast and qk_bytes == FP32 and spec.model_type != "gpt2":
+        if dropout > 0 and p.autocast and qk_bytes == FP32 and spec.traits.eager_attention != "gpt2":
             returned = FP32 * a * s
     if not use_cache and att.fused_qkv and rotary and kernel in (FLASH, EFFICIENT) and v_kept:
         # Without a cache copy (gradient checkpointing turns use_cache off) v is a view of the fused q/k/v
@@ -519,7 +520,7 @@ def _eager_terms(spec: ModelSpec, att: Attention, p: Precision, s: int, batch: i
             terms.append(Term("v" + repeated, c * kept * dv))
     # The softmax's dtype: fp32 where the family upcasts (Llama and most) or autocast does (CUDA's list), else the
     # scores' dtype (GPT-2, Falcon, OPT compute it in the matmul's dtype without autocast).
-    softmax_fp32 = p.autocast or spec.model_type != "gpt2"
+    softmax_fp32 = p.autocast or spec.traits.eager_attention != "gpt2"
     probs = FP32 if softmax_fp32 else c
     terms.append(Term("softmax probabilities" + (" (fp32)" if probs == FP32 else ""), probs * a * s))
     if probs != c or dropout > 0:
@@ -831,11 +832,9 @@ def _router_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
 
 def _hidden_dropout_sites(spec: ModelSpec, layer: Layer) -> int:
     """Residual dropouts per layer (each keeps a bool mask): GPT-2, OPT, Phi-3, NeoX, BLOOM: 2; Falcon: 1-2."""
-    if spec.model_type == "falcon":
+    if spec.traits.hidden_dropout == "per_residual_add":
         return 1 if layer.parallel_residual else 2
-    if spec.model_type in ("gpt2", "opt", "phi3", "gpt_neox", "bloom"):
-        return 2
-    return 0
+    return 2 if spec.traits.hidden_dropout == "per_block" else 0
 
 
 def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
@@ -854,10 +853,10 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     # Linears reading the input norm's output: one fused qkv; q/k/v; MLA's q_a_proj and kv_a_proj_with_mqa.
     qkv_consumers = 1 if att.fused_qkv else 2 if att.kind == "mla" else 3
     terms += _linear_inputs(p, h, qkv_consumers, "input norm output (q/k/v projections' input)", r)
-    gemma = spec.model_type.startswith("gemma")
+    gemma = spec.traits.rms_norm_fp32_plus_one
     if att.kind == "mla":
         attention = _mla_terms(spec, layer, settings, p, kernel, attn_dropout)
-    elif spec.model_type == "falcon":
+    elif spec.traits.block == "falcon":
         attention = _falcon_attention_terms(spec, layer, settings, p, kernel, attn_dropout)
     else:
         attention = _attention_terms(spec, layer, settings, p, kernel, attn_dropout)
@@ -888,7 +887,7 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
             terms += _linear_inputs(p, h, mlp_consumers, "input norm output (MLP input)", r)
     else:
         terms += _linear_inputs(p, h, mlp_consumers, "MLP norm output (MLP input)", r)
-    falcon_bias = spec.model_type == "falcon" and p.autocast and att.qkv_bias
+    falcon_bias = spec.traits.bias_after_matmul and p.autocast and att.qkv_bias
     if layer.mlp:
         terms += _mlp_terms(layer.mlp, p, fc1_bytes=p.residual if falcon_bias else None)
     else:
@@ -987,12 +986,8 @@ class ActivationEstimate:
         return max(int(la.bytes_per_token * self.tokens) + la.constant_bytes for la in self.layers)
 
 
-SDPA_UNSUPPORTED = ("gemma2", "bloom")
-"""transformers 5 has no SDPA path for these: attn_implementation='sdpa' falls back to eager."""
-
-
 def effective_kernel(spec: ModelSpec, kernel: str) -> str:
-    if kernel == "sdpa" and spec.model_type in SDPA_UNSUPPORTED:
+    if kernel == "sdpa" and not spec.traits.sdpa_supported:
         return "eager"
     return kernel
 
@@ -1010,7 +1005,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
 
     embedding = [Term("input_ids (embedding backward)", INDEX)]
     constant: list[Term] = []
-    if spec.model_type == "opt":
+    if spec.traits.position_ids == "per_token":
         embedding.append(Term("position ids", INDEX))
     projected = spec.projects_embeddings  # OPT-350m
     if projected:
@@ -1019,17 +1014,17 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         embedding.append(Term("project_in input (the embeddings)", p.compute * spec.embedding_dim))
         if p.autocast:
             constant.append(Term("autocast copy of the project_in weight", p.compute * spec.embedding_dim * h))
-    if spec.model_type == "gpt2":
+    if spec.traits.position_ids == "per_sequence":
         constant.append(Term("position ids", INDEX * s))
     if spec.embedding_norm:
         embedding += _norm_terms(spec, h, p, "embedding norm", p.residual)
-    if emb_dropout > 0 and spec.model_type in _EMBEDDING_DROPOUT:
+    if emb_dropout > 0 and spec.traits.embedding_dropout:
         embedding.append(Term("embedding dropout mask", MASK * h))
     rotary_dims = {layer.attention.rotary_dim for layer, _ in spec.layer_runs if layer.attention.rotary_dim}
     if rotary_dims:
         # cos and sin, (1, s, rotary dim) in the residual dtype, shared by every layer; Gemma 3 has one pair for its
         # local layers and one for its global ones.
-        tables = 2 if spec.model_type == "gemma3_text" else 1
+        tables = spec.traits.rotary_tables
         constant.append(Term("rotary cos, sin", tables * 2 * p.residual * s * max(rotary_dims)))
 
     masks_built, masks_used = _mask_bytes(spec, settings, p)
@@ -1038,14 +1033,14 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         # so they live until the first layer's backward (traced); without checkpointing they die with the forward.
         constant.append(Term("attention masks kept for the recompute", masks_used))
     elif masks_used and any(la.kernel == EFFICIENT and not any(t.name.startswith("ALiBi mask") for t in la.terms)
-                            for la in layers if la.layer.attention.rotary_dim == 0 and spec.model_type == "falcon"):
+                            for la in layers if la.layer.attention.rotary_dim == 0 and spec.traits.block == "falcon"):
         # Falcon's ALiBi mask reaches the memory-efficient kernel uncopied (already in q's dtype, width a multiple
         # of 16), and the kernel keeps it for backward: one tensor shared by every layer (traced).
         constant.append(Term("ALiBi mask kept by the memory-efficient kernel", masks_used))
         masks_built -= masks_used
 
     head = _norm_terms(spec, h, p, "final norm", p.residual) if spec.final_norm and spec.norm_vectors else []
-    if spec.model_type.startswith("gemma"):
+    if spec.traits.rms_norm_fp32_plus_one:
         constant.append(Term("final norm (1 + weight) in fp32", FP32 * h))
     if projected:
         # project_out (h -> E) keeps the final norm output (its half copy under autocast); the LM head, its output
@@ -1085,34 +1080,19 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     )
 
 
-_EMBEDDING_DROPOUT = ("gpt2", "gpt_neox")
-"""Families whose base model drops out the embeddings (GPT2Model ``drop``: ``embd_pdrop``; GPTNeoXModel
-``emb_dropout``: ``hidden_dropout``). Phi-3's ``embd_pdrop`` is read by no module in transformers 5."""
-
-
 def _decoder_locals(spec: ModelSpec, p: Precision, emb_dropout: float) -> int:
     """Per token, see ActivationEstimate.decoder_locals_bytes (GPT2Model.forward: inputs_embeds, position_embeds;
     OPTDecoder.forward: inputs_embeds, pos_embeds, the fp32 position_attention_mask and int64 position_ids;
     GPTNeoXModel.forward: inputs_embeds, when the embedding dropout makes a new tensor of it)."""
     embedded = p.residual * spec.hidden_size
-    if spec.model_type == "gpt2":
+    if spec.traits.decoder_locals == "token_and_position":
         return 2 * embedded
-    if spec.model_type == "opt":
+    if spec.traits.decoder_locals == "opt":
         # with project_in, inputs_embeds is its output (half under autocast)
         return (p.compute * spec.hidden_size if spec.projects_embeddings else embedded) + embedded + FP32 + INDEX
-    if spec.model_type == "gpt_neox" and emb_dropout > 0:
+    if spec.traits.decoder_locals == "dropped_embeddings" and emb_dropout > 0:
         return embedded
     return 0
-
-
-_MASKS_ALWAYS_BUILT = {
-    # Each base model's forward: Gemma 2/3 and Qwen2-MoE build the full and the sliding mask whatever the layers use,
-    # Qwen2/Qwen3 the full one always (the sliding one only for sliding layers); the others (Mistral, Mixtral,
-    # Phi-3, Qwen3-MoE: ``create_sliding_window_causal_mask if config.sliding_window else create_causal_mask``) only
-    # the one their layers use.
-    "gemma2": {False, True}, "gemma3_text": {False, True}, "qwen2_moe": {False, True}, "qwen2": {False},
-    "qwen3": {False},
-}
 
 
 def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tuple[int, int]:
@@ -1127,12 +1107,12 @@ def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tu
         return 0, 0
     b, s = settings.batch, settings.seq
     att = spec.layer_runs[0][0].attention
-    if spec.model_type == "falcon" and att.rotary_dim == 0:
+    if spec.traits.block == "falcon" and att.rotary_dim == 0:
         size = p.residual * b * att.num_heads * s * s  # the ALiBi bias with the causal mask folded in
         return size, size
     if settings.attention == EAGER:
         used = {layer.sliding_window is not None for layer, _ in spec.layer_runs}
-        built = used | _MASKS_ALWAYS_BUILT.get(spec.model_type, set())
+        built = used | spec.traits.eager_masks_always_built
         return len(built) * p.residual * b * s * s, len(used) * p.residual * b * s * s
     used = {layer.sliding_window is not None for layer, _ in spec.layer_runs if sdpa_mask(spec, layer, s)}
     return len(used) * MASK * s * s, len(used) * MASK * s * s

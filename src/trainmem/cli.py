@@ -117,7 +117,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "") -> _Wo
         raise ConfigError("--gpu is empty; give a GPU name (trainmem estimate --help lists them)")
     gpu = get_gpu(options["gpu"]) if options["gpu"] else None
     spec, config = (nominal_spec(_parse_params(params)), None) if params is not None else resolve_model_and_config(model)
-    if spec.model_type == "nominal" and get_optimizer(settings.optimizer).needs_shapes:
+    if spec.is_nominal and get_optimizer(settings.optimizer).needs_shapes:
         raise ConfigError(f"optimizer {settings.optimizer!r} needs tensor shapes; give a model instead of --params")
     return _Workload(spec, config, settings, device, gpu, unit)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -157,6 +157,50 @@ class ParamGroup:
 
 
 @dataclass(frozen=True)
+class FamilyTraits:
+    """How a family's transformers modules differ where the memory formulas care, as typed fields. Filled per
+    ``model_type`` by the parser (FAMILY_TRAITS below); the formulas read these, never the ``model_type``. The
+    defaults are the Llama modules (modeling_llama.py), which most families copy."""
+
+    block: Literal["standard", "bloom", "falcon"] = "standard"
+    """The attention and decoder-layer code the formulas follow: Llama-style, BloomAttention (fused q/k/v, ALiBi
+    scores kept in locals), or FalconAttention/FalconDecoderLayer (its own attention terms, ``attention_output``
+    held through the MLP, ``dropout_add``)."""
+    eager_attention: Literal["llama", "gpt2"] = "llama"
+    """Which ``eager_attention_forward``: Llama's upcasts the softmax to fp32 and drops out probabilities cast to q's
+    dtype, returning them; GPT-2's computes it in the scores' dtype, casts to v's and holds its output in the block."""
+    rms_norm_fp32_plus_one: bool = False
+    """Gemma's RMSNorm: keeps the fp32 normalised value and multiplies by ``1 + weight.float()`` (a kept fp32 vector)."""
+    sdpa_supported: bool = True
+    """Whether transformers 5 has an SDPA path (Gemma 2 and BLOOM fall back to eager)."""
+    sdpa_mask_always: bool = False
+    """Whether SDPA is always handed a materialised mask (Falcon: ``allow_is_causal_skip=False``)."""
+    q_built_by_cat: bool = False
+    """Partial rotary builds q with ``torch.cat``, laid out (b, a, s, d) (GPT-NeoX, Phi-3)."""
+    fused_qkv_layout: Literal["", "per_head", "blocks"] = ""
+    """How a rotary family's fused q/k/v output is split: per head (GPT-NeoX: q, k, v of each head together) or
+    in q, k, v blocks (Phi-3); "" where there is no such split."""
+    hidden_dropout: Literal["none", "per_block", "per_residual_add"] = "none"
+    """Residual dropouts: none; after attention and after the MLP (GPT-2, OPT, Phi-3, GPT-NeoX, BLOOM); or one per
+    residual add (Falcon: one with parallel attention, two without)."""
+    embedding_dropout: bool = False
+    """The base model drops out the embeddings (GPT2Model ``drop``, GPTNeoXModel ``emb_dropout``)."""
+    bias_after_matmul: bool = False
+    """FalconLinear adds its bias after an autocast matmul, so a biased Linear's output is fp32 under autocast."""
+    weight_casts_cached: bool = True
+    """Autocast caches each Linear's half weight copy; FalconLinear casts the view ``weight.T``, which is not cached."""
+    position_ids: Literal["none", "per_token", "per_sequence"] = "none"
+    """Position ids the embedding keeps: OPT's per token (int64), GPT-2's one row shared by the batch."""
+    rotary_tables: int = 1
+    """Pairs of rotary cos/sin tables the base model builds (Gemma 3: one for local layers, one for global)."""
+    decoder_locals: Literal["none", "token_and_position", "opt", "dropped_embeddings"] = "none"
+    """What the base model's forward holds in locals through its layer loop (ActivationEstimate.decoder_locals_bytes):
+    GPT-2's token and position embeddings; OPT's, with its position mask and ids; GPT-NeoX's dropped embeddings."""
+    eager_masks_always_built: frozenset[bool] = frozenset()
+    """Eager masks the base model builds whatever its layers use (True: sliding, False: full)."""
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer as trainmem sees it. Build one with :func:`spec_from_config`."""
 
@@ -184,6 +228,8 @@ class ModelSpec:
     final_logit_softcap: float | None = None
     """Gemma 2/3's ``final_logit_softcapping`` on the LM head's output (one more tanh output kept, V wide)."""
     dropout: Dropout = field(default_factory=Dropout)
+    traits: FamilyTraits = field(default_factory=FamilyTraits)
+    """How its family's modules differ from Llama's where memory is concerned."""
     source: str = ""
     """Where the config came from: a catalog name, a file path or a Hub repo id."""
     explicit_param_groups: tuple[ParamGroup, ...] = ()
@@ -203,6 +249,11 @@ class ModelSpec:
         if self.max_position_embeddings and not self.rope_extension:
             return self.max_position_embeddings
         return None
+
+    @property
+    def is_nominal(self) -> bool:
+        """Known only by its parameter count (``--params``)."""
+        return self.model_type == "nominal"
 
     @property
     def has_architecture(self) -> bool:
@@ -838,6 +889,30 @@ class UnsupportedModelType(ModelError):
     """The config parses as JSON but its model_type has no analytic parser."""
 
 
+_GEMMA = FamilyTraits(rms_norm_fp32_plus_one=True)
+FAMILY_TRAITS: dict[str, FamilyTraits] = {
+    "gpt2": FamilyTraits(eager_attention="gpt2", hidden_dropout="per_block", embedding_dropout=True,
+                         position_ids="per_sequence", decoder_locals="token_and_position"),
+    "opt": FamilyTraits(hidden_dropout="per_block", position_ids="per_token", decoder_locals="opt"),
+    "gpt_neox": FamilyTraits(q_built_by_cat=True, fused_qkv_layout="per_head", hidden_dropout="per_block",
+                             embedding_dropout=True, decoder_locals="dropped_embeddings"),
+    "phi3": FamilyTraits(q_built_by_cat=True, fused_qkv_layout="blocks", hidden_dropout="per_block"),
+    "bloom": FamilyTraits(block="bloom", sdpa_supported=False, hidden_dropout="per_block"),
+    "falcon": FamilyTraits(block="falcon", sdpa_mask_always=True, hidden_dropout="per_residual_add",
+                           bias_after_matmul=True, weight_casts_cached=False),
+    "gemma": _GEMMA,
+    "gemma2": replace(_GEMMA, sdpa_supported=False, eager_masks_always_built=frozenset({False, True})),
+    "gemma3_text": replace(_GEMMA, rotary_tables=2, eager_masks_always_built=frozenset({False, True})),
+    "qwen2_moe": FamilyTraits(eager_masks_always_built=frozenset({False, True})),
+    "qwen2": FamilyTraits(eager_masks_always_built=frozenset({False})),
+    "qwen3": FamilyTraits(eager_masks_always_built=frozenset({False})),
+}
+"""Each family's traits; a family not listed has Llama's. Gemma 2/3 and Qwen2-MoE build the full and the sliding
+eager mask whatever their layers use, Qwen2/Qwen3 the full one always; the others (Mistral, Mixtral, Phi-3,
+Qwen3-MoE: ``create_sliding_window_causal_mask if config.sliding_window else create_causal_mask``) only the one
+their layers use."""
+
+
 def spec_from_config(config: dict[str, Any], name: str = "", source: str = "") -> ModelSpec:
     """Turn a Hugging Face config dict into a :class:`ModelSpec`.
 
@@ -856,7 +931,8 @@ def spec_from_config(config: dict[str, Any], name: str = "", source: str = "") -
             f"{origin}: model_type {model_type!r} has no analytic parser; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     fields = parser(_Config(config, origin))
-    return ModelSpec(name=name or str(model_type), model_type=str(model_type), source=source, **fields)
+    return ModelSpec(name=name or str(model_type), model_type=str(model_type), source=source,
+                     traits=FAMILY_TRAITS.get(model_type, FamilyTraits()), **fields)
 
 
 def nominal_spec(num_parameters: int) -> ModelSpec:

@@ -44,7 +44,7 @@ def model_dict(m) -> dict[str, Any]:
         "num_layers": m.num_layers,
         "hidden_size": m.hidden_size,
         "vocab_size": m.vocab_size,
-        "analytic": m.has_architecture or m.model_type == "nominal",
+        "analytic": m.has_architecture or m.is_nominal,
     }
 
 

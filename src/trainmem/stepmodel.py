@@ -144,7 +144,7 @@ class StepModel:
         warnings = (warning,) if warning else ()
         if not spec.has_architecture:
             note = ("activations need the architecture: give a model config, not only --params"
-                    if spec.model_type == "nominal" else
+                    if spec.is_nominal else
                     f"model_type {spec.model_type!r} was counted by transformers; activations need an analytic spec")
             return Estimate(spec, settings, self.static, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
                             warnings=warnings)

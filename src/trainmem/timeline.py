@@ -73,7 +73,7 @@ def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: 
     width = _mlp_bytes(layer, p)
     if p.autocast and layer.mlp is not None and layer.mlp.activation == "gelu_new":
         width = FP32  # pow upcasts x on CUDA's autocast list: the chain's gradients are fp32 (traced)
-    falcon = spec.model_type == "falcon" and layer.mlp is not None
+    falcon = spec.traits.block == "falcon" and layer.mlp is not None
     if falcon and p.autocast and layer.attention.qkv_bias:
         width = FP32
     mlp = wide * width * _mlp_width(layer)
@@ -170,7 +170,7 @@ def _mlp_output_bytes(spec: ModelSpec, layer, p: Precision) -> int:
     (fp32); MoE blocks return the hidden states' dtype (``.to(hidden_states.dtype)``)."""
     if layer.mlp is None:
         return p.residual
-    if spec.model_type == "falcon" and p.autocast and layer.attention.qkv_bias:
+    if spec.traits.bias_after_matmul and p.autocast and layer.attention.qkv_bias:
         return p.residual
     return p.compute
 
@@ -213,7 +213,7 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
         per_token += (p.residual if p.autocast else 0) * h  # the MLP's argument
     dropout = _mlp_output_dropout(spec, layer, settings)
     at_down = (p.compute * h if layer.mlp else 0) - (MASK * h if dropout else 0)  # its output; no mask yet
-    if spec.model_type != "falcon":
+    if spec.traits.block != "falcon":
         return int((per_token + at_down) * tokens)
     biased = p.autocast and layer.attention.qkv_bias
     out = p.residual if biased else p.compute
@@ -391,7 +391,7 @@ def casts_cached(spec: ModelSpec, p: Precision, settings: TrainingSettings) -> b
     ends, even though checkpointed layers save nothing (without it, backward keeps them: in saved).
     FalconLinear computes ``input @ self.weight.T``: autocast casts the view weight.T, not a leaf, so nothing is
     cached there and each cast copy dies with its matmul (traced)."""
-    return settings.checkpointing == "full" and p.autocast and spec.model_type != "falcon"
+    return settings.checkpointing == "full" and p.autocast and spec.traits.weight_casts_cached
 
 
 def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
