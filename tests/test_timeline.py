@@ -141,3 +141,52 @@ def test_max_batch_cli_and_sweep_cli(run_cli):
         (1, 128), (1, 256), (2, 128), (2, 256)]
     code, out, _ = run_cli("sweep", "gpt2", "--batch", "1,2", "--seq", "128", "--gpu", "T4")
     assert code == 0 and "fits T4" in out
+
+
+def test_timeline_reads_term_kinds_and_parameter_roles_never_names(monkeypatch):
+    """Relabel every activation term and parameter tensor the timeline sees: no candidate moment of any phase may
+    change."""
+    import dataclasses
+    import itertools
+
+    from trainmem import models
+    from trainmem.activations import Term, estimate_activations
+    from trainmem.catalog import catalog_config
+    from trainmem.estimate import static_components
+    from trainmem.models import spec_from_config
+    from trainmem.optimizers import get_optimizer
+    from trainmem.recipes import get_recipe
+    from trainmem.settings import make_settings
+    from trainmem.timeline import step_candidates
+
+    counter = itertools.count()
+
+    def relabel(obj):
+        if isinstance(obj, Term):
+            return dataclasses.replace(obj, name=f"label {next(counter)}")
+        if isinstance(obj, tuple):
+            return tuple(relabel(x) for x in obj)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, models.Layer):
+            return dataclasses.replace(obj, **{f.name: relabel(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                                               if f.init})
+        return obj
+
+    names = ["gpt2", "gemma-2-9b", "qwen1.5-moe-a2.7b", "deepseek-v3", "llama-3.2-1b", "falcon-7b", "opt-1.3b"]
+    cases = []
+    for name, (r, c, a) in itertools.product(names, itertools.product(["fp32", "amp-bf16"], ["none", "full"],
+                                                                        ["eager", "sdpa"])):
+        settings = make_settings(recipe=r, checkpointing=c, attention=a, seq=256, batch=2)
+        spec = spec_from_config(catalog_config(name))
+        static = {x.name: x.bytes for x in static_components(spec, settings)}
+        acts = estimate_activations(spec, get_recipe(r), settings)
+        cases.append((name, settings, static, acts,
+                      step_candidates(spec, static, acts, get_recipe(r), get_optimizer("adamw"), settings)))
+    original = models.ParamTensor
+    monkeypatch.setattr(models, "ParamTensor", lambda name, *args: original(f"p{next(counter)}", *args))
+    for name, settings, static, acts, before in cases:
+        spec = spec_from_config(catalog_config(name))
+        assert spec.param_groups[0].tensors[0].name.startswith("p")
+        relabelled = relabel(acts)
+        assert relabelled.layers[0].terms[0].name.startswith("label")
+        after = step_candidates(spec, static, relabelled, get_recipe(settings.recipe), get_optimizer("adamw"), settings)
+        assert after == before, (name, settings)

@@ -27,16 +27,25 @@ from .settings import TrainingSettings
 FP32 = 4
 INDEX = 8  # int64 indices (embedding input, routing indices, labels)
 MASK = 1  # torch.bool dropout masks
-AUTOCAST_HEAD_COPY = "autocast copy of the LM head weight"
-"""The constant term timeline.py looks for: freed once the LM head's backward has run."""
 
 
 @dataclass(frozen=True)
 class Term:
-    """One saved tensor (or a group of identical ones), in bytes per token."""
+    """One saved tensor (or a group of identical ones), in bytes per token.
+
+    ``name`` is for people (``--explain``); the timeline decides when a term is freed from ``module`` and
+    ``kind`` only, so rewording a label cannot move the peak."""
 
     name: str
     bytes_per_token: float
+    module: str = ""
+    """The module whose backward frees it, where the timeline needs to know: a norm ("input_norm",
+    "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm", "mlp_norm", "final_norm",
+    "embedding_norm"), "routed_experts", "shared_expert" or "lm_head"; "" for the rest."""
+    kind: str = ""
+    """What it is within that module: a norm's "input_fp32", "rsqrt", "normalised" (RMSNorm) or "input", "stats"
+    (LayerNorm); the routed experts' "intermediate" (what their gate_up backward frees); the LM head's
+    "autocast_weight_copy"."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +119,7 @@ class LayerActivations:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_bytes: int) -> list[Term]:
+def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_bytes: int, module: str) -> list[Term]:
     """What a norm saves of its own (its output is saved by whoever consumes it).
 
     RMSNorm (LlamaRMSNorm): ``x.to(float32)`` kept by ``pow`` (4 B even when x is already fp32, then it is x
@@ -119,12 +128,13 @@ def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_byt
     LayerNorm (``native_layer_norm``): its input, mean and rstd (fp32 per row on CUDA).
     """
     if spec.norm == "layer":
-        return [Term(f"{label}: input", input_bytes * width), Term(f"{label}: mean, rstd", 2 * FP32)]
+        return [Term(f"{label}: input", input_bytes * width, module, "input"),
+                Term(f"{label}: mean, rstd", 2 * FP32, module, "stats")]
     normed = FP32 if spec.traits.rms_norm_fp32_plus_one else input_bytes
     return [
-        Term(f"{label}: input in fp32", FP32 * width),
-        Term(f"{label}: rsqrt", FP32),
-        Term(f"{label}: normalised", normed * width),
+        Term(f"{label}: input in fp32", FP32 * width, module, "input_fp32"),
+        Term(f"{label}: rsqrt", FP32, module, "rsqrt"),
+        Term(f"{label}: normalised", normed * width, module, "normalised"),
     ]
 
 
@@ -785,13 +795,13 @@ def _moe_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
         Term("routing bookkeeping per (token, expert) pair (3 int64 indices and the weight)",
              k * (3 * INDEX + weight_bytes)),
         Term("tokens gathered per selected expert", k * w * h),
-        Term("expert gate_up outputs", k * 2 * w * i),
-        Term("expert activation and product", k * 2 * w * i),
-        Term("expert outputs (weighted by the router)", k * w * h),
+        Term("expert gate_up outputs", k * 2 * w * i, "routed_experts", "intermediate"),
+        Term("expert activation and product", k * 2 * w * i, "routed_experts", "intermediate"),
+        Term("expert outputs (weighted by the router)", k * w * h, "routed_experts", "intermediate"),
     ]
     if moe.shared_intermediate_size:
         shared = MLP(moe.shared_intermediate_size, True, moe.activation)
-        terms += [Term(f"shared expert: {t.name}", t.bytes_per_token) for t in _mlp_terms(shared, p)]
+        terms += [Term(f"shared expert: {t.name}", t.bytes_per_token, "shared_expert") for t in _mlp_terms(shared, p)]
     elif moe.shared_always_built and p.autocast:
         terms.append(Term("zero-width shared experts: their gate and up projections' input casts", 2 * p.compute * h))
     if moe.shared_expert_gate:
@@ -849,7 +859,7 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     terms: list[Term] = []
 
     # --- attention block: pre-norm, its output read by the q/k/v projections -----------------------------
-    terms += _norm_terms(spec, h, p, "input norm", r)
+    terms += _norm_terms(spec, h, p, "input norm", r, "input_norm")
     # Linears reading the input norm's output: one fused qkv; q/k/v; MLA's q_a_proj and kv_a_proj_with_mqa.
     qkv_consumers = 1 if att.fused_qkv else 2 if att.kind == "mla" else 3
     terms += _linear_inputs(p, h, qkv_consumers, "input norm output (q/k/v projections' input)", r)
@@ -871,17 +881,17 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     if gemma and layer.num_norms == 4:
         # Gemma 2/3 sandwich norms: post_attention_layernorm on the attention output (before the residual
         # add), pre_feedforward_layernorm, and post_feedforward_layernorm on the MLP output.
-        terms += _norm_terms(spec, h, p, "post-attention norm", p.compute)
-        terms += _norm_terms(spec, h, p, "pre-feedforward norm", r)
-        terms += _norm_terms(spec, h, p, "post-feedforward norm", p.compute)
+        terms += _norm_terms(spec, h, p, "post-attention norm", p.compute, "post_attention_norm")
+        terms += _norm_terms(spec, h, p, "pre-feedforward norm", r, "pre_feedforward_norm")
+        terms += _norm_terms(spec, h, p, "post-feedforward norm", p.compute, "post_feedforward_norm")
     elif layer.parallel_residual and layer.num_norms == 1:
         pass  # Falcon-7B: the MLP reads the same norm output as attention
     elif layer.parallel_residual:
         # GPT-NeoX's post_attention_layernorm and Falcon's ln_mlp read the layer input, which the first norm
         # already keeps: only their statistics are new.
-        terms += _norm_terms(spec, h, p, "MLP norm", r)[1:]
+        terms += _norm_terms(spec, h, p, "MLP norm", r, "mlp_norm")[1:]
     else:
-        terms += _norm_terms(spec, h, p, "post-attention norm", r)
+        terms += _norm_terms(spec, h, p, "post-attention norm", r, "post_attention_norm")
     if layer.parallel_residual and layer.num_norms == 1:
         if p.autocast:  # the shared fp32 norm output is cast again by each MLP Linear
             terms += _linear_inputs(p, h, mlp_consumers, "input norm output (MLP input)", r)
@@ -1017,7 +1027,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     if spec.traits.position_ids == "per_sequence":
         constant.append(Term("position ids", INDEX * s))
     if spec.embedding_norm:
-        embedding += _norm_terms(spec, h, p, "embedding norm", p.residual)
+        embedding += _norm_terms(spec, h, p, "embedding norm", p.residual, "embedding_norm")
     if emb_dropout > 0 and spec.traits.embedding_dropout:
         embedding.append(Term("embedding dropout mask", MASK * h))
     rotary_dims = {layer.attention.rotary_dim for layer, _ in spec.layer_runs if layer.attention.rotary_dim}
@@ -1039,7 +1049,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         constant.append(Term("ALiBi mask kept by the memory-efficient kernel", masks_used))
         masks_built -= masks_used
 
-    head = _norm_terms(spec, h, p, "final norm", p.residual) if spec.final_norm and spec.norm_vectors else []
+    head = _norm_terms(spec, h, p, "final norm", p.residual, "final_norm") if spec.final_norm and spec.norm_vectors else []
     if spec.traits.rms_norm_fp32_plus_one:
         constant.append(Term("final norm (1 + weight) in fp32", FP32 * h))
     if projected:
@@ -1066,7 +1076,8 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     if p.autocast:
         # (with project_out, its weight's copy too: both are made after the layers and used by the head's backward)
         head_weight = spec.vocab_size * (spec.embedding_dim or h) + (h * spec.embedding_dim if projected else 0)
-        constant.append(Term(AUTOCAST_HEAD_COPY, p.compute * head_weight))
+        constant.append(Term("autocast copy of the LM head weight", p.compute * head_weight, "lm_head",
+                             "autocast_weight_copy"))
     # DynamicLayer.update torch.cat's each layer's keys and values into the cache the model returns; what attention
     # does not keep itself (fp32 rotated keys under autocast, k and v a kernel copies) is alive until the output is
     # dropped.

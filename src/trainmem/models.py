@@ -127,12 +127,24 @@ class Dropout:
     embedding: float = 0.0
 
 
+ROLES = ("embedding", "position_embedding", "projection", "input_norm", "norm", "attention_input",
+         "attention_output", "mlp", "mlp_down", "router", "expert", "expert_down", "shared_expert", "shared_expert_gate",
+         "head")
+"""What a parameter tensor is, which the timeline reads instead of its name: the input norm is a layer's first;
+attention_input covers q, k, v (fused or not) and MLA's low-rank projections; mlp_down and expert_down are the
+dense and routed experts' down projections; a shared expert's tensors are shared_expert whatever their place."""
+MLP_ROLES = frozenset({"mlp", "mlp_down", "router", "expert", "expert_down", "shared_expert", "shared_expert_gate"})
+"""The roles of a layer's MLP or MoE block."""
+
+
 @dataclass(frozen=True)
 class ParamTensor:
     """One parameter tensor, shaped as in the transformers module."""
 
     name: str
     shape: tuple[int, ...]
+    role: str = ""
+    """One of ROLES; "" for a tensor counted by transformers (meta_count.py), whose role is not known."""
 
     @property
     def numel(self) -> int:
@@ -296,15 +308,15 @@ class ModelSpec:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _linear(name: str, in_features: int, out_features: int, bias: bool) -> list[ParamTensor]:
-    tensors = [ParamTensor(f"{name}.weight", (out_features, in_features))]
+def _linear(name: str, in_features: int, out_features: int, bias: bool, role: str) -> list[ParamTensor]:
+    tensors = [ParamTensor(f"{name}.weight", (out_features, in_features), role)]
     if bias:
-        tensors.append(ParamTensor(f"{name}.bias", (out_features,)))
+        tensors.append(ParamTensor(f"{name}.bias", (out_features,), role))
     return tensors
 
 
-def _norm(name: str, width: int, vectors: int) -> list[ParamTensor]:
-    return [ParamTensor(f"{name}.{part}", (width,)) for part in ("weight", "bias")[:vectors]]
+def _norm(name: str, width: int, vectors: int, role: str = "norm") -> list[ParamTensor]:
+    return [ParamTensor(f"{name}.{part}", (width,), role) for part in ("weight", "bias")[:vectors]]
 
 
 def _attention_tensors(att: Attention, hidden: int) -> list[ParamTensor]:
@@ -313,38 +325,41 @@ def _attention_tensors(att: Attention, hidden: int) -> list[ParamTensor]:
     if att.kind == "mla":
         # transformers/models/deepseek_v3/modeling_deepseek_v3.py, DeepseekV3Attention
         if att.q_lora_rank:
-            out += _linear("q_a_proj", h, att.q_lora_rank, att.qkv_bias)
+            out += _linear("q_a_proj", h, att.q_lora_rank, att.qkv_bias, "attention_input")
             out += _norm("q_a_layernorm", att.q_lora_rank, 1)
-            out += _linear("q_b_proj", att.q_lora_rank, a * d, False)
+            out += _linear("q_b_proj", att.q_lora_rank, a * d, False, "attention_input")
         else:
-            out += _linear("q_proj", h, a * d, False)
-        out += _linear("kv_a_proj_with_mqa", h, att.kv_lora_rank + att.qk_rope_head_dim, att.qkv_bias)
+            out += _linear("q_proj", h, a * d, False, "attention_input")
+        out += _linear("kv_a_proj_with_mqa", h, att.kv_lora_rank + att.qk_rope_head_dim, att.qkv_bias, "attention_input")
         out += _norm("kv_a_layernorm", att.kv_lora_rank, 1)
         nope = d - att.qk_rope_head_dim
-        out += _linear("kv_b_proj", att.kv_lora_rank, a * (nope + dv), False)
-        out += _linear("o_proj", a * dv, h, att.o_bias)
+        out += _linear("kv_b_proj", att.kv_lora_rank, a * (nope + dv), False, "attention_input")
+        out += _linear("o_proj", a * dv, h, att.o_bias, "attention_output")
         return out
     if att.fused_qkv:
-        out += _linear("qkv_proj", h, a * d + kv * d + kv * dv, att.qkv_bias)
+        out += _linear("qkv_proj", h, a * d + kv * d + kv * dv, att.qkv_bias, "attention_input")
     else:
-        out += _linear("q_proj", h, a * d, att.qkv_bias)
-        out += _linear("k_proj", h, kv * d, att.qkv_bias)
-        out += _linear("v_proj", h, kv * dv, att.qkv_bias)
-    out += _linear("o_proj", a * dv, h, att.o_bias)
+        out += _linear("q_proj", h, a * d, att.qkv_bias, "attention_input")
+        out += _linear("k_proj", h, kv * d, att.qkv_bias, "attention_input")
+        out += _linear("v_proj", h, kv * dv, att.qkv_bias, "attention_input")
+    out += _linear("o_proj", a * dv, h, att.o_bias, "attention_output")
     if att.qk_norm:
         out += _norm("q_norm", d, 1) + _norm("k_norm", d, 1)
     return out
 
 
-def _mlp_tensors(mlp: MLP, hidden: int, prefix: str = "mlp") -> list[ParamTensor]:
+def _mlp_tensors(mlp: MLP, hidden: int, prefix: str = "mlp", roles: tuple[str, str] = ("mlp", "mlp_down")
+                 ) -> list[ParamTensor]:
     h, i = hidden, mlp.intermediate_size
+    up_role, down_role = roles
     if not mlp.gated:
-        return _linear(f"{prefix}.fc1", h, i, mlp.bias) + _linear(f"{prefix}.fc2", i, h, mlp.bias)
+        return _linear(f"{prefix}.fc1", h, i, mlp.bias, up_role) + _linear(f"{prefix}.fc2", i, h, mlp.bias, down_role)
     if mlp.fused_gate_up:
-        up = _linear(f"{prefix}.gate_up_proj", h, 2 * i, mlp.bias)
+        up = _linear(f"{prefix}.gate_up_proj", h, 2 * i, mlp.bias, up_role)
     else:
-        up = _linear(f"{prefix}.gate_proj", h, i, mlp.bias) + _linear(f"{prefix}.up_proj", h, i, mlp.bias)
-    return up + _linear(f"{prefix}.down_proj", i, h, mlp.bias)
+        up = (_linear(f"{prefix}.gate_proj", h, i, mlp.bias, up_role)
+              + _linear(f"{prefix}.up_proj", h, i, mlp.bias, up_role))
+    return up + _linear(f"{prefix}.down_proj", i, h, mlp.bias, down_role)
 
 
 def _expert_numel(moe: MoE, hidden: int) -> int:
@@ -355,15 +370,15 @@ def _moe_tensors(moe: MoE, hidden: int) -> list[ParamTensor]:
     h, e, i = hidden, moe.num_experts, moe.expert_intermediate_size
     # transformers 5 stores the routed experts as two 3-D tensors (MixtralExperts and friends).
     out = [
-        ParamTensor("mlp.gate.weight", (e, h)),
-        ParamTensor("mlp.experts.gate_up_proj", (e, 2 * i, h)),
-        ParamTensor("mlp.experts.down_proj", (e, h, i)),
+        ParamTensor("mlp.gate.weight", (e, h), "router"),
+        ParamTensor("mlp.experts.gate_up_proj", (e, 2 * i, h), "expert"),
+        ParamTensor("mlp.experts.down_proj", (e, h, i), "expert_down"),
     ]
     if moe.shared_intermediate_size:
         shared = MLP(moe.shared_intermediate_size, gated=True, activation=moe.activation)
-        out += _mlp_tensors(shared, h, prefix="mlp.shared_expert")
+        out += _mlp_tensors(shared, h, prefix="mlp.shared_expert", roles=("shared_expert", "shared_expert"))
     if moe.shared_expert_gate:
-        out += _linear("mlp.shared_expert_gate", h, 1, False)
+        out += _linear("mlp.shared_expert_gate", h, 1, False, "shared_expert_gate")
     return out
 
 
@@ -372,7 +387,7 @@ def layer_tensors(layer: Layer, hidden: int, norm_vectors: int) -> list[ParamTen
     tensors = _attention_tensors(layer.attention, hidden)
     tensors += _mlp_tensors(layer.mlp, hidden) if layer.mlp else _moe_tensors(layer.moe, hidden)  # type: ignore[arg-type]
     for n in range(layer.num_norms):
-        tensors += _norm(f"norm{n}", hidden, norm_vectors)
+        tensors += _norm(f"norm{n}", hidden, norm_vectors, "input_norm" if n == 0 else "norm")
     return tensors
 
 
@@ -380,13 +395,14 @@ def parameter_groups(spec: ModelSpec) -> tuple[ParamGroup, ...]:
     """Every parameter tensor of the model, grouped: embedding, each run of layers, final norm, LM head."""
     h = spec.hidden_size
     emb_dim = spec.embedding_dim or h
-    embed = [ParamTensor("embed_tokens.weight", (spec.vocab_size, emb_dim))]
+    embed = [ParamTensor("embed_tokens.weight", (spec.vocab_size, emb_dim), "embedding")]
     if spec.position_table_rows:
-        embed.append(ParamTensor("embed_positions.weight", (spec.position_table_rows, h)))
+        embed.append(ParamTensor("embed_positions.weight", (spec.position_table_rows, h), "position_embedding"))
     if spec.embedding_norm:
         embed += _norm("embedding_norm", h, spec.norm_vectors)
     if emb_dim != h:  # OPT-350m style projections between embedding width and model width
-        embed += _linear("project_in", emb_dim, h, False) + _linear("project_out", h, emb_dim, False)
+        embed += _linear("project_in", emb_dim, h, False, "projection") + _linear("project_out", h, emb_dim, False,
+                                                                                  "projection")
     groups = [ParamGroup("embedding", 1, tuple(embed))]
     first = 0
     for layer, count in spec.layer_runs:
@@ -397,7 +413,7 @@ def parameter_groups(spec: ModelSpec) -> tuple[ParamGroup, ...]:
     if spec.final_norm and spec.norm_vectors:
         groups.append(ParamGroup("final_norm", 1, tuple(_norm("norm", h, spec.norm_vectors))))
     if not spec.tied_embeddings:
-        groups.append(ParamGroup("lm_head", 1, (ParamTensor("lm_head.weight", (spec.vocab_size, emb_dim)),)))
+        groups.append(ParamGroup("lm_head", 1, (ParamTensor("lm_head.weight", (spec.vocab_size, emb_dim), "head"),)))
     return tuple(groups)
 
 

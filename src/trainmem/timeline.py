@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import (AUTOCAST_HEAD_COPY, FP32, INDEX, MASK, ActivationEstimate, LayerActivations, Precision,
+from .activations import (FP32, INDEX, MASK, ActivationEstimate, LayerActivations, Precision,
                           _hidden_dropout_sites, _router_score_bytes)
-from .models import ModelSpec, layer_tensors
+from .models import MLP_ROLES, ModelSpec, layer_tensors
 from .optimizers import Optimizer
 from .recipes import Recipe
 from .settings import TrainingSettings
@@ -92,12 +92,15 @@ def _mlp_bytes(layer, p: Precision) -> int:
     return p.experts if layer.moe else p.compute
 
 
-_ATTENTION_INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "q_b_proj",
-                                "kv_a_proj_with_mqa", "kv_b_proj")
+def _numel(tensors, *roles: str) -> int:
+    """Elements of the tensors with one of ``roles``."""
+    return sum(t.numel for t in tensors if t.role in roles)
 
 
-_EXPERT_TERMS_FREED = ("expert gate_up outputs", "expert activation and product",
-                       "expert outputs (weighted by the router)")
+def _term_bytes(terms, module: str, *kinds: str, exclude: tuple[str, ...] = ()) -> float:
+    """Bytes per token of the terms of ``module`` (of ``kinds`` if given, less ``exclude``)."""
+    return sum(t.bytes_per_token for t in terms if t.module == module and (not kinds or t.kind in kinds)
+               and t.kind not in exclude)
 
 
 def _experts_transient(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Recipe, tokens: int) -> int:
@@ -142,27 +145,27 @@ def _experts_weighting_freed(spec: ModelSpec, la: LayerActivations, p: Precision
     if layer.moe and layer.moe.shared_expert_gate:
         return p.compute * spec.hidden_size * tokens
     if _shared_first(layer):
-        return int(sum(t.bytes_per_token for t in la.terms if t.name.startswith("shared expert:")) * tokens)
+        return int(_term_bytes(la.terms, "shared_expert") * tokens)
     return 0
 
 
 def _norm_moment(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Recipe, tensors, tokens: int,
                  attention_live: int) -> tuple[int, int, int]:
     """See _LayerBytes.norm_moment."""
-    terms = [t for t in la.terms if t.name.startswith(("post-attention norm", "MLP norm"))
-             and not t.name.endswith(("normalised", "(MLP input)")) and "half copy" not in t.name]
-    if spec.norm != "rms" or not terms or la.layer.parallel_residual or _has_output_norm(la):
+    # the norm's own terms, less its normalised value (the MLP's input copies are not the norm's)
+    norm = [t for t in la.terms if t.module in ("post_attention_norm", "mlp_norm") and t.kind != "normalised"]
+    if spec.norm != "rms" or not norm or la.layer.parallel_residual or _has_output_norm(la):
         return 0, 0, 0
-    live = attention_live + int((la.attention_released + sum(t.bytes_per_token for t in terms)) * tokens)
-    o_proj = sum(t.numel for t in tensors if t.name.startswith("o_proj"))
+    live = attention_live + int((la.attention_released + sum(t.bytes_per_token for t in norm)) * tokens)
+    o_proj = _numel(tensors, "attention_output")
     live += p.compute * o_proj if p.autocast else 0  # o_proj's backward has not run: its half weight copy is alive
-    mlp_grads = _param_bytes(sum(t.numel for t in tensors if t.name.startswith("mlp.")), recipe.gradient_bytes)
+    mlp_grads = _param_bytes(_numel(tensors, *MLP_ROLES), recipe.gradient_bytes)
     temps = (5 * FP32 + p.residual) * spec.hidden_size * tokens
     return live, mlp_grads, temps
 
 
 def _has_output_norm(la: LayerActivations) -> bool:
-    return any(t.name.startswith("post-feedforward norm") for t in la.terms)
+    return any(t.module == "post_feedforward_norm" for t in la.terms)
 
 
 def _mlp_output_bytes(spec: ModelSpec, layer, p: Precision) -> int:
@@ -231,12 +234,12 @@ def _layer_casts(spec: ModelSpec, la: LayerActivations, p: Precision) -> tuple[i
     projections') and by its MLP product (all but the down projection's, made when it runs). The grouped_mm
     experts are not autocast."""
     matrices = [t for t in layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors) if len(t.shape) == 2]
-    attention = sum(t.numel for t in matrices if t.name.split(".")[0] in _ATTENTION_INPUT_PROJECTIONS)
-    mlp = sum(t.numel for t in matrices if not t.name.startswith(_DOWN_PROJECTIONS))
+    attention = _numel(matrices, "attention_input")
+    mlp = sum(t.numel for t in matrices if t.role not in _DOWN_PROJECTIONS)
     return p.compute * attention, p.compute * mlp
 
 
-_DOWN_PROJECTIONS = ("mlp.down_proj", "mlp.fc2", "mlp.experts.down_proj")
+_DOWN_PROJECTIONS = ("mlp_down", "expert_down")
 
 
 def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
@@ -404,7 +407,7 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
     out = []
     for la in acts.layers:
         tensors = layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors)
-        down = sum(t.numel for t in tensors if t.name.startswith(_DOWN_PROJECTIONS))
+        down = _numel(tensors, *_DOWN_PROJECTIONS)
         layer = la.layer
         full = int(la.bytes_per_token * tokens) + la.constant_bytes
         kept = acts.layer_saved_bytes(la)
@@ -418,7 +421,7 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         down_copy = p.compute * down if p.autocast and layer.mlp is not None else 0
         # A norm on the layer's output (Gemma's post-feedforward norm) has run its backward, and freed what it
         # saved, before the MLP's backward starts.
-        output_norm = [t for t in la.terms if t.name.startswith("post-feedforward norm")]
+        output_norm = [t for t in la.terms if t.module == "post_feedforward_norm"]
         freed_before_mlp = int(sum(t.bytes_per_token for t in output_norm) * tokens)
         if _mlp_output_dropout(spec, layer, settings):  # the dropout after the MLP has run its backward: its mask
             freed_before_mlp += MASK * spec.hidden_size * tokens
@@ -428,8 +431,8 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             freed_before_mlp += int(layer.moe.top_k * (p.experts * spec.hidden_size + INDEX + FP32) * tokens)
         # The attention moment: the MLP block has run its backward; the attention block's input projections have
         # not (their half weight copies under autocast are still held), o_proj has.
-        projections = sum(t.numel for t in tensors if t.name.split(".")[0] in _ATTENTION_INPUT_PROJECTIONS)
-        first_norm = sum(t.numel for t in tensors if t.name.startswith("norm0."))
+        projections = _numel(tensors, "attention_input")
+        first_norm = _numel(tensors, "input_norm")
         attention_part = int(la.attention_bytes_per_token * tokens) + (p.compute * projections if p.autocast else 0)
         attention_live = attention_part - int(la.attention_released * tokens)
         if acts.checkpointing == "full":
@@ -449,25 +452,24 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             transient=_mlp_transient(spec, la, p, tokens, settings),
             forward_transient=_forward_transient(spec, la, p, tokens,
                                                  _layer_casts(spec, la, p) if cached else (0, 0)),
-            experts_freed=int(sum(t.bytes_per_token for t in la.terms if t.name in _EXPERT_TERMS_FREED) * tokens),
+            experts_freed=int(_term_bytes(la.terms, "routed_experts", "intermediate") * tokens),
             experts_transient=_experts_transient(spec, la, p, recipe, tokens),
             experts_weighting_transient=_experts_weighting_transient(spec, layer, p, tokens),
             experts_weighting_freed=_experts_weighting_freed(spec, la, p, tokens),
-            experts_weighting_grads=(_param_bytes(sum(t.numel for t in tensors if t.name.startswith("mlp.shared_expert.")),
-                                                  recipe.gradient_bytes) if _shared_first(layer) else 0),
+            experts_weighting_grads=(_param_bytes(_numel(tensors, "shared_expert"), recipe.gradient_bytes)
+                                     if _shared_first(layer) else 0),
             # Gemma's RMSNorm backward in fp32: the upcast output gradient, its product with (1 + weight), and the
             # rsqrt and input branches, five h-wide fp32 tensors at once (traced), beside the residual gradient.
             output_norm_transient=(5 * FP32 * spec.hidden_size * tokens if output_norm else 0),
             # At that moment its rsqrt and normalised value are already freed; its fp32 input is not.
-            output_norm_freed=int(sum(t.bytes_per_token for t in output_norm if not t.name.endswith("input in fp32"))
-                                  * tokens),
+            output_norm_freed=int(_term_bytes(output_norm, "post_feedforward_norm", exclude=("input_fp32",)) * tokens),
             attention_live=attention_live,
             attention_transient=int((la.attention_backward + p.residual * spec.hidden_size) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, recipe.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens),
             recompute_attention_end=(kept + int((la.attention_bytes_per_token + la.recompute_locals) * tokens)
                                      + (p.compute * sum(t.numel for t in tensors if len(t.shape) == 2
-                                                        and not t.name.startswith("mlp.")) if p.autocast else 0)
+                                                        and t.role not in MLP_ROLES) if p.autocast else 0)
                                      - shared_input if la.recompute_locals else 0),
             recompute_gradient=int(_recompute_gradient(spec, layer, p, bool(output_norm)) * tokens),
             norm_moment=_norm_moment(spec, la, p, recipe, tensors, tokens, attention_live),
@@ -494,11 +496,17 @@ def tied_held_for(spec: ModelSpec, recipe: Recipe) -> int:
     """The LM head's V x h gradient contribution autograd holds through the backward for tied embeddings."""
     if not (spec.tied_embeddings and spec.has_architecture):
         return 0
-    return _param_bytes(spec.param_groups[0].tensors[0].numel, _autograd_grad_bytes(recipe))
+    return _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
 
 
-def _constant_bytes(acts: ActivationEstimate, name: str) -> int:
-    return int(sum(t.bytes_per_token for t in acts.constant_terms if t.name == name))
+def _role_numel(spec: ModelSpec, role: str) -> int:
+    """Elements of the model's tensors with ``role``, every repeat counted."""
+    return sum(g.repeat * _numel(g.tensors, role) for g in spec.param_groups)
+
+
+def _head_copy(acts: ActivationEstimate) -> int:
+    """Autocast's half copy of the LM head weight: alive from the head's forward until its backward has run."""
+    return int(_term_bytes(acts.constant_terms, "lm_head", "autocast_weight_copy"))
 
 
 def _lm_head_moments(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe, p: Precision, weights: int,
@@ -527,7 +535,7 @@ def _lm_head_moments(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe, 
     else:
         full = param_bytes * v * emb
         # by the cast, the head's matmuls have released their inputs: the head input and autocast's weight copy
-        head_copy = _constant_bytes(acts, AUTOCAST_HEAD_COPY)
+        head_copy = _head_copy(acts)
         moments.append(Phase("backward", "LM head weight gradient", weights, grads_in_forward, states,
                              after_logsoftmax, dlogits + d_input + d_weight))
         moments.append(Phase("backward", "LM head weight gradient cast to the parameter's dtype", weights,
@@ -579,7 +587,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     p = Precision.of(recipe)
     tokens, v, h = acts.tokens, spec.vocab_size, spec.hidden_size
     # The LM head's autocast weight copy exists from the head's forward until its backward has run.
-    head_copy = _constant_bytes(acts, AUTOCAST_HEAD_COPY)
+    head_copy = _head_copy(acts)
 
     # Forward: the peak is at the loss, when the logits, their fp32 upcast and log_softmax's output coexist
     # (all created in forward, so counted as activations). With full checkpointing it can instead be inside the
@@ -631,7 +639,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # The logits themselves are gone by then: log_softmax keeps its output, not its input, and a training loop
     # that keeps only the loss (HF Trainer's compute_loss, `loss = model(...).loss`) drops the output object.
     loss_grads = 0 if settings.loss == "chunked" else 2 * FP32 * v * tokens
-    head_grad = _param_bytes(spec.param_groups[-1].numel, recipe.gradient_bytes) if not spec.tied_embeddings else 0
+    head_grad = _param_bytes(_role_numel(spec, "head"), recipe.gradient_bytes) if not spec.tied_embeddings else 0
     candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
     if settings.loss != "chunked":
         candidates += _lm_head_moments(spec, acts, recipe, p, weights, states, grads_in_forward, saved)
@@ -640,9 +648,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         # fp32 (LlamaRMSNorm and kin) has five h-wide fp32 gradient temporaries at once (traced), a LayerNorm the
         # gradients of its input and output. Wins for narrow MLPs and small vocabularies.
         # (the RMSNorm's weight product, which kept the normalised value, has already run its backward)
-        final_norm_terms = [t for t in acts.head_terms if t.name.startswith("final norm:")
-                            and not t.name.endswith("normalised")]
-        at_norm = saved - acts.head_bytes + int(sum(t.bytes_per_token for t in final_norm_terms) * tokens) - head_copy
+        final_norm_terms = _term_bytes(acts.head_terms, "final_norm", exclude=("normalised",))
+        at_norm = saved - acts.head_bytes + int(final_norm_terms * tokens) - head_copy
         norm_temps = (5 * FP32 if spec.norm == "rms" else 2 * p.residual) * h * tokens
         candidates.append(Phase("backward", "final norm", weights, max(grads_in_forward, head_grad), states,
                                 at_norm, norm_temps + tied_held_for(spec, recipe)))
@@ -733,7 +740,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                                 max(grads_in_forward, grads - tied_held), states, base_kept,
                                 2 * tied_held + emb_input_grad))
     elif layers:
-        emb_grad = _param_bytes(spec.param_groups[0].tensors[0].numel, _autograd_grad_bytes(recipe))
+        emb_grad = _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, grads - emb_grad), states,
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings)
