@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+import trainmem
+
 from conftest import CONFIGS
 
 def test_estimate_prints_breakdown_with_unit(run_cli):
@@ -139,8 +141,22 @@ def test_offline_hub_id_is_one_line(run_cli, monkeypatch):
     import huggingface_hub.constants as constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    code, _, err = run_cli("estimate", "some-org/some-model")
+    code, _, err = run_cli("estimate", "some-org/some-model", "--hub")
     assert code == 2 and "offline" in err
+
+
+def test_hub_ids_touch_the_network_only_with_hub(run_cli, monkeypatch):
+    pytest.importorskip("huggingface_hub")
+    from trainmem import catalog
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the network was tried without --hub")
+
+    monkeypatch.setattr(catalog, "_hub_reachable", no_network)
+    code, _, err = run_cli("estimate", "some-org/some-model")
+    assert code == 2 and "pass --hub" in err and err.count("\n") == 1
+    with pytest.raises(trainmem.ModelError, match="hub=True"):
+        trainmem.estimate("some-org/some-model")
 
 def test_python_dash_m_and_console_script_do_not_import_torch():
     code = (

@@ -13,6 +13,9 @@ from .models import ModelSpec, spec_from_config  # noqa: E402
 from .recipes import RECIPES, Recipe  # noqa: E402
 from .optimizers import OPTIMIZERS, Optimizer  # noqa: E402
 from .settings import TrainingSettings  # noqa: E402
+from .request import Request, make_request  # noqa: E402
+from .stepmodel import StepModel, compile_step, evaluate  # noqa: E402
+from .planner import find_max_batch as max_batch, find_max_seq as max_seq, sweep_grid as sweep  # noqa: E402
 
 
 def track(model, optimizer, device=None):
@@ -30,7 +33,8 @@ def trainer_callback():
 
 
 __all__ = [
-    "ConfigError", "Estimate", "ModelError", "ModelSpec", "OPTIMIZERS", "Optimizer", "RECIPES", "Recipe",
-    "TrainingSettings", "TrainmemError", "__version__", "catalog_names", "estimate", "estimate_model",
-    "resolve_model", "spec_from_config", "track", "trainer_callback",
+    "ConfigError", "Estimate", "ModelError", "ModelSpec", "OPTIMIZERS", "Optimizer", "RECIPES", "Recipe", "Request",
+    "StepModel", "TrainingSettings", "TrainmemError", "__version__", "catalog_names", "compile_step", "estimate",
+    "estimate_model", "evaluate", "make_request", "max_batch", "max_seq", "resolve_model", "spec_from_config",
+    "sweep", "track", "trainer_callback",
 ]

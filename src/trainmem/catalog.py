@@ -66,8 +66,9 @@ def _hub_reachable(endpoint: str, timeout_s: float = 3.0) -> bool:
         return False
 
 
-def _from_hub(repo_id: str) -> dict[str, Any]:
-    """Fetch only config.json from the Hub (or its local cache); one clear line when that is impossible."""
+def _from_hub(repo_id: str, hub: bool) -> dict[str, Any]:
+    """config.json from the local Hub cache, or, when ``hub`` allows it, fetched from the Hub (only that file); one
+    clear line when that is impossible."""
     try:
         from huggingface_hub import constants, hf_hub_download
     except ImportError:
@@ -79,6 +80,11 @@ def _from_hub(repo_id: str) -> dict[str, Any]:
         return read_config_file(Path(hf_hub_download(repo_id, "config.json", local_files_only=True)))
     except Exception:  # not cached: fall through to the network
         pass
+    if not hub:
+        raise ModelError(
+            f"{repo_id!r} is not in the catalog (trainmem models) or the local Hub cache; pass --hub (hub=True in "
+            "Python) to fetch its config.json from the Hub, or give a path to its config.json"
+        )
     if constants.HF_HUB_OFFLINE or not _hub_reachable(constants.ENDPOINT):
         raise ModelError(
             f"{repo_id!r} is not in the catalog and the Hub cannot be reached (offline) to fetch its config.json; "
@@ -91,8 +97,9 @@ def _from_hub(repo_id: str) -> dict[str, Any]:
     return read_config_file(Path(path))
 
 
-def load_config(model: str) -> tuple[dict[str, Any], str, str]:
-    """Return (config, display name, source) for a catalog name, repo id, path or Hub repo id."""
+def load_config(model: str, hub: bool = False) -> tuple[dict[str, Any], str, str]:
+    """Return (config, display name, source) for a catalog name, a path, or a Hub repo id (from the local cache, or
+    from the Hub if ``hub``)."""
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if not isinstance(model, str):
@@ -113,7 +120,7 @@ def load_config(model: str) -> tuple[dict[str, Any], str, str]:
     if key.endswith(".json") or key.startswith((".", "/", "~")):
         raise ModelError(f"{key}: no such file")
     if key.count("/") == 1 and all(key.split("/")):
-        return _from_hub(key), key.split("/")[1], key
+        return _from_hub(key, hub), key.split("/")[1], key
     close = difflib.get_close_matches(key.lower(), list(_aliases()), n=3, cutoff=0.5)
     hint = f"; closest: {', '.join(_aliases()[c] for c in close)}" if close else ""
     raise ModelError(
@@ -121,10 +128,10 @@ def load_config(model: str) -> tuple[dict[str, Any], str, str]:
     )
 
 
-def resolve_model_and_config(model: str) -> tuple[ModelSpec, dict[str, Any]]:
+def resolve_model_and_config(model: str, hub: bool = False) -> tuple[ModelSpec, dict[str, Any]]:
     """The ModelSpec of any model reference and the config it came from (read once). Unknown model_types are
-    counted by transformers if it is installed."""
-    config, name, source = load_config(model)
+    counted by transformers if it is installed. The network is used only if ``hub`` allows it."""
+    config, name, source = load_config(model, hub)
     try:
         return spec_from_config(config, name=name, source=source), config
     except UnsupportedModelType as exc:
@@ -133,6 +140,6 @@ def resolve_model_and_config(model: str) -> tuple[ModelSpec, dict[str, Any]]:
         return spec_by_building(config, name=name, source=source, reason=str(exc)), config
 
 
-def resolve_model(model: str) -> ModelSpec:
-    """A ModelSpec for any model reference."""
-    return resolve_model_and_config(model)[0]
+def resolve_model(model: str, hub: bool = False) -> ModelSpec:
+    """A ModelSpec for any model reference (see :func:`load_config`)."""
+    return resolve_model_and_config(model, hub)[0]

@@ -59,22 +59,9 @@ def _emit_json(document: dict) -> None:
     sys.stdout.write(json.dumps(_json_safe(document), indent=2, allow_nan=False) + "\n")
 
 
-def _parse_params(text: str) -> int:
-    """'7e9', '7B', '6738415616', '13b', '405B' -> an int."""
-    t = text.strip().replace(",", "").replace("_", "")
-    scale = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}.get(t[-1:].lower(), 1)
-    try:
-        value = float(t[:-1] if scale != 1 else t) * scale
-    except ValueError:
-        raise ConfigError(f"--params: {text!r} is not a number; give e.g. 7e9, 7B or 6738415616") from None
-    if not 0 < value < 1e16:  # (NaN and infinity fail too)
-        raise ConfigError(f"--params must be a positive number below 1e16, got {text!r}")
-    return int(value)
-
-
 @dataclass
 class _Workload:
-    """What the workload flags describe, validated: the model, the settings, the device allowances."""
+    """What the workload flags describe: the validated request and the output unit."""
 
     spec: object
     config: dict | None
@@ -87,39 +74,27 @@ class _Workload:
 
 SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attention", "checkpointing", "dropout",
                  "loss", "activation_k")
+_FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params")
+"""Request fields whose messages name a flag: the CLI prints them as --flag."""
 
 
 def _workload(options: dict, batch: int, seq: int, need_config: str = "") -> _Workload:
-    """Turn the shared flags into a validated workload. ``need_config`` names a command that cannot run on
-    ``--params`` alone."""
-    from .catalog import resolve_model_and_config
-    from .estimate import MAX_CUDA_OVERHEAD_BYTES, DeviceOptions
-    from .hardware import MIB, get_gpu
-    from .models import nominal_spec
-    from .optimizers import get_optimizer
-    from .settings import make_settings
+    """Turn the shared flags into a validated request (request.py, where the API's keywords are checked too).
+    ``need_config`` names a command that cannot run on ``--params`` alone."""
+    from .request import make_request
 
-    model, params = options["model"], options["params"]
-    if need_config and params is not None:
-        raise ConfigError(f"{need_config} needs a model config, not --params")
-    if (model is None) == (params is None):
-        raise ConfigError("give a model (catalog name, Hub id or config path) or --params, not both")
     unit = parse_unit(options["units"])
-    settings = make_settings(batch=batch, seq=seq, **{k: options[k] for k in SETTING_FLAGS})
-    headroom, fragmentation, overhead = options["headroom"], options["fragmentation"], options["cuda_overhead"]
-    if not 0 <= overhead <= MAX_CUDA_OVERHEAD_BYTES / MIB:  # (NaN fails too)
-        raise ConfigError(f"--cuda-overhead must be from 0 to {MAX_CUDA_OVERHEAD_BYTES // MIB:,} MiB, got {overhead:g}")
     try:
-        device = DeviceOptions(headroom=headroom, fragmentation=fragmentation, cuda_overhead_bytes=int(overhead * MIB))
+        req = make_request(options["model"], params=options["params"], gpu=options["gpu"],
+                           headroom=options["headroom"], fragmentation=options["fragmentation"],
+                           cuda_overhead=options["cuda_overhead"], hub=options["hub"], need_config=need_config,
+                           batch=batch, seq=seq, **{k: options[k] for k in SETTING_FLAGS})
     except ConfigError as exc:
-        raise ConfigError(f"--{exc}") from None
-    if options["gpu"] is not None and not options["gpu"].strip():
-        raise ConfigError("--gpu is empty; give a GPU name (trainmem estimate --help lists them)")
-    gpu = get_gpu(options["gpu"]) if options["gpu"] else None
-    spec, config = (nominal_spec(_parse_params(params)), None) if params is not None else resolve_model_and_config(model)
-    if spec.is_nominal and get_optimizer(settings.optimizer).needs_shapes:
-        raise ConfigError(f"optimizer {settings.optimizer!r} needs tensor shapes; give a model instead of --params")
-    return _Workload(spec, config, settings, device, gpu, unit)
+        message = str(exc)
+        if message.startswith(_FLAG_WORDS):
+            raise ConfigError(f"--{message}") from None
+        raise
+    return _Workload(req.model, req.config, req.settings, req.device, req.gpu, unit)
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -159,6 +134,8 @@ def _workload_options(f):
         click.option("--cuda-overhead", type=float, default=DEFAULT_CUDA_OVERHEAD_MIB, show_default=True,
                      help="CUDA context and workspaces, MiB."),
         click.option("--units", default=DEFAULT_UNIT, show_default=True, help="GiB, GB, MiB, ..."),
+        click.option("--hub", is_flag=True, help="Allow fetching a Hub model's config.json from the network (by "
+                     "default only the catalog, local files and the local Hub cache are read)."),
         click.option("--json", "as_json", is_flag=True, help="Print the versioned JSON document (bytes as integers)."),
     ]
     for option in reversed(options):
@@ -394,8 +371,10 @@ def dtypes(value: Optional[float], as_json: bool) -> None:
 @click.option("--lr", type=float, default=1e-4, show_default=True, help="AdamW learning rate for the updates.")
 @click.option("--loss-scale", type=float, default=1024.0, show_default=True, help="The scale to evaluate.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write the gradient histogram as a PNG.")
+@click.option("--hub", is_flag=True, help="Allow fetching a Hub model's config.json from the network.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr, loss_scale, plot, as_json) -> None:
+def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr, loss_scale, plot, hub,
+                    as_json) -> None:
     """Run real fp32 training steps of MODEL on the CPU and measure whether fp16 or bf16 would lose its gradients,
     activations or weight updates.
 
@@ -415,7 +394,7 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
             raise ConfigError(f"{flag} must be a positive integer, got {v}")
     if loss_scale <= 0 or lr <= 0:
         raise ConfigError("--loss-scale and --lr must be positive")
-    config, name, _ = load_config(model)
+    config, name, _ = load_config(model, hub)
     config = resize_config(config, hidden, layers)
     torch.manual_seed(0)
     net = build_model(config, get_recipe("fp32"), "sdpa", None)

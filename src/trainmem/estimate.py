@@ -84,6 +84,8 @@ class Estimate:
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     """What makes the set-up itself doubtful (a sequence past the model's position limit), not the estimate."""
+    gpu: GPU | None = None
+    """The GPU asked about, if any: ``fits()`` answers for it."""
 
     @property
     def static_bytes(self) -> int:
@@ -104,8 +106,12 @@ class Estimate:
             return None
         return self.activations.saved_bytes + self.activations.logits_bytes
 
-    def fits(self, gpu: GPU) -> bool | None:
-        """Whether the step's required memory fits ``gpu``; None when no peak could be computed."""
+    def fits(self, gpu: GPU | None = None) -> bool | None:
+        """Whether the step's required memory fits ``gpu`` (default: the one asked about); None when no peak could
+        be computed."""
+        gpu = gpu or self.gpu
+        if gpu is None:
+            raise ConfigError("fits() needs a GPU: pass one, or ask estimate(..., gpu=NAME)")
         if self.peak is None:
             return None
         return self.peak.required_bytes <= gpu.memory_bytes
@@ -184,14 +190,22 @@ def estimate_model(model: ModelSpec, settings: TrainingSettings | None = None,
     return compile_step(model, settings, device).estimate(settings.batch, settings.seq)
 
 
-def estimate(model: str | ModelSpec, device: DeviceOptions | None = None, **settings) -> Estimate:
+def estimate(model=None, device: DeviceOptions | None = None, **options) -> Estimate:
     """Estimate the memory of training ``model`` (a catalog name, Hub id, config path or ModelSpec).
+
+    ``options`` are the request's (request.make_request: ``params``, ``gpu``, ``headroom``, ``fragmentation``,
+    ``cuda_overhead``, ``hub``) and the training settings (TrainingSettings' fields), validated as the CLI validates
+    its flags. With ``gpu``, ``fits()`` answers for that GPU.
 
     >>> e = estimate("llama-2-7b", recipe="pure-bf16", optimizer="adamw")
     >>> e.static_bytes == 12 * e.model.num_parameters
     True
     """
-    from .catalog import resolve_model
+    from dataclasses import replace
 
-    spec = resolve_model(model) if isinstance(model, str) else model
-    return estimate_model(spec, make_settings(**settings), device)
+    from .request import make_request
+
+    if device is not None and {"headroom", "fragmentation", "cuda_overhead"} & set(options):
+        raise ConfigError("give device=DeviceOptions(...) or headroom/fragmentation/cuda_overhead, not both")
+    req = make_request(model, **options)
+    return replace(estimate_model(req.model, req.settings, device or req.device), gpu=req.gpu)

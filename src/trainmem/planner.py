@@ -67,3 +67,40 @@ def sweep(model: ModelSpec, settings: TrainingSettings, batches: list[int], seqs
     """One estimate per (batch, seq) pair, batch-major."""
     step = compile_step(model, settings, device)
     return [step.estimate(b, s) for b in batches for s in seqs]
+
+
+def _searchable(model, gpu, options):
+    from .request import make_request
+
+    if gpu is None:
+        raise ConfigError("a search needs a GPU: gpu=NAME")
+    req = make_request(model, gpu=gpu, **options)
+    _require_architecture(req.model)
+    return req
+
+
+def find_max_batch(model, gpu, **options) -> int:
+    """The largest micro-batch of ``model`` that fits ``gpu`` (0 if none); ``options`` as trainmem.estimate's."""
+    req = _searchable(model, gpu, options)
+    return max_batch(req.model, req.settings, req.gpu, req.device)
+
+
+def find_max_seq(model, gpu, **options) -> int:
+    """The longest sequence of ``model`` that fits ``gpu`` (0 if none), capped at its position limit."""
+    req = _searchable(model, gpu, options)
+    return max_seq(req.model, req.settings, req.gpu, req.device)
+
+
+def sweep_grid(model, batches, seqs, **options) -> list[Estimate]:
+    """One estimate per (batch, seq) pair, batch-major; ``options`` as trainmem.estimate's."""
+    from dataclasses import replace as with_gpu
+
+    from .request import make_request
+
+    for name, values in (("batches", batches), ("seqs", seqs)):
+        if not isinstance(values, (list, tuple)) or not values or any(
+                isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
+            raise ConfigError(f"{name} must be a non-empty list of positive integers, got {values!r}")
+    req = make_request(model, batch=batches[0], seq=seqs[0], **options)
+    _require_architecture(req.model)
+    return [with_gpu(e, gpu=req.gpu) for e in sweep(req.model, req.settings, list(batches), list(seqs), req.device)]

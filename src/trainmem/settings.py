@@ -56,6 +56,14 @@ class TrainingSettings:
         return self.optimizer_impl == "fused"
 
     def __post_init__(self) -> None:
+        for name in _TEXT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ConfigError(f"{name} must be a string, got {type(value).__name__} {value!r}")
+        for name in ("dropout", "activation_k"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"{name} must be a number, got {type(value).__name__} {value!r}")
         get_recipe(self.recipe)
         get_optimizer(self.optimizer)
         for name in ("batch", "seq", "grad_accum"):
@@ -83,6 +91,7 @@ class TrainingSettings:
 
 
 _FIELDS = {f.name for f in fields(TrainingSettings)}
+_TEXT_FIELDS = ("recipe", "optimizer", "attention", "checkpointing", "loss", "optimizer_impl")
 
 
 def make_settings(**values: Any) -> TrainingSettings:

@@ -1,0 +1,100 @@
+"""One request, validated once in the library: the model, the training settings, the device allowances and the GPU.
+
+The CLI's flags, the Python API's keywords (``trainmem.estimate(...)``, ``max_batch``, ``sweep``) and the web page
+to come all build a :class:`Request` with :func:`make_request`, so each refuses the same input with the same
+one-line :class:`~trainmem.errors.ConfigError` or :class:`~trainmem.errors.ModelError`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+from .estimate import DEFAULT_HEADROOM, MAX_CUDA_OVERHEAD_BYTES, DeviceOptions
+from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION, GPU, MIB, get_gpu
+from .models import ModelSpec, nominal_spec
+from .optimizers import get_optimizer
+from .settings import TrainingSettings, make_settings
+
+MAX_PARAMS = 1e16
+
+
+@dataclass(frozen=True)
+class Request:
+    """What is asked, validated: every field is in range and consistent with the others."""
+
+    model: ModelSpec
+    config: dict[str, Any] | None
+    """The model's config.json (None for a nominal ``params`` count or a ModelSpec given directly)."""
+    settings: TrainingSettings
+    device: DeviceOptions
+    gpu: GPU | None = None
+
+
+def parse_params(value: Any) -> int:
+    """A nominal parameter count: a number, or text such as '7e9', '7B', '6738415616', '13b'."""
+    if isinstance(value, bool):
+        raise ConfigError(f"params must be a number such as 7e9 or '7B', got {value!r}")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        t = value.strip().replace(",", "").replace("_", "")
+        scale = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}.get(t[-1:].lower(), 1)
+        try:
+            number = float(t[:-1] if scale != 1 else t) * scale
+        except ValueError:
+            raise ConfigError(f"params: {value!r} is not a number; give e.g. 7e9, 7B or 6738415616") from None
+    else:
+        raise ConfigError(f"params must be a number such as 7e9 or '7B', got {type(value).__name__}")
+    if not 0 < number < MAX_PARAMS:  # (NaN and infinity fail too)
+        raise ConfigError(f"params must be a positive number below {MAX_PARAMS:.0e}, got {value!r}")
+    return int(number)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    return value
+
+
+def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: Any = None, gpu: str | GPU | None = None,
+                 headroom: float = DEFAULT_HEADROOM, fragmentation: float = DEFAULT_FRAGMENTATION,
+                 cuda_overhead: float = DEFAULT_CUDA_OVERHEAD_MIB, hub: bool = False, need_config: str = "",
+                 **settings: Any) -> Request:
+    """Validate a request. ``model`` is a catalog name, a Hub repo id, a path to a config.json or its folder, or a
+    ModelSpec; ``params`` a nominal size instead (``7e9``, ``"7B"``). ``cuda_overhead`` is in MiB. ``hub`` allows
+    fetching a config from the Hugging Face Hub (never otherwise: a Hub id must be in the local cache).
+    ``need_config`` names a command that cannot run on ``params`` alone. ``settings`` are TrainingSettings fields.
+    Checks that cost nothing come before the model is read."""
+    if need_config and params is not None:
+        raise ConfigError(f"{need_config} needs a model config, not --params")
+    if model is None and params is None:
+        raise ConfigError("give a model (catalog name, Hub id or config path) or --params")
+    if model is not None and params is not None:
+        raise ConfigError("give a model (catalog name, Hub id or config path) or --params, not both")
+    training = make_settings(**settings)
+    overhead = _number("cuda-overhead", cuda_overhead)
+    if not 0 <= overhead <= MAX_CUDA_OVERHEAD_BYTES / MIB:
+        raise ConfigError(f"cuda-overhead must be from 0 to {MAX_CUDA_OVERHEAD_BYTES // MIB:,} MiB, got {overhead:g}")
+    device = DeviceOptions(headroom=_number("headroom", headroom), fragmentation=_number("fragmentation", fragmentation),
+                           cuda_overhead_bytes=int(overhead * MIB))
+    if isinstance(gpu, str) and not gpu.strip():
+        raise ConfigError("gpu is empty; give a GPU name (trainmem estimate --help lists them)")
+    if gpu is not None and not isinstance(gpu, (str, GPU)):
+        raise ConfigError(f"gpu must be a GPU name, got {type(gpu).__name__}")
+    target = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    config = None
+    if params is not None:
+        spec = nominal_spec(parse_params(params))
+    elif isinstance(model, ModelSpec):
+        spec = model
+    else:
+        from .catalog import resolve_model_and_config
+
+        spec, config = resolve_model_and_config(model, hub=hub)
+    if spec.is_nominal and get_optimizer(training.optimizer).needs_shapes:
+        raise ConfigError(f"optimizer {training.optimizer!r} needs tensor shapes; give a model instead of --params")
+    return Request(spec, config, training, device, target)
