@@ -359,6 +359,22 @@ def dtypes(value: Optional[float], as_json: bool) -> None:
         console.print(t)
 
 
+def _checked_model(config: dict, name: str, source: str, net) -> dict:
+    """The model object of estimate's document for the (resized) model precision-check ran; a family without an
+    analytic parser gets the counted parameters and what its config says."""
+    from .errors import TrainmemError
+    from .models import spec_from_config
+
+    try:
+        return _model_dict(spec_from_config(config, name=name, source=source))
+    except TrainmemError:
+        count = sum(p.numel() for p in net.parameters())
+        return {"name": name, "model_type": str(config.get("model_type")), "source": source, "parameters": count,
+                "active_parameters": count, "largest_layer_parameters": max(p.numel() for p in net.parameters()),
+                "num_layers": config.get("num_hidden_layers"), "hidden_size": config.get("hidden_size"),
+                "vocab_size": config.get("vocab_size"), "analytic": False}
+
+
 @app.command(name="precision-check")
 @click.argument("model")
 @click.option("--layers", type=int, help="Scale down to this many layers (default: the config's).")
@@ -394,7 +410,7 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
             raise ConfigError(f"{flag} must be a positive integer, got {v}")
     if loss_scale <= 0 or lr <= 0:
         raise ConfigError("--loss-scale and --lr must be positive")
-    config, name, _ = load_config(model, hub)
+    config, name, source = load_config(model, hub)
     config = resize_config(config, hidden, layers)
     torch.manual_seed(0)
     net = build_model(config, get_recipe("fp32"), "sdpa", None)
@@ -420,7 +436,8 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
     verdict = report.verdict(torch)
     if plot:
         plot_gradients(torch, report, plot)
-    doc = {**_header("precision-check"), "model": name, "parameters": sum(p.numel() for p in net.parameters()),
+    doc = {**_header("precision-check"), "model": _checked_model(config, name, source, net),
+           "parameters": sum(p.numel() for p in net.parameters()),
            "losses": report.losses,
            "gradients": raw, "gradients_scaled": {"scale": loss_scale, **scaled},
            "loss_scale_range": {"smallest": low, "largest": high},

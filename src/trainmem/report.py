@@ -23,6 +23,18 @@ _PHASE_KEYS = {"parameters": "parameters_bytes", "gradients": "gradients_bytes",
 phase the category holds the fp32 master weights too, so it has its own name."""
 
 
+SCHEMA_FILE = f"schema/trainmem-{SCHEMA_VERSION}.schema.json"
+"""The JSON Schema every document validates against, in the package (tests/test_json_schema.py)."""
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of every ``--json`` document of this schema version."""
+    import json
+    from importlib.resources import files
+
+    return json.loads(files("trainmem").joinpath(SCHEMA_FILE).read_text())
+
+
 def header(engine: str) -> dict[str, Any]:
     """What every JSON document starts with: the schema version, the tool and the command that made it."""
     return {"schema_version": SCHEMA_VERSION, "tool": {"name": "trainmem", "version": __version__}, "engine": engine}

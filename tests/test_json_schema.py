@@ -1,0 +1,91 @@
+"""Every command's --json document validates against the JSON Schema in the package, and docs/json-schema.md
+describes the keys the schema defines."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+
+from trainmem.report import SCHEMA_VERSION, json_schema  # noqa: E402
+
+DOCS = Path(__file__).parent.parent / "docs" / "json-schema.md"
+
+
+@pytest.fixture(scope="module")
+def validator():
+    schema = json_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _document(run_cli, *args):
+    code, out, err = run_cli(*args, "--json")
+    assert code in (0, 1), err
+    return json.loads(out)
+
+
+FAST = [
+    ("estimate", "llama-2-7b"),
+    ("estimate", "mixtral-8x7b", "--gpu", "H100", "--max-batch", "--max-seq", "--checkpointing", "full"),
+    ("estimate", "gpt2", "--activation-k", "34", "--gpu", "T4"),
+    ("estimate", "--params", "7B"),
+    ("estimate", "deepseek-v3", "--recipe", "amp-bf16", "--attention", "eager", "--explain"),
+    ("sweep", "gpt2", "--batch", "1,2", "--seq", "128,256"),
+    ("models",),
+    ("recipes",),
+    ("dtypes",),
+    ("dtypes", "--value", "1e-8"),
+]
+
+
+@pytest.mark.parametrize("args", FAST, ids=" ".join)
+def test_documents_validate(run_cli, validator, args):
+    doc = _document(run_cli, *args)
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.path))
+    assert not errors, [f"{list(e.path)}: {e.message[:200]}" for e in errors[:5]]
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["engine"] == args[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [
+    ("trace", "gpt2", "--seq", "64", "--recipe", "amp-bf16"),
+    ("measure", "gpt2", "--seq", "32", "--device", "cpu", "--steps", "1"),
+    ("precision-check", "gpt2", "--layers", "1", "--hidden", "64", "--seq", "16", "--batch", "2", "--steps", "1"),
+    ("amp-demo", "--steps", "3", "--runs", "fp32,fp16-autocast+scaler"),
+], ids=" ".join)
+def test_documents_of_commands_that_run_models_validate(run_cli, validator, args):
+    doc = _document(run_cli, *args)
+    errors = list(validator.iter_errors(doc))
+    assert not errors, [f"{list(e.path)}: {e.message[:200]}" for e in errors[:5]]
+
+
+def test_a_document_that_breaks_the_schema_is_caught(run_cli, validator):
+    doc = _document(run_cli, "estimate", "gpt2")
+    doc["phases"][0]["optimizer_states_bytes"] = doc["phases"][0].pop("states_and_master_bytes")  # schema 1's name
+    assert list(validator.iter_errors(doc))
+    doc = _document(run_cli, "estimate", "gpt2")
+    doc["peak"]["allocated_bytes"] = 1.5
+    assert list(validator.iter_errors(doc))
+
+
+def test_the_docs_describe_every_key_of_the_estimate_document():
+    schema = json_schema()
+    text = DOCS.read_text()
+    assert f"(schema_version {SCHEMA_VERSION})" in text.splitlines()[0]
+    documented = set(re.findall(r"`([a-z_][a-z_0-9.\[\]<>]*)`", text))
+    words = {part for key in documented for part in re.split(r"[.\[\]]+", key) if part}
+    estimate = schema["$defs"]["estimate"]["properties"]
+    missing = []
+    for key, sub in estimate.items():
+        if key not in words:
+            missing.append(key)
+        for inner in (sub.get("properties") or {}):
+            if inner not in words:
+                missing.append(f"{key}.{inner}")
+    for key in schema["$defs"]["phase"]["properties"]:
+        if key not in words:
+            missing.append(f"phases[].{key}")
+    assert not missing, f"docs/json-schema.md does not mention: {missing}"
