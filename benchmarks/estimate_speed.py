@@ -1,7 +1,7 @@
 """How long an estimate takes: in process for every catalog model at several settings, the compiled step model's
 evaluations (what max-batch, sweep and the planner use), and the CLI end to end.
 
-Prints times; the claims in README.md ("under 5 ms in process", "well under 0.5 s for `trainmem estimate`") and
+Prints times; the figures in README.md (mean and worst time in process, "well under 0.5 s for `trainmem estimate`") and
 docs/method.md (evaluations per second on one core) come from this script. Pin it to one core for that figure:
 taskset -c 0 python benchmarks/estimate_speed.py
 """
