@@ -70,41 +70,68 @@ class _Workload:
     device: object
     gpu: object
     unit: str
+    parallel: object = None
 
 
 SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attention", "checkpointing", "dropout",
                  "loss", "activation_k")
-_FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params")
+_FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "zero", "fsdp", "offload",
+               "gpus_per_node")
 """Request fields whose messages name a flag: the CLI prints them as --flag."""
 
 
-def _workload(options: dict, batch: int, seq: int, need_config: str = "") -> _Workload:
+def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: int | None = None,
+              zero: int | None = None) -> _Workload:
     """Turn the shared flags into a validated request (request.py, where the API's keywords are checked too).
-    ``need_config`` names a command that cannot run on ``--params`` alone."""
+    ``need_config`` names a command that cannot run on ``--params`` alone; ``gpus`` and ``zero`` replace the flags'
+    (sweep's axes)."""
     from .request import make_request
 
     unit = parse_unit(options["units"])
+    if gpus is None:
+        gpus = _one_int(options["gpus"], "--gpus")
+    if zero is None and options["zero"] is not None:
+        zero = _one_int(options["zero"], "--zero", minimum=0)
     try:
         req = make_request(options["model"], params=options["params"], gpu=options["gpu"],
                            headroom=options["headroom"], fragmentation=options["fragmentation"],
                            cuda_overhead=options["cuda_overhead"], hub=options["hub"], need_config=need_config,
-                           batch=batch, seq=seq, **{k: options[k] for k in SETTING_FLAGS})
+                           gpus=gpus, gpus_per_node=options["gpus_per_node"], zero=zero, fsdp=options["fsdp"],
+                           offload=options["offload"], ddp_bucket_view=options["ddp_bucket_view"],
+                           ds_config=options["ds_config"], batch=batch, seq=seq,
+                           **{k: options[k] for k in SETTING_FLAGS})
     except ConfigError as exc:
         message = str(exc)
         if message.startswith(_FLAG_WORDS):
-            raise ConfigError(f"--{message}") from None
+            raise ConfigError(f"--{message.replace('_', '-', 1) if message.startswith('gpus_') else message}") \
+                from None
         raise
-    return _Workload(req.model, req.config, req.settings, req.device, req.gpu, unit)
+    return _Workload(req.model, req.config, req.settings, req.device, req.gpu, unit, req.parallel)
 
 
-def _int_list(text: str, flag: str) -> list[int]:
+def _one_int(text: str, flag: str, minimum: int = 1) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} must be a whole number, got {text!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{flag} must be at least {minimum}, got {value}")
+    return value
+
+
+def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"{flag}: {text!r} is not a comma-separated list of integers, e.g. 1,2,4") from None
-    if not values or any(v <= 0 for v in values):
-        raise ConfigError(f"{flag}: values must be positive integers, got {text!r}")
+    if not values or any(v < minimum for v in values):
+        raise ConfigError(f"{flag}: values must be integers of at least {minimum}, got {text!r}")
     return values
+
+
+def _one_process(w: _Workload, command: str) -> None:
+    if w.parallel is not None and w.parallel.engine != "single":
+        raise ConfigError(f"{command} runs one process: --gpus above 1, --zero and --fsdp are for estimate and sweep")
 
 
 def _workload_options(f):
@@ -136,6 +163,17 @@ def _workload_options(f):
         click.option("--units", default=DEFAULT_UNIT, show_default=True, help="GiB, GB, MiB, ..."),
         click.option("--hub", is_flag=True, help="Allow fetching a Hub model's config.json from the network (by "
                      "default only the catalog, local files and the local Hub cache are read)."),
+        click.option("--gpus", default="1", show_default=True,
+                     help="Data-parallel GPUs (world size); figures are then per GPU. sweep: a list, e.g. 1,2,4,8."),
+        click.option("--gpus-per-node", type=int, default=0, help="GPUs per node (default: 8, or --gpus if fewer)."),
+        click.option("--zero", default=None, help="DeepSpeed ZeRO stage 0|1|2|3. sweep: a list, e.g. 0,1,2,3."),
+        click.option("--fsdp", default=None, help="PyTorch FSDP2: full | grad-op | hybrid | no-shard."),
+        click.option("--offload", default="none", show_default=True,
+                     help="none | optimizer | optimizer+params (to host memory; ZeRO or FSDP2)."),
+        click.option("--ddp-bucket-view", is_flag=True,
+                     help="DDP with gradient_as_bucket_view=True (no second copy of the gradients)."),
+        click.option("--ds-config", type=click.Path(dir_okay=False),
+                     help="A DeepSpeed config: its zero_optimization keys (stage, buckets, offload) apply."),
         click.option("--json", "as_json", is_flag=True, help="Print the versioned JSON document (bytes as integers)."),
     ]
     for option in reversed(options):
@@ -175,17 +213,17 @@ def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
         if target is None:
             raise ConfigError("--max-batch and --max-seq need --gpu NAME")
         if max_batch:
-            best = find_batch(spec, settings, target, device)
+            best = find_batch(spec, settings, target, device, w.parallel)
             extra["max_batch"] = best
             if best:
                 settings = replace(settings, batch=best)
         if max_seq:
-            best = find_seq(spec, settings, target, device)
+            best = find_seq(spec, settings, target, device, w.parallel)
             extra["max_seq"] = best
             extra["max_seq_is_position_limit"] = bool(best) and best == seq_limit(spec)
             if best:
                 settings = replace(settings, seq=best)
-    est = estimate_model(spec, settings, device)
+    est = estimate_model(spec, settings, device, w.parallel)
     nothing_fits = any(extra.get(key) == 0 for key in ("max_batch", "max_seq"))
     if as_json:
         _emit_json(to_dict(est, target, extra))
@@ -222,6 +260,7 @@ def trace(batch, seq, no_round, **options) -> None:
     from .step import check_runnable
 
     w = _workload(options, batch, seq, need_config="trace")
+    _one_process(w, "trace")
     check_runnable(w.settings)
 
     from .estimate import estimate_model
@@ -251,10 +290,26 @@ def sweep(batches, seqs, **options) -> None:
     from .planner import sweep as run_sweep
     from .report import render_sweep, to_dict
 
+    from dataclasses import replace
+
     batch_list, seq_list = _int_list(batches, "--batch"), _int_list(seqs, "--seq")
-    w = _workload(options, batch_list[0], seq_list[0])
+    gpu_list = _int_list(options["gpus"], "--gpus")
+    zero_list = [None] if options["zero"] is None else _int_list(options["zero"], "--zero", minimum=0)
+    sharded = next((g for g in gpu_list if g > 1), None)
+    w = _workload(options, batch_list[0], seq_list[0], gpus=sharded or 1, zero=zero_list[0] if sharded else None)
     spec, settings, device, target, unit, as_json = w.spec, w.settings, w.device, w.gpu, w.unit, options["as_json"]
-    estimates = run_sweep(spec, settings, batch_list, seq_list, device)
+    layouts = []
+    for g in gpu_list:
+        for z in zero_list:
+            try:  # (one GPU has nothing to shard: its row is the single-GPU one, once)
+                layout = replace(w.parallel, gpus=g, zero=z if g > 1 else None,
+                                 fsdp=w.parallel.fsdp if g > 1 else None, offload=w.parallel.offload if g > 1 else
+                                 "none", gpus_per_node=min(w.parallel.gpus_per_node, g))
+            except ConfigError as exc:
+                raise ConfigError(f"--gpus {g} --zero {z}: {exc}") from None
+            if layout not in layouts:
+                layouts.append(layout)
+    estimates = run_sweep(spec, settings, batch_list, seq_list, device, layouts)
     if any(e.peak is None for e in estimates):
         raise ConfigError("a sweep needs activations: give a model config, not --params")
     if as_json:
@@ -285,6 +340,7 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     w = _workload(options, batch, seq, need_config="measure")
+    _one_process(w, "measure")
     from .step import check_runnable
 
     check_runnable(w.settings, device)

@@ -6,6 +6,7 @@ Pure functions over frozen dataclasses; no torch. ``estimate("llama-2-7b")`` is 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .activations import ActivationEstimate
 from .errors import ConfigError, ModelError
@@ -86,6 +87,14 @@ class Estimate:
     """What makes the set-up itself doubtful (a sequence past the model's position limit), not the estimate."""
     gpu: GPU | None = None
     """The GPU asked about, if any: ``fits()`` answers for it."""
+    parallel: Any = None
+    """sharding.Parallel: how many GPUs and which engine; every figure is then per GPU."""
+    rank: Any = None
+    """sharding.RankLayout of one GPU under a data-parallel engine (its buffers, host memory), None on one GPU."""
+
+    @property
+    def per_gpu(self) -> bool:
+        return self.rank is not None
 
     @property
     def static_bytes(self) -> int:
@@ -182,12 +191,13 @@ def validation_notes(model: ModelSpec, settings: TrainingSettings) -> tuple[str,
 
 
 def estimate_model(model: ModelSpec, settings: TrainingSettings | None = None,
-                   device: DeviceOptions | None = None) -> Estimate:
-    """The estimate of one set-up: the step model compiled (stepmodel.py) and evaluated at its batch and seq."""
+                   device: DeviceOptions | None = None, parallel=None) -> Estimate:
+    """The estimate of one set-up: the step model compiled (stepmodel.py) and evaluated at its batch and seq, for
+    one GPU of ``parallel`` (sharding.Parallel; default one GPU)."""
     from .stepmodel import compile_step
 
     settings = settings or TrainingSettings()
-    return compile_step(model, settings, device).estimate(settings.batch, settings.seq)
+    return compile_step(model, settings, device, parallel).estimate(settings.batch, settings.seq)
 
 
 def estimate(model=None, device: DeviceOptions | None = None, **options) -> Estimate:
@@ -208,4 +218,4 @@ def estimate(model=None, device: DeviceOptions | None = None, **options) -> Esti
     if device is not None and {"headroom", "fragmentation", "cuda_overhead"} & set(options):
         raise ConfigError("give device=DeviceOptions(...) or headroom/fragmentation/cuda_overhead, not both")
     req = make_request(model, **options)
-    return replace(estimate_model(req.model, req.settings, device or req.device), gpu=req.gpu)
+    return replace(estimate_model(req.model, req.settings, device or req.device, req.parallel), gpu=req.gpu)

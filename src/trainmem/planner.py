@@ -14,6 +14,7 @@ from .estimate import DeviceOptions, Estimate
 from .hardware import GPU
 from .models import ModelSpec
 from .settings import TrainingSettings
+from .sharding import Parallel
 from .stepmodel import compile_step, evaluate
 
 MAX_SEARCH = 1 << 24
@@ -44,9 +45,10 @@ def _fits(peak, gpu: GPU) -> bool:
     return peak.required_bytes <= gpu.memory_bytes
 
 
-def max_batch(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions) -> int:
+def max_batch(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions,
+              parallel: Parallel | None = None) -> int:
     _require_architecture(model)
-    step = compile_step(model, settings, device)
+    step = compile_step(model, settings, device, parallel)
     return _largest(lambda b: _fits(evaluate(step, b, settings.seq).peak, gpu))
 
 
@@ -55,18 +57,22 @@ def seq_limit(model: ModelSpec) -> int:
     return model.position_limit or MAX_SEARCH
 
 
-def max_seq(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions) -> int:
+def max_seq(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions,
+            parallel: Parallel | None = None) -> int:
     """The longest sequence that fits, capped at :func:`seq_limit` (a longer one would fit memory, not the model)."""
     _require_architecture(model)
-    step = compile_step(model, settings, device)
+    step = compile_step(model, settings, device, parallel)
     return _largest(lambda s: _fits(evaluate(step, settings.batch, s).peak, gpu), seq_limit(model))
 
 
 def sweep(model: ModelSpec, settings: TrainingSettings, batches: list[int], seqs: list[int],
-          device: DeviceOptions) -> list[Estimate]:
-    """One estimate per (batch, seq) pair, batch-major."""
-    step = compile_step(model, settings, device)
-    return [step.estimate(b, s) for b in batches for s in seqs]
+          device: DeviceOptions, layouts: list[Parallel] | None = None) -> list[Estimate]:
+    """One estimate per (layout, batch, seq), layout-major, then batch-major."""
+    out = []
+    for parallel in layouts or [None]:
+        step = compile_step(model, settings, device, parallel)
+        out += [step.estimate(b, s) for b in batches for s in seqs]
+    return out
 
 
 def _searchable(model, gpu, options):
@@ -82,13 +88,13 @@ def _searchable(model, gpu, options):
 def find_max_batch(model, gpu, **options) -> int:
     """The largest micro-batch of ``model`` that fits ``gpu`` (0 if none); ``options`` as trainmem.estimate's."""
     req = _searchable(model, gpu, options)
-    return max_batch(req.model, req.settings, req.gpu, req.device)
+    return max_batch(req.model, req.settings, req.gpu, req.device, req.parallel)
 
 
 def find_max_seq(model, gpu, **options) -> int:
     """The longest sequence of ``model`` that fits ``gpu`` (0 if none), capped at its position limit."""
     req = _searchable(model, gpu, options)
-    return max_seq(req.model, req.settings, req.gpu, req.device)
+    return max_seq(req.model, req.settings, req.gpu, req.device, req.parallel)
 
 
 def sweep_grid(model, batches, seqs, **options) -> list[Estimate]:
@@ -103,4 +109,5 @@ def sweep_grid(model, batches, seqs, **options) -> list[Estimate]:
             raise ConfigError(f"{name} must be a non-empty list of positive integers, got {values!r}")
     req = make_request(model, batch=batches[0], seq=seqs[0], **options)
     _require_architecture(req.model)
-    return [with_gpu(e, gpu=req.gpu) for e in sweep(req.model, req.settings, list(batches), list(seqs), req.device)]
+    return [with_gpu(e, gpu=req.gpu)
+            for e in sweep(req.model, req.settings, list(batches), list(seqs), req.device, [req.parallel])]

@@ -123,9 +123,24 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
         doc["fits_unknown_reason"] = None
     if gpu is not None:
         doc["gpu"] = {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "fits": est.fits(gpu)}
+    if est.per_gpu:
+        _parallel_keys(est, doc)
     if extra:
         doc.update(extra)
     return doc
+
+
+def _parallel_keys(est: Estimate, doc: dict[str, Any]) -> None:
+    """With several GPUs: the layout, the engine's buffers (counted in the phases, not in static.total_bytes) and
+    the host memory of one node."""
+    rank, parallel = est.rank, est.parallel
+    doc["parallel"] = parallel.as_dict()
+    doc["static"]["buffers"] = [{"name": b.name, "bytes": b.bytes, "category": b.category, "phases": list(b.phases),
+                                 "note": b.note} for b in rank.buffers]
+    per_node = min(parallel.node_size, parallel.gpus)
+    doc["host"] = {"bytes_per_node": rank.host_bytes_per_rank * per_node,
+                   "pinned_bytes_per_node": rank.host_pinned_bytes_per_rank * per_node,
+                   "gpus_per_node": per_node}
 
 
 def _title(est: Estimate) -> str:
@@ -133,7 +148,16 @@ def _title(est: Estimate) -> str:
     title = f"{m.name} ({m.model_type}): {m.num_parameters:,} parameters"
     if m.num_active_parameters != m.num_parameters:
         title += f", {m.num_active_parameters:,} active per token"
+    if est.per_gpu:
+        title += f"; per GPU of {_layout_words(est.parallel)}"
     return title
+
+
+def _layout_words(parallel) -> str:
+    engine = {"ddp": "DDP", "deepspeed": f"DeepSpeed ZeRO-{parallel.zero}",
+              "fsdp2": f"FSDP2 ({parallel.fsdp})"}[parallel.engine]
+    offload = f", offload {parallel.offload}" if parallel.offload != "none" else ""
+    return f"{parallel.gpus} ({engine}{offload})"
 
 
 def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, explain: bool = False) -> None:
@@ -152,6 +176,13 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
         table.add_row(c.name, c.dtype, f"{c.bytes_per_param:.2f}", format_bytes(c.bytes, unit), c.note)
     per_param = est.static_bytes / m.num_parameters
     table.add_row("static total", "", f"{per_param:.2f}", format_bytes(est.static_bytes, unit), "", style="bold")
+    if est.per_gpu:
+        for b in est.rank.buffers:
+            table.add_row(f"[dim]+ {b.name}[/dim]", "", "", format_bytes(b.bytes, unit),
+                          f"in {', '.join(b.phases)}" + (f"; {b.note}" if b.note else ""))
+        if est.rank.host_bytes_per_rank:
+            table.add_row("[dim]host memory (this GPU's share)[/dim]", "", "",
+                          format_bytes(est.rank.host_bytes_per_rank, unit), "offloaded states, CPU RAM")
     if est.activation_bytes is not None:
         what = (f"batch {s.batch} x seq {s.seq}, {s.attention} attention, checkpointing {s.checkpointing}"
                 if est.activation_k_bytes is None else f"seed rule b*s*h*L*k*2, k={s.activation_k:g}")
@@ -162,7 +193,8 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
     if est.activations is not None:
         _render_activations(est, unit, console, explain)
     if est.phases:
-        phases = Table(title="Peak of each phase of a training step (allocated, like max_memory_allocated)")
+        phases = Table(title="Peak of each phase of a training step (allocated, like max_memory_allocated)"
+                       + (", per GPU" if est.per_gpu else ""))
         phases.add_column("phase")
         phases.add_column("peak at")
         for col in ("parameters", "gradients", "states+master", "activations", "temporaries", "allocated"):
@@ -227,7 +259,8 @@ def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
     pk = est.peak
     assert pk is not None
     dev = est.device
-    lines = Table(title=f"What the GPU needs (peak in the {pk.phase} phase: {pk.moment})", show_header=False)
+    lines = Table(title=f"What {'each' if est.per_gpu else 'the'} GPU needs (peak in the {pk.phase} phase: "
+                        f"{pk.moment})", show_header=False)
     lines.add_column("")
     lines.add_column("", justify="right")
     lines.add_column("", style="dim")
@@ -267,7 +300,12 @@ def render_models(rows: list[tuple[str, str, str, int, int]], console) -> None:
 def render_sweep(estimates: list[Estimate], unit: str, console, gpu: GPU | None) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{_title(estimates[0])}: peak allocated / required ({unit})")
+    layouts = len({(e.parallel.gpus, e.parallel.zero) for e in estimates if e.parallel}) > 1
+    title = _title(estimates[0]).split("; per GPU")[0] if layouts else _title(estimates[0])
+    table = Table(title=f"{title}: peak allocated / required ({unit})" + (", per GPU" if layouts else ""))
+    if layouts:
+        table.add_column("GPUs", justify="right")
+        table.add_column("engine")
     table.add_column("batch", justify="right")
     table.add_column("seq", justify="right")
     table.add_column("activations", justify="right")
@@ -278,7 +316,9 @@ def render_sweep(estimates: list[Estimate], unit: str, console, gpu: GPU | None)
         table.add_column(f"fits {gpu.name}", justify="center")
     for e in estimates:
         assert e.peak is not None
-        row = [str(e.settings.batch), str(e.settings.seq), format_bytes(e.activation_bytes or 0, unit), e.peak.phase,
+        row = [str(e.parallel.gpus), _layout_words(e.parallel).split("(", 1)[1].rstrip(")")
+               if e.per_gpu else "one GPU"] if layouts else []
+        row += [str(e.settings.batch), str(e.settings.seq), format_bytes(e.activation_bytes or 0, unit), e.peak.phase,
                format_bytes(e.peak.allocated_bytes, unit), format_bytes(e.peak.required_bytes, unit)]
         if gpu is not None:
             row.append("yes" if e.fits(gpu) else "no")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import ConfigError
@@ -18,6 +18,7 @@ from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION, GPU, MIB
 from .models import ModelSpec, nominal_spec
 from .optimizers import get_optimizer
 from .settings import TrainingSettings, make_settings
+from .sharding import Parallel, read_deepspeed_config
 
 MAX_PARAMS = 1e16
 
@@ -32,6 +33,8 @@ class Request:
     settings: TrainingSettings
     device: DeviceOptions
     gpu: GPU | None = None
+    parallel: Parallel = field(default_factory=Parallel)
+    """How many GPUs and which engine: every figure is then per GPU."""
 
 
 def parse_params(value: Any) -> int:
@@ -63,12 +66,16 @@ def _number(name: str, value: Any) -> float:
 def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: Any = None, gpu: str | GPU | None = None,
                  headroom: float = DEFAULT_HEADROOM, fragmentation: float = DEFAULT_FRAGMENTATION,
                  cuda_overhead: float = DEFAULT_CUDA_OVERHEAD_MIB, hub: bool = False, need_config: str = "",
+                 gpus: int = 1, gpus_per_node: int = 0, zero: int | None = None, fsdp: str | None = None,
+                 offload: str = "none", ddp_bucket_view: bool = False, ds_config: str | os.PathLike | None = None,
                  **settings: Any) -> Request:
     """Validate a request. ``model`` is a catalog name, a Hub repo id, a path to a config.json or its folder, or a
     ModelSpec; ``params`` a nominal size instead (``7e9``, ``"7B"``). ``cuda_overhead`` is in MiB. ``hub`` allows
     fetching a config from the Hugging Face Hub (never otherwise: a Hub id must be in the local cache).
-    ``need_config`` names a command that cannot run on ``params`` alone. ``settings`` are TrainingSettings fields.
-    Checks that cost nothing come before the model is read."""
+    ``need_config`` names a command that cannot run on ``params`` alone. ``gpus``, ``gpus_per_node``, ``zero``,
+    ``fsdp``, ``offload``, ``ddp_bucket_view`` lay the run out on several GPUs (sharding.Parallel); ``ds_config`` is a
+    DeepSpeed config whose zero_optimization keys (stage, buckets, offload) apply where the keywords say nothing.
+    ``settings`` are TrainingSettings fields. Checks that cost nothing come before the model is read."""
     if need_config and params is not None:
         raise ConfigError(f"{need_config} needs a model config, not --params")
     if model is None and params is None:
@@ -86,6 +93,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     if gpu is not None and not isinstance(gpu, (str, GPU)):
         raise ConfigError(f"gpu must be a GPU name, got {type(gpu).__name__}")
     target = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    parallel = Parallel(gpus=gpus, gpus_per_node=gpus_per_node, zero=zero, fsdp=fsdp, offload=offload,
+                        ddp_bucket_view=ddp_bucket_view)
     config = None
     if params is not None:
         spec = nominal_spec(parse_params(params))
@@ -97,4 +106,21 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
         spec, config = resolve_model_and_config(model, hub=hub)
     if spec.is_nominal and get_optimizer(training.optimizer).needs_shapes:
         raise ConfigError(f"optimizer {training.optimizer!r} needs tensor shapes; give a model instead of --params")
-    return Request(spec, config, training, device, target)
+    if ds_config is not None:
+        parallel = _with_deepspeed_config(parallel, ds_config, spec)
+    if parallel.engine != "single" and spec.is_nominal and (parallel.zero == 3 or parallel.fsdp):
+        raise ConfigError("ZeRO-3 and FSDP2 shard each tensor: give a model instead of --params")
+    return Request(spec, config, training, device, target, parallel)
+
+
+def _with_deepspeed_config(parallel: Parallel, path, spec: ModelSpec) -> Parallel:
+    if parallel.fsdp is not None:
+        raise ConfigError("--ds-config is DeepSpeed's: it does not go with --fsdp")
+    knobs, stage, offload = read_deepspeed_config(path, spec.hidden_size or 1)
+    if stage is not None and parallel.zero is not None and stage != parallel.zero:
+        raise ConfigError(f"--zero {parallel.zero} and {path}'s zero_optimization.stage {stage} disagree; give one")
+    if offload is not None and parallel.offload != "none" and offload != parallel.offload:
+        raise ConfigError(f"--offload {parallel.offload} and {path}'s offload ({offload}) disagree; give one")
+    zero = parallel.zero if parallel.zero is not None else (stage if stage is not None else 0)
+    return replace(parallel, zero=zero, deepspeed=knobs,
+                   offload=parallel.offload if parallel.offload != "none" else (offload or "none"))

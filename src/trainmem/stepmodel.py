@@ -26,12 +26,13 @@ from dataclasses import dataclass, fields, is_dataclass, replace
 
 from .activations import ActivationEstimate, estimate_activations
 from .errors import ConfigError
-from .estimate import (NO_PEAK, DeviceOptions, Estimate, Peak, peak_of_phases, position_warning,
+from .estimate import (NO_PEAK, DeviceOptions, Estimate, Peak, StaticComponent, peak_of_phases, position_warning,
                        static_components, validation_notes)
 from .models import ModelSpec
 from .optimizers import get_optimizer
 from .recipes import get_recipe
 from .settings import TrainingSettings
+from .sharding import Parallel, RankLayout, rank_layout
 from .timeline import CATEGORIES, Phase, peak_of, seed_activation_bytes, seed_rule_candidates, step_candidates
 
 _SAMPLES = (2, 3)
@@ -88,15 +89,22 @@ class StepModel:
     so a single estimate costs one timeline and a search over batches costs a few.
     """
 
-    def __init__(self, spec: ModelSpec, settings: TrainingSettings, device: DeviceOptions | None = None):
+    def __init__(self, spec: ModelSpec, settings: TrainingSettings, device: DeviceOptions | None = None,
+                 parallel: Parallel | None = None):
         self.spec = spec
         self.settings = settings
         self.device = device or DeviceOptions()
+        self.parallel = parallel or Parallel()
         self.recipe = get_recipe(settings.recipe)
         self.optimizer = get_optimizer(settings.optimizer)
-        self.static = static_components(spec, settings)
+        single = static_components(spec, settings)
+        self.rank: RankLayout | None = None
+        if self.parallel.engine != "single":
+            self.rank = rank_layout(spec, self.recipe, self.optimizer, single[3].bytes, self.parallel)
+            single = rank_static_components(single, self.rank, spec.num_parameters)
+        self.static = single
         self._static_bytes = {c.name: c.bytes for c in self.static}
-        self.unchecked = validation_notes(spec, settings)
+        self.unchecked = validation_notes(spec, settings) + (self.rank.notes if self.rank else ())
         if settings.activation_k is not None and not spec.has_architecture:
             raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
                               f"{spec.source or spec.name} has none (give a model name or config.json)")
@@ -112,9 +120,11 @@ class StepModel:
         """The activations (None under the seed rule) and every phase's candidate moments at (batch, seq)."""
         settings = self.settings_at(batch, seq)
         if settings.activation_k is not None:
-            return None, seed_rule_candidates(self.spec, self._static_bytes, self.recipe, self.optimizer, settings)
+            return None, seed_rule_candidates(self.spec, self._static_bytes, self.recipe, self.optimizer, settings,
+                                              self.rank)
         acts = estimate_activations(self.spec, self.recipe, settings)
-        return acts, step_candidates(self.spec, self._static_bytes, acts, self.recipe, self.optimizer, settings)
+        return acts, step_candidates(self.spec, self._static_bytes, acts, self.recipe, self.optimizer, settings,
+                                     self.rank)
 
     # -- compiled forms ----------------------------------------------------------------------------------------
 
@@ -146,7 +156,7 @@ class StepModel:
             note = ("activations need the architecture: give a model config, not only --params"
                     if spec.is_nominal else
                     f"model_type {spec.model_type!r} was counted by transformers; activations need an analytic spec")
-            return Estimate(spec, settings, self.static, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
+            return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
                             warnings=warnings)
         if settings.activation_k is not None:
             phases = tuple(peak_of(c) for c in self.candidates(batch, seq)[1])
@@ -160,7 +170,7 @@ class StepModel:
                 f"{(acts.saved_bytes + acts.logits_bytes) / 2**30:.2f} GiB with embedding, head, loss and logits",
                 *self.unchecked,
             )
-            return Estimate(spec, settings, self.static, activation_k_bytes=seed_activation_bytes(spec, settings),
+            return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, activation_k_bytes=seed_activation_bytes(spec, settings),
                             phases=phases, peak=peak_of_phases(phases, self.device), device=self.device, notes=notes,
                             warnings=warnings)
         form = self.form(batch, seq)
@@ -174,9 +184,19 @@ class StepModel:
         if self.optimizer.paged:
             notes.append("paged optimizer states live in CUDA unified memory: max_memory_allocated() does not count "
                          "them")
-        return Estimate(spec, settings, self.static, activations=acts, phases=phases,
+        return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, activations=acts, phases=phases,
                         peak=peak_of_phases(phases, self.device), device=self.device, notes=tuple(notes),
                         warnings=warnings)
+
+
+def rank_static_components(single: tuple[StaticComponent, ...], rank: RankLayout,
+                           n: int) -> tuple[StaticComponent, ...]:
+    """The four model-state components as one rank holds them (padding included)."""
+    per_rank = {"weights": rank.weights, "gradients": rank.gradients, "master_weights": rank.master_weights,
+                "optimizer_states": rank.optimizer_states}
+    return tuple(replace(c, bytes=per_rank[c.name], bytes_per_param=per_rank[c.name] / n,
+                         note=c.note + (" (this GPU's shard)" if per_rank[c.name] < c.bytes else ""))
+                 for c in single)
 
 
 def _is_whole(value) -> bool:
@@ -264,9 +284,10 @@ def _envelope(name: str, moments: list[_Moment]) -> _PhaseForm:
 
 
 def compile_step(spec: ModelSpec, settings: TrainingSettings | None = None,
-                 device: DeviceOptions | None = None) -> StepModel:
-    """Compile ``spec`` trained with ``settings`` (whose batch and seq are ignored) for :func:`evaluate`."""
-    return StepModel(spec, settings or TrainingSettings(), device)
+                 device: DeviceOptions | None = None, parallel: Parallel | None = None) -> StepModel:
+    """Compile ``spec`` trained with ``settings`` (whose batch and seq are ignored) on ``parallel``'s GPUs for
+    :func:`evaluate`."""
+    return StepModel(spec, settings or TrainingSettings(), device, parallel)
 
 
 def evaluate(step: StepModel, batch: int, seq: int) -> Evaluation:

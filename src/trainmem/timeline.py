@@ -23,6 +23,7 @@ from .models import MLP_ROLES, ModelSpec, layer_tensors
 from .optimizers import Optimizer
 from .recipes import Recipe
 from .settings import TrainingSettings
+from .sharding import RankLayout
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporaries")
 
@@ -282,17 +283,20 @@ def _param_bytes(numel: int, per_param: float) -> int:
     return int(numel * per_param)
 
 
-def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, fused: bool) -> int:
+def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, fused: bool,
+                           rank: RankLayout | None = None) -> int:
     """Temporaries of optimizer.step(): the foreach implementations (CUDA's default) compute over all of a
     group's tensors at once, so one parameter-sized intermediate exists, e.g. AdamW's
     ``torch._foreach_sqrt(exp_avg_sqs)`` (torch/optim/adamw.py, _multi_tensor_adamw); fused kernels
     (``fused=True``, DeepSpeed's FusedAdam, bitsandbytes) update in place. Recipes with half gradients and fp32
-    master weights make an fp32 copy of the gradients for the update."""
-    n = spec.num_parameters
+    master weights make an fp32 copy of the gradients for the update. On a rank of a sharded engine the optimizer
+    updates that rank's elements, and the engine's own fp32 gradient copy is one of its buffers (sharding.py)."""
+    n = spec.num_parameters if rank is None else rank.optimizer_numel
     temp = 0
     if not fused:
         temp += optimizer.foreach_temporaries * n * recipe.state_bytes_for(optimizer.name)
-    if recipe.master_weights and recipe.gradients != recipe.master_weights:
+    if recipe.master_weights and recipe.gradients != recipe.master_weights and (rank is None
+                                                                                  or rank.gradient_cast_in_step):
         temp += n * 4
     return temp
 
@@ -568,20 +572,24 @@ def _static(static: dict[str, int], recipe: Recipe, settings: TrainingSettings) 
 
 
 def _outer_phases(spec: ModelSpec, st: _Static, recipe: Recipe, optimizer: Optimizer,
-                  settings: TrainingSettings) -> tuple[Phase, Phase, Phase]:
+                  settings: TrainingSettings, rank: RankLayout | None = None) -> tuple[Phase, Phase, Phase]:
     """load, optimizer and between_steps: the phases outside forward and backward, the same whatever models the
     activations."""
-    temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer)
+    temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer, rank)
     return (Phase("load", "static state", st.weights, st.grads_between, st.states, 0, 0),
             Phase("optimizer", "step()", st.weights, st.grads, st.states, 0, temp),
             Phase("between_steps", "after zero_grad", st.weights, st.grads_between, st.states, 0, 0))
 
 
 def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate, recipe: Recipe,
-                    optimizer: Optimizer, settings: TrainingSettings) -> tuple[tuple[Phase, ...], ...]:
+                    optimizer: Optimizer, settings: TrainingSettings,
+                    rank: RankLayout | None = None) -> tuple[tuple[Phase, ...], ...]:
     """Every moment that can be a phase's peak, per phase (load, forward, backward, optimizer, between_steps), in
     the order they happen. Each moment's bytes are linear in the batch for a fixed sequence length (stepmodel.py
-    relies on it)."""
+    relies on it). ``rank``: one GPU of a data-parallel engine (sharding.py): ``static`` is then that rank's, the
+    gradients of the layers backward has finished are reduce-scattered to its shard, and the engine's buffers are
+    added in the phases they exist in."""
+    shards = rank.gradient_shards if rank else 1
     st = _static(static, recipe, settings)
     weights, grads, states, grads_in_forward = st.weights, st.grads, st.states, st.grads_in_forward
     p = Precision.of(recipe)
@@ -640,6 +648,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # that keeps only the loss (HF Trainer's compute_loss, `loss = model(...).loss`) drops the output object.
     loss_grads = 0 if settings.loss == "chunked" else 2 * FP32 * v * tokens
     head_grad = _param_bytes(_role_numel(spec, "head"), recipe.gradient_bytes) if not spec.tied_embeddings else 0
+    head_grad = -(-head_grad // shards)
     candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
     if settings.loss != "chunked":
         candidates += _lm_head_moments(spec, acts, recipe, p, weights, states, grads_in_forward, saved)
@@ -728,7 +737,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             "backward", f"layer {index} attention", weights,
             max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
             base_kept + kept_below[index] + x.attention_live, x.attention_transient + tied_held))
-        grads_above += x.grads
+        grads_above += -(-x.grads // shards)
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
     # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights that
     # contribution exists beside the held LM-head one, into which the autograd engine then adds it in place
@@ -743,8 +752,23 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         emb_grad = _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, grads - emb_grad), states,
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
-    load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings)
-    return (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
+    load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank)
+    phases = (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
+    return with_buffers(phases, rank.buffers) if rank and rank.buffers else phases
+
+
+def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers) -> tuple[tuple[Phase, ...], ...]:
+    """Every candidate moment with the engine's buffers alive in its phase added to their categories (a buffer
+    alive through a phase adds the same to each of its moments, so which moment peaks does not change)."""
+    out = []
+    for candidates in phases:
+        name = candidates[0].name
+        add = {c: sum(b.bytes for b in buffers if name in b.phases and b.category == c) for c in CATEGORIES}
+        out.append(tuple(Phase(ph.name, ph.moment, ph.parameters + add["parameters"],
+                               ph.gradients + add["gradients"], ph.optimizer_states + add["optimizer_states"],
+                               ph.activations + add["activations"], ph.temporaries + add["temporaries"])
+                         for ph in candidates) if any(add.values()) else candidates)
+    return tuple(out)
 
 
 def peak_of(candidates: tuple[Phase, ...]) -> Phase:
@@ -765,14 +789,14 @@ def seed_activation_bytes(spec: ModelSpec, settings: TrainingSettings) -> int:
 
 
 def seed_rule_candidates(spec: ModelSpec, static: dict[str, int], recipe: Recipe, optimizer: Optimizer,
-                         settings: TrainingSettings) -> tuple[tuple[Phase, ...], ...]:
+                         settings: TrainingSettings, rank: RankLayout | None = None) -> tuple[tuple[Phase, ...], ...]:
     """The same five phases with the activations given as one number (the seed article's b*s*h*L*k*2 rule): they are all alive at the end of forward and, as the rule counts them, when
     backward starts producing gradients; the optimizer step and the time between steps are as in
     :func:`step_candidates`. One candidate per phase."""
     activation_bytes = seed_activation_bytes(spec, settings)
     st = _static(static, recipe, settings)
-    load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings)
-    return (
+    load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank)
+    phases = (
         (load,),
         (Phase("forward", "end of forward (seed rule)", st.weights, st.grads_in_forward, st.states, activation_bytes,
                0),),
@@ -781,3 +805,4 @@ def seed_rule_candidates(spec: ModelSpec, static: dict[str, int], recipe: Recipe
         (opt,),
         (between,),
     )
+    return with_buffers(phases, rank.buffers) if rank and rank.buffers else phases

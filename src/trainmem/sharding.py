@@ -1,0 +1,375 @@
+"""Data parallelism: what one GPU holds under DDP, DeepSpeed ZeRO 1/2/3 and PyTorch FSDP2, with CPU offload.
+
+Every figure is per rank (the most loaded one); activations stay per micro-batch per GPU. Sources, read in the
+engines' code (../shared/reference/scale.md cites the commits):
+- DDP (torch/csrc/distributed/c10d/reducer.cpp, ``initialize_buckets``): the buckets are flat tensors that
+  together hold every parameter's gradient (25 MiB each, 1 MiB for the first), allocated when the model is wrapped
+  and kept: a second full copy of the gradients unless ``gradient_as_bucket_view=True`` makes ``param.grad`` a view
+  into them. Their size caps change how many there are, not how much they hold.
+- DeepSpeed ZeRO (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py, config.py): the fp32 master partition and the
+  optimizer states are split across the N ranks (stage 1), then the gradients (stage 2, ``grads_in_partition``),
+  then the half parameters (stage 3); each flat partition is padded to a multiple of
+  ``nccl_start_alignment_factor (2) x N`` elements; ``reduce_bucket_size`` (5e8 elements) sizes the gradient
+  bucket backward fills (``ipg_buffer``; two with ``overlap_comm``); at ``step()`` the gradient partition is cast
+  to one fp32 flat tensor (``single_grad_partition``); ZeRO-3 gathers each module's parameters as it runs
+  (prefetching ``stage3_prefetch_bucket_size`` elements ahead, at most ``stage3_max_live_parameters`` alive) and
+  never partitions parameters smaller than ``stage3_param_persistence_threshold``.
+- FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _fsdp_collectives.py, _fsdp_param_group.py): each
+  parameter is sharded on dim 0 into ceil(dim0 / W) rows per rank (every rank allocates the padded size), in the
+  dtype it had when ``fully_shard`` was called (fp32 for the mixed recipes: the shard is the master copy); the
+  gradients are reduce-scattered to shards of the same size and dtype; one ``fully_shard`` group per decoder
+  layer plus the root (embedding, final norm, LM head); the group being computed is all-gathered in
+  ``param_dtype`` while the next one's all-gather is in flight (forward: the computed group, its flat all-gather
+  buffer, whose free is deferred to the next group's wait, and the next group's buffer; backward: one group
+  prefetched), and backward reduce-scatters each group's unsharded gradients through a ``reduce_dtype`` buffer of
+  which the current and the previous one are alive.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .models import ModelSpec, ParamTensor
+from .optimizers import Optimizer
+from .recipes import Recipe
+
+FSDP_MODES = ("full", "grad-op", "hybrid", "no-shard")
+"""FSDP2 layouts: ``full`` (FULL_SHARD: ``reshard_after_forward=True``), ``grad-op`` (SHARD_GRAD_OP: parameters stay
+gathered from forward to backward), ``hybrid`` (sharded within a node, replicated across nodes), ``no-shard``."""
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+ZERO_STAGES = (0, 1, 2, 3)
+MAX_GPUS = 1 << 20
+ALIGNMENT = 2
+"""DeepSpeed's ``nccl_start_alignment_factor``: a flat partition is padded to a multiple of 2 x world elements."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """The ``zero_optimization`` keys that change memory, with DeepSpeed's defaults (deepspeed/runtime/zero/config.py).
+    Sizes are in elements."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None
+    """None: DeepSpeed's default, True for stage 3 only (``overlap_comm_valid``)."""
+    contiguous_gradients: bool = True
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    sub_group_size: int = 1_000_000_000_000
+
+    def overlap(self, stage: int) -> bool:
+        return stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+
+_DS_INT_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_max_live_parameters",
+                "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "sub_group_size")
+
+
+def read_deepspeed_config(path: str | Path, hidden_size: int) -> tuple[DeepSpeedConfig, int | None, str | None]:
+    """(the memory knobs, the ZeRO stage, the offload) a DeepSpeed config file sets; None where it says nothing.
+    ``"auto"`` values are resolved as the Hugging Face Trainer does (transformers integrations/deepspeed.py:
+    reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2, stage3_param_persistence_threshold 10 h)."""
+    from .models import read_config_file
+
+    raw = read_config_file(Path(path))
+    zero = raw.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"{path}: zero_optimization must be an object")
+    auto = {"reduce_bucket_size": hidden_size**2, "stage3_prefetch_bucket_size": int(0.9 * hidden_size**2),
+            "stage3_param_persistence_threshold": 10 * hidden_size}
+    values: dict[str, Any] = {}
+    for key in _DS_INT_KEYS:
+        if key not in zero:
+            continue
+        value = zero[key]
+        if value == "auto" and key in auto:
+            value = auto[key]
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # DeepSpeed configs write 5e8
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10**13:
+            raise ConfigError(f"{path}: zero_optimization.{key} must be a whole number of elements, got {value!r}")
+        values[key] = value
+    for key in ("overlap_comm", "contiguous_gradients"):
+        if key in zero:
+            if not isinstance(zero[key], bool):
+                raise ConfigError(f"{path}: zero_optimization.{key} must be true or false, got {zero[key]!r}")
+            values[key] = zero[key]
+    stage = zero.get("stage")
+    if stage is not None and stage not in ZERO_STAGES:
+        raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    optimizer_device = (zero.get("offload_optimizer") or {}).get("device", "none")
+    param_device = (zero.get("offload_param") or {}).get("device", "none")
+    offload = None
+    if optimizer_device in ("cpu", "nvme"):
+        offload = "optimizer+params" if param_device in ("cpu", "nvme") else "optimizer"
+    return DeepSpeedConfig(**values), stage, offload
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How many GPUs train the model and how the engine lays its state across them."""
+
+    gpus: int = 1
+    gpus_per_node: int = 0
+    """0: min(8, gpus)."""
+    zero: int | None = None
+    """DeepSpeed ZeRO stage."""
+    fsdp: str | None = None
+    """FSDP2 layout (FSDP_MODES)."""
+    offload: str = "none"
+    ddp_bucket_view: bool = False
+    """DDP's ``gradient_as_bucket_view=True``: the gradients live in the buckets, not beside them."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_GPUS:
+                raise ConfigError(f"{name} must be a whole number from 1 to {MAX_GPUS:,}, got {value!r}")
+        if self.gpus < 1:
+            raise ConfigError(f"gpus must be at least 1, got {self.gpus}")
+        if self.zero is not None and self.fsdp is not None:
+            raise ConfigError("--zero (DeepSpeed) and --fsdp (PyTorch FSDP2) are two engines; give one")
+        if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in ZERO_STAGES):
+            raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.fsdp is not None and self.fsdp not in FSDP_MODES:
+            raise ConfigError(f"unknown fsdp {self.fsdp!r}; accepted: {', '.join(FSDP_MODES)}")
+        if self.offload not in OFFLOADS:
+            raise ConfigError(f"unknown offload {self.offload!r}; accepted: {', '.join(OFFLOADS)}")
+        if self.gpus == 1 and (self.zero or self.fsdp not in (None, "no-shard")):
+            raise ConfigError("sharding needs more than one GPU: give --gpus N (N > 1) with --zero or --fsdp")
+        if self.gpus_per_node and self.gpus_per_node > self.gpus:
+            raise ConfigError(f"gpus_per_node ({self.gpus_per_node}) is more than gpus ({self.gpus})")
+        if self.fsdp == "hybrid" and self.gpus % self.node_size:
+            raise ConfigError(f"--fsdp hybrid replicates whole nodes: gpus ({self.gpus}) must be a multiple of "
+                              f"gpus_per_node ({self.node_size})")
+        if self.offload != "none":
+            if self.engine in ("single", "ddp") or self.zero == 0:
+                raise ConfigError("--offload needs --zero 1, 2 or 3 or --fsdp (DDP keeps everything on the GPU)")
+            if self.offload == "optimizer+params" and self.zero in (1, 2):
+                raise ConfigError("--offload optimizer+params needs --zero 3: stages 1 and 2 keep the parameters "
+                                  "whole on every GPU")
+            if self.fsdp is not None and self.offload == "optimizer":
+                raise ConfigError("FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer states "
+                                  "together: give --offload optimizer+params")
+
+    @property
+    def node_size(self) -> int:
+        return self.gpus_per_node or min(8, self.gpus)
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.node_size)
+
+    @property
+    def engine(self) -> str:
+        if self.zero is not None:
+            return "deepspeed"
+        if self.fsdp is not None:
+            return "fsdp2"
+        return "ddp" if self.gpus > 1 else "single"
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks a sharded tensor is split across."""
+        if self.zero:
+            return self.gpus
+        if self.fsdp in ("full", "grad-op"):
+            return self.gpus
+        if self.fsdp == "hybrid":
+            return self.node_size
+        return 1
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "deepspeed"}
+        out.update(gpus_per_node=self.node_size, nodes=self.nodes, engine=self.engine, shard_size=self.shard_size)
+        if self.zero is not None:
+            out["deepspeed"] = {f.name: getattr(self.deepspeed, f.name) for f in fields(self.deepspeed)}
+        return out
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """Memory an engine allocates beyond the model states: when it exists and which phase category holds it."""
+
+    name: str
+    bytes: int
+    category: str
+    """The phase category: parameters (gathered weights), gradients, or temporaries (communication buffers)."""
+    phases: tuple[str, ...]
+    """The phases it is alive in (load, forward, backward, optimizer, between_steps)."""
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """What one rank holds: its model states (bytes), the engine's buffers, what lives in host memory."""
+
+    weights: int
+    gradients: int
+    master_weights: int
+    optimizer_states: int
+    optimizer_numel: int
+    """Elements the optimizer updates on this rank (its temporaries scale with them)."""
+    gradient_shards: int
+    """Ranks a finished gradient is split across: it stays whole (1) or is reduce-scattered as backward goes."""
+    buffers: tuple[Buffer, ...] = ()
+    gradient_cast_in_step: bool = True
+    """Whether the optimizer step makes its own fp32 copy of half gradients (torch's optimizers over fp32 masters);
+    ZeRO counts its fp32 partition among its buffers, FSDP2's gradients are already in the masters' dtype."""
+    host_bytes_per_rank: int = 0
+    host_pinned_bytes_per_rank: int = 0
+    notes: tuple[str, ...] = ()
+
+
+ALL_PHASES = ("load", "forward", "backward", "optimizer", "between_steps")
+_STEP = ("forward", "backward")
+
+
+def _zero_partition(numel: int, world: int) -> int:
+    """Elements of one rank's flat ZeRO partition: the total padded to a multiple of 2 x world, split evenly."""
+    unit = ALIGNMENT * world
+    return -(-numel // unit) * unit // world
+
+
+def fsdp_shard_numel(t: ParamTensor, world: int) -> int:
+    """Elements FSDP2 allocates on every rank for ``t``: ceil(dim0 / W) rows (torch.chunk's first chunk)."""
+    if not t.shape:
+        return 1
+    rows = t.shape[0]
+    return -(-rows // world) * (t.numel // rows)
+
+
+def _groups(spec: ModelSpec) -> list[tuple[int, list[ParamTensor]]]:
+    """FSDP2's communication groups as (repeat, tensors): one per decoder layer, and the root (everything else)."""
+    layers = [(g.repeat, list(g.tensors)) for g in spec.param_groups if g.name.startswith("layers")]
+    root = [t for g in spec.param_groups if not g.name.startswith("layers") for t in g.tensors]
+    return layers + ([(1, root)] if root else [])
+
+
+def _largest_layer(spec: ModelSpec) -> int:
+    """Parameters of the largest decoder layer."""
+    return max((g.numel_each for g in spec.param_groups if g.name.startswith("layers")), default=0)
+
+
+def rank_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_full: int,
+                parallel: Parallel) -> RankLayout:
+    """The per-rank model states and buffers of ``parallel``'s engine (module docstring)."""
+    n = spec.num_parameters
+    w, g, m = recipe.weight_bytes, recipe.gradient_bytes, recipe.master_bytes
+    engine = parallel.engine
+    if engine == "single":
+        return RankLayout(w * n, g * n, m * n, states_full, n, 1)
+    if engine == "ddp":
+        buffers = () if parallel.ddp_bucket_view else (Buffer(
+            "DDP gradient buckets", g * n, "gradients", ALL_PHASES,
+            "flat buckets holding every gradient for the all-reduce (gradient_as_bucket_view=False)"),)
+        return RankLayout(w * n, 0 if parallel.ddp_bucket_view else g * n, m * n, states_full, n, 1, buffers,
+                          notes=("DDP: with gradient_as_bucket_view=True (--ddp-bucket-view) the gradients are views "
+                                 "of the buckets",) if not parallel.ddp_bucket_view else ())
+    if engine == "deepspeed":
+        return _zero_layout(spec, recipe, states_full, parallel)
+    return _fsdp_layout(spec, recipe, optimizer, states_full, parallel)
+
+
+def _zero_layout(spec: ModelSpec, recipe: Recipe, states_full: int, parallel: Parallel) -> RankLayout:
+    n, world, stage, ds = spec.num_parameters, parallel.gpus, parallel.zero, parallel.deepspeed
+    w, g, m = recipe.weight_bytes, recipe.gradient_bytes, recipe.master_bytes
+    if stage == 0:
+        buffers = []
+        if m and g != 4:  # DeepSpeed's BF16_Optimizer (bf16 without ZeRO): an fp32 flat gradient accumulator
+            buffers.append(Buffer("fp32 gradient accumulation buffer", 4 * n, "gradients", ALL_PHASES,
+                                  "BF16_Optimizer.fp32_groups_gradients_flat"))
+        return RankLayout(w * n, g * n, m * n, states_full, n, 1, tuple(buffers))
+    part = _zero_partition(n, world)
+    states = -(-states_full * part // n)  # elementwise states follow the padded partition
+    buffers: list[Buffer] = []
+    persistent = 0
+    if stage == 3:
+        persistent = sum(g_.repeat * t.numel for g_ in spec.param_groups for t in g_.tensors
+                         if t.numel < ds.stage3_param_persistence_threshold)
+    offload = parallel.offload
+    weights = w * n if stage < 3 else w * (_zero_partition(n - persistent, world) + persistent)
+    grads = g * n if stage == 1 else g * part
+    master = m * part
+    host = host_pinned = 0
+    if offload != "none":
+        # the fp32 master partition, the states and the fp32 gradient partition live in (pinned) host memory; the
+        # GPU keeps its half parameters and (stage 3) the gathered ones
+        host = master + states + 4 * part
+        host_pinned = 4 * part
+        master, states, grads = 0, 0, (g * n if stage == 1 else 0)
+        if offload == "optimizer+params":
+            host += weights - w * persistent
+            weights = w * persistent
+    elif m and g != 4:
+        buffers.append(Buffer("fp32 gradient partition at step()", 4 * min(part, ds.sub_group_size), "temporaries",
+                              ("optimizer",), "single_grad_partition / _prepare_fp32_grad_for_sub_group"))
+    if ds.contiguous_gradients or stage == 3:
+        count = 2 if ds.overlap(stage) and stage < 3 else 1
+        buffers.append(Buffer("gradient reduce bucket" + (" x2 (overlap_comm)" if count == 2 else ""),
+                              count * ds.reduce_bucket_size * g, "temporaries", ("backward",),
+                              f"reduce_bucket_size = {ds.reduce_bucket_size:,} elements"))
+    if stage == 3:
+        layer = _largest_layer(spec)
+        gathered = min(ds.stage3_max_live_parameters, layer + ds.stage3_prefetch_bucket_size)
+        buffers.append(Buffer("gathered parameters", w * gathered, "parameters", _STEP,
+                              "the running layer and the prefetch (stage3_prefetch_bucket_size), at most "
+                              "stage3_max_live_parameters"))
+        buffers.append(Buffer("the running layer's unpartitioned gradients", g * layer, "gradients", ("backward",),
+                              "before they are reduce-scattered into the partition"))
+    notes = ("not validated: no DeepSpeed run measured (docs/accuracy.md compares with DeepSpeed's own estimators)",)
+    return RankLayout(weights, grads, master, states, part, world if stage >= 2 else 1, tuple(buffers), False, host,
+                      host_pinned, notes)
+
+
+def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_full: int,
+                 parallel: Parallel) -> RankLayout:
+    world = parallel.shard_size
+    n = spec.num_parameters
+    orig = recipe.master_bytes or recipe.weight_bytes  # the dtype the model had when fully_shard was called
+    param_dtype = recipe.weight_bytes  # MixedPrecisionPolicy.param_dtype: the compute weights
+    reduce_dtype = max(recipe.gradient_bytes, orig) if recipe.master_weights else recipe.gradient_bytes
+    groups = _groups(spec)
+    shard = sum(r * fsdp_shard_numel(t, world) for r, ts in groups for t in ts)
+    states = -(-states_full * shard // n)
+    unsharded = [sum(t.numel for t in ts) for _, ts in groups]
+    largest = max(unsharded)
+    buffers: list[Buffer] = []
+    if world > 1:
+        root = unsharded[-1] if not spec.param_groups[-1].name.startswith("layers") else 0
+        if parallel.fsdp == "grad-op":
+            buffers.append(Buffer("gathered parameters (kept from forward to backward)", param_dtype * n, "parameters",
+                                  _STEP, "reshard_after_forward=False on every group"))
+        else:
+            buffers.append(Buffer("gathered parameters: the root and the running layer", param_dtype * (root + largest),
+                                  "parameters", _STEP, "the root group is not resharded after forward"))
+        buffers.append(Buffer("all-gather buffers in flight", 2 * param_dtype * largest, "temporaries", _STEP,
+                              "the running group's deferred flat buffer and the next group's"))
+        buffers.append(Buffer("the running layer's unsharded gradients", param_dtype * largest, "gradients",
+                              ("backward",)))
+        buffers.append(Buffer("reduce-scatter inputs", 2 * reduce_dtype * largest, "temporaries", ("backward",),
+                              "the current and the previous group's, in reduce_dtype"))
+        if parallel.fsdp == "hybrid" and parallel.gpus > world:
+            buffers.append(Buffer("all-reduce across nodes", reduce_dtype * -(-largest // world), "temporaries",
+                                  ("backward",), "the replicated dimension's all-reduce of the running group's shard"))
+    host = pinned = 0
+    weights, grads = orig * shard, orig * shard
+    if parallel.offload == "optimizer+params":
+        host = weights + grads + states
+        pinned = host
+        buffers.append(Buffer("host-to-device copy of the running group's shard", orig * -(-largest // world),
+                              "temporaries", _STEP))
+        weights = grads = states = 0
+    return RankLayout(weights, grads, 0, states, shard, world, tuple(buffers), False, host, pinned,
+                      ("not validated on a GPU: FSDP2's sharded states are checked on CPU processes (gloo)",))
+
+
+def buffer_bytes_in(buffers: tuple[Buffer, ...], phase: str, category: str) -> int:
+    return sum(b.bytes for b in buffers if phase in b.phases and b.category == category)
+
