@@ -225,6 +225,8 @@ class RankLayout:
     host_bytes_per_rank: int = 0
     host_pinned_bytes_per_rank: int = 0
     notes: tuple[str, ...] = ()
+    persistent_gradients: bool = False
+    """The gradients live in a buffer allocated once (DDP's buckets with gradient_as_bucket_view): every phase."""
 
 
 ALL_PHASES = ("load", "forward", "backward", "optimizer", "between_steps")
@@ -266,12 +268,13 @@ def rank_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_fu
     if engine == "single":
         return RankLayout(w * n, g * n, m * n, states_full, n, 1)
     if engine == "ddp":
-        buffers = () if parallel.ddp_bucket_view else (Buffer(
-            "DDP gradient buckets", g * n, "gradients", ALL_PHASES,
-            "flat buckets holding every gradient for the all-reduce (gradient_as_bucket_view=False)"),)
-        return RankLayout(w * n, 0 if parallel.ddp_bucket_view else g * n, m * n, states_full, n, 1, buffers,
+        if parallel.ddp_bucket_view:  # the gradients are views of the buckets, which exist from the wrapping on
+            return RankLayout(w * n, g * n, m * n, states_full, n, 1, persistent_gradients=True)
+        buffers = (Buffer("DDP gradient buckets", g * n, "gradients", ALL_PHASES,
+                          "flat buckets holding every gradient for the all-reduce (gradient_as_bucket_view=False)"),)
+        return RankLayout(w * n, g * n, m * n, states_full, n, 1, buffers,
                           notes=("DDP: with gradient_as_bucket_view=True (--ddp-bucket-view) the gradients are views "
-                                 "of the buckets",) if not parallel.ddp_bucket_view else ())
+                                 "of the buckets",))
     if engine == "deepspeed":
         return _zero_layout(spec, recipe, states_full, parallel)
     return _fsdp_layout(spec, recipe, optimizer, states_full, parallel)

@@ -562,13 +562,14 @@ class _Static:
     """Gradients alive between steps (after zero_grad)."""
 
 
-def _static(static: dict[str, int], recipe: Recipe, settings: TrainingSettings) -> _Static:
+def _static(static: dict[str, int], recipe: Recipe, settings: TrainingSettings,
+            rank: RankLayout | None = None) -> _Static:
     grads = static["gradients"]
     # With gradient accumulation the gradients of earlier micro-batches are alive in every forward but the first;
-    # a persistent fp32 main-grad buffer (Megatron) is alive all the time.
+    # a persistent fp32 main-grad buffer (Megatron) or DDP's bucket views are alive all the time.
+    persistent = recipe.persistent_gradients or bool(rank and rank.persistent_gradients)
     return _Static(static["weights"], grads, static["optimizer_states"] + static["master_weights"],
-                   grads if settings.grad_accum > 1 or recipe.persistent_gradients else 0,
-                   grads if recipe.persistent_gradients else 0)
+                   grads if settings.grad_accum > 1 or persistent else 0, grads if persistent else 0)
 
 
 def _outer_phases(spec: ModelSpec, st: _Static, recipe: Recipe, optimizer: Optimizer,
@@ -590,7 +591,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     gradients of the layers backward has finished are reduce-scattered to its shard, and the engine's buffers are
     added in the phases they exist in."""
     shards = rank.gradient_shards if rank else 1
-    st = _static(static, recipe, settings)
+    st = _static(static, recipe, settings, rank)
     weights, grads, states, grads_in_forward = st.weights, st.grads, st.states, st.grads_in_forward
     p = Precision.of(recipe)
     tokens, v, h = acts.tokens, spec.vocab_size, spec.hidden_size
@@ -794,7 +795,7 @@ def seed_rule_candidates(spec: ModelSpec, static: dict[str, int], recipe: Recipe
     backward starts producing gradients; the optimizer step and the time between steps are as in
     :func:`step_candidates`. One candidate per phase."""
     activation_bytes = seed_activation_bytes(spec, settings)
-    st = _static(static, recipe, settings)
+    st = _static(static, recipe, settings, rank)
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank)
     phases = (
         (load,),
