@@ -202,7 +202,9 @@ class Buffer:
     category: str
     """The phase category: parameters (gathered weights), gradients, or temporaries (communication buffers)."""
     phases: tuple[str, ...]
-    """The phases it is alive in (load, forward, backward, optimizer, between_steps)."""
+    """The phases it is alive in (load, forward, backward, optimizer, between_steps), or a place in one:
+    ``forward:layer``, ``backward:layer`` (the moments inside a decoder layer), ``backward:head`` (before the
+    layers: the loss and the LM head) and ``backward:end`` (after them: the embedding)."""
     note: str = ""
 
 
@@ -227,6 +229,12 @@ class RankLayout:
     notes: tuple[str, ...] = ()
     persistent_gradients: bool = False
     """The gradients live in a buffer allocated once (DDP's buckets with gradient_as_bucket_view): every phase."""
+    gradient_shard_bytes: int = 0
+    """Bytes per element of a finished gradient shard (FSDP2 casts it to the parameters' original dtype); 0: the
+    recipe's gradient dtype."""
+    head_gradient_sharded: bool = True
+    """Whether the LM head's gradient is reduced to the rank's shard as soon as backward has made it (ZeRO's
+    buckets), or stays whole until the end of backward (FSDP2's root group reduces last)."""
 
 
 ALL_PHASES = ("load", "forward", "backward", "optimizer", "between_steps")
@@ -345,22 +353,29 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
     largest = max(unsharded)
     buffers: list[Buffer] = []
     if world > 1:
-        root = unsharded[-1] if not spec.param_groups[-1].name.startswith("layers") else 0
+        layer = max((sum(t.numel for t in ts) for r, ts in groups[:-1]), default=0)
+        root = unsharded[-1]
         if parallel.fsdp == "grad-op":
             buffers.append(Buffer("gathered parameters (kept from forward to backward)", param_dtype * n, "parameters",
                                   _STEP, "reshard_after_forward=False on every group"))
         else:
-            buffers.append(Buffer("gathered parameters: the root and the running layer", param_dtype * (root + largest),
+            buffers.append(Buffer("gathered root parameters (embedding, final norm, LM head)", param_dtype * root,
                                   "parameters", _STEP, "the root group is not resharded after forward"))
-        buffers.append(Buffer("all-gather buffers in flight", 2 * param_dtype * largest, "temporaries", _STEP,
-                              "the running group's deferred flat buffer and the next group's"))
-        buffers.append(Buffer("the running layer's unsharded gradients", param_dtype * largest, "gradients",
-                              ("backward",)))
-        buffers.append(Buffer("reduce-scatter inputs", 2 * reduce_dtype * largest, "temporaries", ("backward",),
-                              "the current and the previous group's, in reduce_dtype"))
+            buffers.append(Buffer("the running layer's gathered parameters", param_dtype * layer, "parameters",
+                                  ("forward:layer", "backward:layer")))
+            buffers.append(Buffer("the next layer's gathered parameters (backward prefetch)", param_dtype * layer,
+                                  "parameters", ("backward:layer",)))
+        buffers.append(Buffer("a layer's all-gather buffer", param_dtype * layer, "temporaries",
+                              ("forward", "backward:head"),
+                              "the last gathered group's flat buffer, whose free waits for the next group's"))
+        buffers.append(Buffer("the next layer's all-gather buffer (forward prefetch)", param_dtype * layer,
+                              "temporaries", ("forward:layer",)))
+        buffers.append(Buffer("a layer's reduce-scatter input", reduce_dtype * layer, "temporaries",
+                              ("backward:layer", "backward:end"),
+                              "in reduce_dtype; held until the next group's reduce-scatter"))
         if parallel.fsdp == "hybrid" and parallel.gpus > world:
-            buffers.append(Buffer("all-reduce across nodes", reduce_dtype * -(-largest // world), "temporaries",
-                                  ("backward",), "the replicated dimension's all-reduce of the running group's shard"))
+            buffers.append(Buffer("all-reduce across nodes", reduce_dtype * -(-layer // world), "temporaries",
+                                  ("backward",), "the replicated dimension's all-reduce of one group's shard"))
     host = pinned = 0
     weights, grads = orig * shard, orig * shard
     if parallel.offload == "optimizer+params":
@@ -370,7 +385,8 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
                               "temporaries", _STEP))
         weights = grads = states = 0
     return RankLayout(weights, grads, 0, states, shard, world, tuple(buffers), False, host, pinned,
-                      ("not validated on a GPU: FSDP2's sharded states are checked on CPU processes (gloo)",))
+                      ("not validated on a GPU: FSDP2's sharded states are checked on CPU processes (gloo)",),
+                      gradient_shard_bytes=orig, head_gradient_sharded=False)
 
 
 def buffer_bytes_in(buffers: tuple[Buffer, ...], phase: str, category: str) -> int:

@@ -591,6 +591,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     gradients of the layers backward has finished are reduce-scattered to its shard, and the engine's buffers are
     added in the phases they exist in."""
     shards = rank.gradient_shards if rank else 1
+    # a finished gradient shard's bytes per element, over the recipe's (FSDP2 casts shards to the masters' dtype)
+    shard_scale = (rank.gradient_shard_bytes or recipe.gradient_bytes) / recipe.gradient_bytes if rank else 1
     st = _static(static, recipe, settings, rank)
     weights, grads, states, grads_in_forward = st.weights, st.grads, st.states, st.grads_in_forward
     p = Precision.of(recipe)
@@ -649,7 +651,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # that keeps only the loss (HF Trainer's compute_loss, `loss = model(...).loss`) drops the output object.
     loss_grads = 0 if settings.loss == "chunked" else 2 * FP32 * v * tokens
     head_grad = _param_bytes(_role_numel(spec, "head"), recipe.gradient_bytes) if not spec.tied_embeddings else 0
-    head_grad = -(-head_grad // shards)
+    if rank and rank.head_gradient_sharded:
+        head_grad = -(-head_grad // shards)
     candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
     if settings.loss != "chunked":
         candidates += _lm_head_moments(spec, acts, recipe, p, weights, states, grads_in_forward, saved)
@@ -676,6 +679,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     for x in layers:
         kept_below.append(kept_below[-1] + x.kept)
     grads_above = 0
+    first_layer_moment = len(candidates)
     for index in range(len(layers) - 1, -1, -1):
         x = layers[index]
         live_acts = base_kept + kept_below[index] + (x.kept + x.full if acts.checkpointing == "full" else x.full)
@@ -738,38 +742,66 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             "backward", f"layer {index} attention", weights,
             max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
             base_kept + kept_below[index] + x.attention_live, x.attention_transient + tied_held))
-        grads_above += -(-x.grads // shards)
+        grads_above += -(-x.grads // shards) if shard_scale == 1 else -(-int(x.grads * shard_scale) // shards)
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
     # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights that
     # contribution exists beside the held LM-head one, into which the autograd engine then adds it in place
     # (input_buffer.cpp; the trace does the same, see trace._gradient_sum). Only a large vocabulary with
     # small activations (checkpointing, short sequences) makes this the peak, e.g. Llama-3-8B (traced).
+    layer_moments = range(first_layer_moment, len(candidates))
     emb_input_grad = p.residual * h * tokens if layers else 0
     if tied_held:
+        # (on a rank, the finished gradients are the reduced shards of the head and the layers)
+        finished = grads - tied_held if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding (tied weights)", weights,
-                                max(grads_in_forward, grads - tied_held), states, base_kept,
+                                max(grads_in_forward, finished), states, base_kept,
                                 2 * tied_held + emb_input_grad))
     elif layers:
         emb_grad = _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
-        candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, grads - emb_grad), states,
+        finished = grads - emb_grad if shards == 1 else head_grad + grads_above
+        candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, finished), states,
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank)
     phases = (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
-    return with_buffers(phases, rank.buffers) if rank and rank.buffers else phases
+    if not (rank and rank.buffers):
+        return phases
+    # Where each moment is: inside a decoder layer (all of forward's but the loss, which is last; backward's layer
+    # walk), before the layers (backward's loss and LM head moments) or after them (the embedding's backward).
+    places = ({}, {"layer": range(len(candidates_fw) - 1)},
+              {"head": range(first_layer_moment), "layer": layer_moments,
+               "end": range(layer_moments.stop, len(candidates))}, {}, {})
+    return with_buffers(phases, rank.buffers, places)
 
 
-def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers) -> tuple[tuple[Phase, ...], ...]:
-    """Every candidate moment with the engine's buffers alive in its phase added to their categories (a buffer
-    alive through a phase adds the same to each of its moments, so which moment peaks does not change)."""
+def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers,
+                 places: tuple = ({},) * 5) -> tuple[tuple[Phase, ...], ...]:
+    """Every candidate moment with the engine's buffers alive then added to their categories: a buffer of phase
+    ``name`` is alive at each of its moments; one of ``name:layer``, ``name:head`` or ``name:end`` only at the
+    moments in that place (``places`` gives their positions per phase), such as the running layer's gathered
+    parameters."""
     out = []
-    for candidates in phases:
+    for candidates, where in zip(phases, places):
         name = candidates[0].name
-        add = {c: sum(b.bytes for b in buffers if name in b.phases and b.category == c) for c in CATEGORIES}
-        out.append(tuple(Phase(ph.name, ph.moment, ph.parameters + add["parameters"],
-                               ph.gradients + add["gradients"], ph.optimizer_states + add["optimizer_states"],
-                               ph.activations + add["activations"], ph.temporaries + add["temporaries"])
-                         for ph in candidates) if any(add.values()) else candidates)
+        everywhere = _buffer_sums(buffers, name)
+        extra = {place: _buffer_sums(buffers, f"{name}:{place}") for place in where}
+        out.append(tuple(_plus(ph, everywhere, next((extra[place] for place, positions in where.items()
+                                                     if i in positions), None))
+                         for i, ph in enumerate(candidates)))
     return tuple(out)
+
+
+def _buffer_sums(buffers, when: str) -> dict[str, int]:
+    return {c: sum(b.bytes for b in buffers if when in b.phases and b.category == c) for c in CATEGORIES}
+
+
+def _plus(ph: Phase, add: dict[str, int], more: dict[str, int] | None) -> Phase:
+    if more:
+        add = {c: add[c] + more[c] for c in CATEGORIES}
+    if not any(add.values()):
+        return ph
+    return Phase(ph.name, ph.moment, ph.parameters + add["parameters"], ph.gradients + add["gradients"],
+                 ph.optimizer_states + add["optimizer_states"], ph.activations + add["activations"],
+                 ph.temporaries + add["temporaries"])
 
 
 def peak_of(candidates: tuple[Phase, ...]) -> Phase:

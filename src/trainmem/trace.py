@@ -155,7 +155,7 @@ def _track(tracker, mem_tracker, run) -> None:
         tracker._update_and_maybe_create_winfos(main, mem_tracker._MemRefType.GRAD)
 
 
-def _recompute_aware_tracker(mem_tracker, run):
+def _recompute_aware_tracker(mem_tracker, run, base=None, temporary=None, **kwargs):
     """A MemTracker that tags what a checkpointed layer's recompute allocates as activations, as MemTracker
     documents (its own ``_in_ac`` flag is set only inside the submodules the recompute calls: the layer's own ops,
     e.g. the residual adds, were tagged as temporaries, and an early-stopped recompute left it set for the rest
@@ -163,9 +163,12 @@ def _recompute_aware_tracker(mem_tracker, run):
 
     import torch
 
-    class RecomputeAwareTracker(mem_tracker.MemTracker):
-        def __init__(self):
-            super().__init__()
+    base = base or mem_tracker.MemTracker
+    temporary = temporary or mem_tracker._MemRefType.TEMP
+
+    class RecomputeAwareTracker(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
             self._fresh_zeros: dict[int, weakref.ref] = {}
 
         @property
@@ -180,14 +183,14 @@ def _recompute_aware_tracker(mem_tracker, run):
             in_backward = torch._C._current_autograd_node() is not None
             if in_backward:
                 func = _plain_tensor_overload(self._fresh_zeros, func, args)
-                if _gradient_sum(self, mem_tracker, func, args):
+                if _gradient_sum(self, temporary, func, args):
                     func = torch.ops.aten.add_.Tensor
             result = super().__torch_dispatch__(func, types, args, kwargs)
             if in_backward and str(func) in _ZEROS:
                 self._fresh_zeros[id(result)] = weakref.ref(result)
             return result
 
-    return RecomputeAwareTracker()
+    return RecomputeAwareTracker(**kwargs)
 
 
 _ZEROS = frozenset({"aten.new_zeros.default", "aten.zeros.default", "aten.zeros_like.default"})
@@ -216,7 +219,7 @@ def _plain_tensor_overload(fresh_zeros: dict, func, args):
     return func
 
 
-def _gradient_sum(tracker, mem_tracker, func, args) -> bool:
+def _gradient_sum(tracker, temporary, func, args) -> bool:
     """Whether this is the autograd engine summing two gradients of one tensor used twice (the residual stream,
     tied embeddings: the LM head's contribution and the embedding's), which it does in place into one that
     nothing else references (torch/csrc/autograd/input_buffer.cpp, ``can_accumulate_inplace``), but out of place
@@ -228,7 +231,6 @@ def _gradient_sum(tracker, mem_tracker, func, args) -> bool:
     if not (isinstance(old, type(new)) and hasattr(old, "shape") and old.shape == new.shape
             and old.dtype == new.dtype and old.is_contiguous()):
         return False
-    temporary = mem_tracker._MemRefType.TEMP
     for tensor in (old, new):
         winfo = tracker._WINFO.get(tensor.untyped_storage(), (None, None))[0]
         if winfo is None or winfo.reftype != temporary:
@@ -301,4 +303,119 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
         step_phase,
         _phase("between_steps", "after zero_grad", between),
     )
+    return TraceResult(phases, time.perf_counter() - started, round_to_cuda)
+
+
+FSDP_TRACE_RECIPES = {"fp32": None, "amp-bf16": None, "mixed-bf16": "bfloat16", "mixed-fp16": "float16",
+                      "pure-bf16-bf16states": None}
+"""The recipes an FSDP2 trace runs, with MixedPrecisionPolicy's param_dtype: the mixed recipes keep fp32 shards
+(the masters) and compute in half precision; the others compute in the dtype of their parameters."""
+
+_FSDP_CATEGORY = {"SHARDED_PARAM": "parameters", "UNSHARDED_PARAM": "parameters", "BUFFER": "parameters",
+                  "SHARDED_GRAD": "gradients", "UNSHARDED_GRAD": "gradients", "ACT": "activations",
+                  "INP": "activations", "TEMP": "temporaries", "ALL_GATHER": "temporaries",
+                  "REDUCE_SCATTER": "temporaries", "OPT": "optimizer_states"}
+
+
+def _fsdp_phase(name: str, moment: str, snapshot: dict) -> Phase:
+    values = dict.fromkeys(CATEGORIES, 0)
+    for per_device in snapshot.values():
+        for key, nbytes in per_device.items():
+            category = _FSDP_CATEGORY.get(str(key).rsplit(".", 1)[-1])
+            if category:
+                values[category] += nbytes
+    return Phase(name, moment, **values)
+
+
+def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel, spec: ModelSpec | None = None,
+                    round_to_cuda: bool = True) -> TraceResult:
+    """One rank of an FSDP2 run (``fully_shard`` on every decoder layer and the root), traced under FakeTensorMode
+    with PyTorch's fake process group, whose collectives move no data: rank 0, which holds the largest shards.
+    PyTorch's FSDPMemTracker (torch.distributed._tools.fsdp2_mem_tracker) follows every storage, collective
+    buffers included, with the trace's corrections (what a GPU runs in place); a warm-up step first creates the
+    sharded optimizer states, as torchtitan's estimation script does."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .probe import build_model
+    from .step import enable_checkpointing
+
+    if parallel.fsdp not in ("full", "grad-op") or parallel.offload != "none":
+        raise ConfigError("trace runs FSDP2 as --fsdp full or grad-op without offload")
+    if settings.recipe not in FSDP_TRACE_RECIPES:
+        raise ConfigError(f"trace --fsdp runs the recipes {', '.join(FSDP_TRACE_RECIPES)}; got {settings.recipe!r}")
+    if settings.optimizer not in ("adamw", "adam", "sgd") or settings.grad_accum != 1:
+        raise ConfigError("trace --fsdp runs adamw, adam or sgd without gradient accumulation")
+    started = time.perf_counter()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=parallel.gpus, store=FakeStore())
+    mesh = init_device_mesh("cpu", (parallel.gpus,))  # outside FakeTensorMode: it computes the rank's coordinates
+    original_size = mem_tracker._WeakRefInfo._calculate_mem_consumed
+    if round_to_cuda:
+        mem_tracker._WeakRefInfo._calculate_mem_consumed = lambda self: -(-self.size * self.element_size // 512) * 512
+    try:
+        with fake_gpu():
+            recipe = get_recipe(settings.recipe)
+            half = FSDP_TRACE_RECIPES[settings.recipe]
+            model = build_model(config, get_recipe("fp32") if half else recipe, settings.attention
+                                if settings.attention != "flash" else "sdpa", settings.dropout)
+            if settings.checkpointing == "full":
+                enable_checkpointing(model)
+            policy = MixedPrecisionPolicy(param_dtype=getattr(torch, half), reduce_dtype=torch.float32) if half \
+                else MixedPrecisionPolicy()
+            reshard = parallel.fsdp == "full"
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            optimizer_class = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+            fused = settings.fused_optimizer
+            optimizer = optimizer_class[settings.optimizer](model.parameters(), lr=1e-4, foreach=not fused,
+                                                            fused=fused or None)
+            ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq))
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if recipe.autocast else contextlib.nullcontext()
+
+            class Run:  # what the corrections need to know (no recompute marker: every checkpointed op is tagged)
+                recomputing = False
+
+            tracker = _recompute_aware_tracker(mem_tracker, Run, fsdp2_mem_tracker.FSDPMemTracker,
+                                               fsdp2_mem_tracker._FSDPRefType.TEMP, mod=model, optm=optimizer)
+            tracker.track_inputs((ids,))
+            with tracker:
+                for iteration in range(2):
+                    with autocast:
+                        loss = model(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    del loss
+                    if iteration == 0:
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        tracker.reset_mod_stats()
+                snapshots = tracker.memory_tracking[model].snapshots
+                forward = snapshots[fsdp2_mem_tracker._FSDPModState.PEAK_FW][-1]
+                backward = max(snapshots[fsdp2_mem_tracker._FSDPModState.PEAK_BW],
+                               key=lambda s: sum(v for d in s.values() for k, v in d.items() if str(k) == "Total"))
+            step_tracker = mem_tracker.MemTracker()
+            step_tracker.track_external(model, optimizer)
+            with step_tracker:
+                before = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
+                optimizer.step()
+                peak = _device_snapshot(step_tracker.get_tracker_snapshot("peak"))
+                optimizer.zero_grad(set_to_none=True)
+                after = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
+    finally:
+        mem_tracker._WeakRefInfo._calculate_mem_consumed = original_size
+        dist.destroy_process_group()
+    states = after.get("Optstate", 0)
+    load = _phase("load", "static state", after)
+    step = _phase("optimizer", "step()", peak)
+    step = Phase("optimizer", "step()", step.parameters, before.get("Gradient", 0), states, 0,
+                 step.allocated_bytes - step.parameters - before.get("Gradient", 0) - states)
+    phases = (load, _fsdp_phase("forward", "peak of forward", forward),
+              _fsdp_phase("backward", "peak of backward", backward), step,
+              _phase("between_steps", "after zero_grad", after))
     return TraceResult(phases, time.perf_counter() - started, round_to_cuda)
