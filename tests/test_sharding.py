@@ -182,3 +182,34 @@ def test_fsdp2_ranks_hold_what_trainmem_says(world, recipe):
     assert max(r["gradients"] for r in ranks) == states["gradients"]
     assert max(r["optimizer_states"] for r in ranks) == states["optimizer_states"]
     assert min(r["gradients"] for r in ranks) < states["gradients"]  # the shards really are uneven
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, checkpointing, world", [("mixed-bf16", "none", 8), ("mixed-bf16", "full", 4),
+                                                          ("fp32", "full", 8), ("amp-bf16", "none", 4)])
+def test_fsdp2_trace_of_one_rank_matches_the_estimate(recipe, checkpointing, world):
+    """FSDPMemTracker on a fake process group (trace_fsdp_step): every collective buffer and shard of rank 0."""
+    pytest.importorskip("transformers")
+    from trainmem.catalog import catalog_config
+    from trainmem.trace import trace_fsdp_step
+
+    config = dict(catalog_config("llama-3.2-1b"), num_hidden_layers=2)
+    settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=2, seq=512, optimizer_impl="foreach")
+    parallel = Parallel(gpus=world, fsdp="full")
+    spec = spec_from_config(config)
+    est = estimate_model(spec, settings, parallel=parallel)
+    traced = trace_fsdp_step(config, settings, parallel, spec)
+    for e, t in zip(est.phases, traced.phases):
+        assert abs(e.allocated_bytes - t.allocated_bytes) <= 0.01 * t.allocated_bytes, (e, t)
+    assert abs(est.peak.allocated_bytes - traced.peak.allocated_bytes) <= 0.01 * traced.peak.allocated_bytes
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--gpus", "8", "--zero", "3"], "DeepSpeed are estimated only"),
+    (["--gpus", "8", "--fsdp", "hybrid", "--gpus-per-node", "4"], "full or grad-op"),
+    (["--gpus", "8", "--fsdp", "full", "--recipe", "pure-bf16"], "runs the recipes"),
+    (["--gpus", "8", "--fsdp", "full", "--grad-accum", "2"], "without gradient accumulation"),
+])
+def test_trace_refuses_layouts_it_cannot_run_before_importing_torch(run_cli, args, says):
+    code, out, err = run_cli("trace", "gpt2", *args)
+    assert code == 2 and says in err and err.count("\n") == 1

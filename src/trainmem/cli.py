@@ -252,25 +252,38 @@ def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
 @click.option("--no-round", is_flag=True, help="Keep raw tensor sizes (CUDA rounds each allocation to 512 B).")
 def trace(batch, seq, no_round, **options) -> None:
     """Run one real training step of MODEL's transformers implementation under FakeTensorMode on the CPU
-    (no GPU, no memory), count every allocation, and compare with the estimate.
+    (no GPU, no memory), count every allocation, and compare with the estimate. With --gpus N --fsdp full, one rank
+    of FSDP2 on a fake process group.
 
     \b
     Example: trainmem trace llama-2-7b --batch 1 --seq 2048 --recipe mixed-bf16
+             trainmem trace llama-3-8b --gpus 8 --fsdp full --recipe mixed-bf16
     """
     from .step import check_runnable
 
     w = _workload(options, batch, seq, need_config="trace")
-    _one_process(w, "trace")
-    check_runnable(w.settings)
+    sharded = w.parallel is not None and w.parallel.engine != "single"
+    if sharded and w.parallel.engine != "fsdp2":
+        raise ConfigError("trace runs one GPU, or one rank of FSDP2 (--gpus N --fsdp full|grad-op); DDP and "
+                          "DeepSpeed are estimated only")
+    if sharded:
+        from .trace import check_fsdp_traceable
+
+        check_fsdp_traceable(w.settings, w.parallel)
+    else:
+        check_runnable(w.settings)
 
     from .estimate import estimate_model
     from .report import render_trace, trace_to_dict
-    from .trace import trace_step
+    from .trace import trace_fsdp_step, trace_step
 
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
     config = w.config
-    est = estimate_model(spec, settings, w.device)
-    result = trace_step(config, settings, spec, round_to_cuda=not no_round)
+    est = estimate_model(spec, settings, w.device, w.parallel)
+    if sharded:
+        result = trace_fsdp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
+    else:
+        result = trace_step(config, settings, spec, round_to_cuda=not no_round)
     if as_json:
         _emit_json(trace_to_dict(est, result.phases, result.seconds, result.rounded))
     else:

@@ -203,8 +203,9 @@ class Buffer:
     """The phase category: parameters (gathered weights), gradients, or temporaries (communication buffers)."""
     phases: tuple[str, ...]
     """The phases it is alive in (load, forward, backward, optimizer, between_steps), or a place in one:
-    ``forward:layer``, ``backward:layer`` (the moments inside a decoder layer), ``backward:head`` (before the
-    layers: the loss and the LM head) and ``backward:end`` (after them: the embedding)."""
+    ``forward:start`` (the first layer's gather), ``forward:layer``, ``backward:layer`` (the moments inside a
+    decoder layer), ``backward:head`` (before the layers: the loss and the LM head) and ``backward:end`` (after
+    them: the embedding)."""
     note: str = ""
 
 
@@ -370,6 +371,11 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
                               "the last gathered group's flat buffer, whose free waits for the next group's"))
         buffers.append(Buffer("the next layer's all-gather buffer (forward prefetch)", param_dtype * layer,
                               "temporaries", ("forward:layer",)))
+        if parallel.fsdp != "grad-op":
+            buffers.append(Buffer("the root's all-gather buffer", param_dtype * root, "temporaries",
+                                  ("forward:start",), "alive until the first layer's gather has been copied out"))
+            buffers.append(Buffer("the first layer's gathered parameters", param_dtype * layer, "parameters",
+                                  ("forward:start",)))
         buffers.append(Buffer("a layer's reduce-scatter input", reduce_dtype * layer, "temporaries",
                               ("backward:layer", "backward:end"),
                               "in reduce_dtype; held until the next group's reduce-scatter"))

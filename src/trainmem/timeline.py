@@ -645,6 +645,13 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
                                    + p.compute * h * tokens, 0))
     candidates_fw.append(candidates_fw.pop(0))  # the loss comes last: on a tie the earlier moment is the peak
+    starts = int(bool(rank and any("forward:start" in b.phases for b in rank.buffers)))
+    if starts:
+        # A sharded engine gathering the first layer while the root's gather buffer is still alive (FSDP2): only
+        # the embedding's saved tensors and its output exist yet.
+        candidates_fw.insert(0, Phase("forward", "the first layer's all-gather", weights, grads_in_forward, states,
+                                      acts.embedding_bytes + acts.constant_bytes - head_copy + p.residual * h * tokens,
+                                      0))
 
     # Backward start: nll_loss's gradient and log_softmax's gradient (both fp32, V wide) beside everything saved.
     # The logits themselves are gone by then: log_softmax keeps its output, not its input, and a training loop
@@ -767,7 +774,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         return phases
     # Where each moment is: inside a decoder layer (all of forward's but the loss, which is last; backward's layer
     # walk), before the layers (backward's loss and LM head moments) or after them (the embedding's backward).
-    places = ({}, {"layer": range(len(candidates_fw) - 1)},
+    places = ({}, {"start": range(starts), "layer": range(starts, len(candidates_fw) - 1)},
               {"head": range(first_layer_moment), "layer": layer_moments,
                "end": range(layer_moments.stop, len(candidates))}, {}, {})
     return with_buffers(phases, rank.buffers, places)

@@ -327,6 +327,18 @@ def _fsdp_phase(name: str, moment: str, snapshot: dict) -> Phase:
     return Phase(name, moment, **values)
 
 
+def check_fsdp_traceable(settings: TrainingSettings, parallel) -> None:
+    """Refuse, before torch is imported, what the FSDP2 trace does not run."""
+    if parallel.fsdp not in ("full", "grad-op") or parallel.offload != "none":
+        raise ConfigError("trace runs FSDP2 as --fsdp full or grad-op, without offload")
+    if settings.recipe not in FSDP_TRACE_RECIPES:
+        raise ConfigError(f"trace --fsdp runs the recipes {', '.join(FSDP_TRACE_RECIPES)}; got {settings.recipe!r}")
+    if settings.optimizer not in ("adamw", "adam", "sgd") or settings.grad_accum != 1:
+        raise ConfigError("trace --fsdp runs adamw, adam or sgd, without gradient accumulation")
+    if settings.attention == "flash" or settings.loss == "chunked":
+        raise ConfigError("trace --fsdp runs sdpa or eager attention and the standard loss")
+
+
 def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel, spec: ModelSpec | None = None,
                     round_to_cuda: bool = True) -> TraceResult:
     """One rank of an FSDP2 run (``fully_shard`` on every decoder layer and the root), traced under FakeTensorMode
@@ -344,12 +356,7 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
     from .probe import build_model
     from .step import enable_checkpointing
 
-    if parallel.fsdp not in ("full", "grad-op") or parallel.offload != "none":
-        raise ConfigError("trace runs FSDP2 as --fsdp full or grad-op without offload")
-    if settings.recipe not in FSDP_TRACE_RECIPES:
-        raise ConfigError(f"trace --fsdp runs the recipes {', '.join(FSDP_TRACE_RECIPES)}; got {settings.recipe!r}")
-    if settings.optimizer not in ("adamw", "adam", "sgd") or settings.grad_accum != 1:
-        raise ConfigError("trace --fsdp runs adamw, adam or sgd without gradient accumulation")
+    check_fsdp_traceable(settings, parallel)
     started = time.perf_counter()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -362,8 +369,7 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
         with fake_gpu():
             recipe = get_recipe(settings.recipe)
             half = FSDP_TRACE_RECIPES[settings.recipe]
-            model = build_model(config, get_recipe("fp32") if half else recipe, settings.attention
-                                if settings.attention != "flash" else "sdpa", settings.dropout)
+            model = build_model(config, get_recipe("fp32") if half else recipe, settings.attention, settings.dropout)
             if settings.checkpointing == "full":
                 enable_checkpointing(model)
             policy = MixedPrecisionPolicy(param_dtype=getattr(torch, half), reduce_dtype=torch.float32) if half \
