@@ -213,3 +213,27 @@ def test_fsdp2_trace_of_one_rank_matches_the_estimate(recipe, checkpointing, wor
 def test_trace_refuses_layouts_it_cannot_run_before_importing_torch(run_cli, args, says):
     code, out, err = run_cli("trace", "gpt2", *args)
     assert code == 2 and says in err and err.count("\n") == 1
+
+
+def _zero2_gpu_bytes_as_deepspeed_writes_it(total_params: int, gpus: int) -> int:
+    """deepspeed/runtime/zero/stage_1_and_2.py, estimate_zero2_model_states_mem_needs, cpu_offload=False
+    (deepspeed 0.19.8): "2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit +
+    8_optimizer_states_32bit"."""
+    return 2 * total_params + int(18 * total_params / gpus)
+
+
+@pytest.mark.parametrize("name, gpus", [("llama-2-7b", 8), ("llama-3-70b", 64), ("mixtral-8x7b", 16)])
+def test_zero2_model_states_at_the_step_are_deepspeeds_estimate(name, gpus):
+    """At optimizer.step() ZeRO-2 holds what DeepSpeed's estimator counts: its model states plus the fp32
+    gradient partition it casts for the step."""
+    spec = catalog_spec(name)
+    est = estimate_model(spec, make_settings(recipe="mixed-bf16"), parallel=Parallel(gpus=gpus, zero=2))
+    at_step = est.static_bytes + sum(b.bytes for b in est.rank.buffers if "optimizer" in b.phases)
+    assert abs(at_step - _zero2_gpu_bytes_as_deepspeed_writes_it(spec.num_parameters, gpus)) <= 18 * 2 * gpus
+
+
+def test_deepspeeds_own_estimator_when_it_is_installed():
+    stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    spec = catalog_spec("llama-2-7b")
+    _, gpu = stage_1_and_2.estimate_zero2_model_states_mem_needs(spec.num_parameters, 8, 1, False)
+    assert gpu == _zero2_gpu_bytes_as_deepspeed_writes_it(spec.num_parameters, 8)

@@ -19,8 +19,9 @@ engines' code (../shared/reference/scale.md cites the commits):
   dtype it had when ``fully_shard`` was called (fp32 for the mixed recipes: the shard is the master copy); the
   gradients are reduce-scattered to shards of the same size and dtype; one ``fully_shard`` group per decoder
   layer plus the root (embedding, final norm, LM head); the group being computed is all-gathered in
-  ``param_dtype`` while the next one's all-gather is in flight (forward: the computed group, its flat all-gather
-  buffer, whose free is deferred to the next group's wait, and the next group's buffer; backward: one group
+  ``param_dtype`` while the next one's all-gather is in flight (forward: the computed group and its flat all-gather
+  buffer, whose free is deferred to the next group's wait; the forward moments the timeline models are the last
+  layer's, which has no next group, and the first layer's gather beside the root's buffer; backward: one group
   prefetched), and backward reduce-scatters each group's unsharded gradients through a ``reduce_dtype`` buffer of
   which the current and the previous one are alive.
 """
@@ -369,8 +370,6 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
         buffers.append(Buffer("a layer's all-gather buffer", param_dtype * layer, "temporaries",
                               ("forward", "backward:head"),
                               "the last gathered group's flat buffer, whose free waits for the next group's"))
-        buffers.append(Buffer("the next layer's all-gather buffer (forward prefetch)", param_dtype * layer,
-                              "temporaries", ("forward:layer",)))
         if parallel.fsdp != "grad-op":
             buffers.append(Buffer("the root's all-gather buffer", param_dtype * root, "temporaries",
                                   ("forward:start",), "alive until the first layer's gather has been copied out"))
