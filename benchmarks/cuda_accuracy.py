@@ -7,6 +7,7 @@ of docs/accuracy.md with it, dated and naming the GPU (the other sections are ke
 device. ``cuda_section`` and the report rewrite are tested on the CPU (tests/test_validate.py).
 
 Run: python benchmarks/cuda_accuracy.py [--quick]
+On a node with several GPUs, benchmarks/cuda_sharded.py (under torchrun) measures FSDP2 and ZeRO-2/3 per GPU.
 """
 
 import datetime
