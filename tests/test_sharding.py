@@ -237,3 +237,38 @@ def test_deepspeeds_own_estimator_when_it_is_installed():
     spec = catalog_spec("llama-2-7b")
     _, gpu = stage_1_and_2.estimate_zero2_model_states_mem_needs(spec.num_parameters, 8, 1, False)
     assert gpu == _zero2_gpu_bytes_as_deepspeed_writes_it(spec.num_parameters, 8)
+
+
+DDP_WRAP = r"""
+import json, os, socket, torch, torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+
+class Allocations(TorchDispatchMode):
+    total = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and func.__name__.startswith(("empty", "zeros")):
+            self.total += out.numel() * out.element_size()
+        return out
+
+model = torch.nn.Sequential(*[torch.nn.Linear(300, 200) for _ in range(5)])
+with Allocations() as wrap:
+    torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.1)
+print(json.dumps({"parameters": sum(p.numel() for p in model.parameters()), "wrap_bytes": wrap.total}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_ddp_allocates_buckets_for_every_gradient_when_it_wraps_the_model():
+    """torch's Reducer (reducer.cpp, initialize_buckets): the buckets together hold every gradient, whatever their
+    cap (here 0.1 MiB, so several buckets), allocated when the model is wrapped."""
+    proc = subprocess.run([sys.executable, "-c", DDP_WRAP], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    gradients = 4 * row["parameters"]
+    assert gradients <= row["wrap_bytes"] <= gradients + 4096  # (plus a few bookkeeping tensors)

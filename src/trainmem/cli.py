@@ -103,8 +103,8 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
     except ConfigError as exc:
         message = str(exc)
         if message.startswith(_FLAG_WORDS):
-            raise ConfigError(f"--{message.replace('_', '-', 1) if message.startswith('gpus_') else message}") \
-                from None
+            word, _, rest = message.partition(" ")
+            raise ConfigError(f"--{word.replace('_', '-')} {rest}") from None
         raise
     return _Workload(req.model, req.config, req.settings, req.device, req.gpu, unit, req.parallel)
 

@@ -14,8 +14,8 @@ from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION, GPUS, MI
 from .models import ModelSpec
 from .optimizers import TRACEABLE_OPTIMIZERS, get_optimizer
 from .recipes import get_recipe
-from .settings import TrainingSettings, make_settings
-from .timeline import Phase, seed_activation_bytes  # noqa: F401 (part of this module's API)
+from .settings import TrainingSettings
+from .timeline import Phase
 
 DEFAULT_HEADROOM = 1.25
 """The seed article's advice: pick a GPU with 1.2-1.3x the estimate."""

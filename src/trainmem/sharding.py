@@ -55,6 +55,8 @@ class DeepSpeedConfig:
 
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
+    """Read and reported; it sizes no buffer that outlives a collective in DeepSpeed's code (scale.md section 2.4),
+    so no figure depends on it."""
     overlap_comm: bool | None = None
     """None: DeepSpeed's default, True for stage 3 only (``overlap_comm_valid``)."""
     contiguous_gradients: bool = True
@@ -77,6 +79,8 @@ def read_deepspeed_config(path: str | Path, hidden_size: int) -> tuple[DeepSpeed
     reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2, stage3_param_persistence_threshold 10 h)."""
     from .models import read_config_file
 
+    if not Path(path).is_file():
+        raise ConfigError(f"--ds-config {path}: no such file; give a DeepSpeed config (JSON)")
     raw = read_config_file(Path(path))
     zero = raw.get("zero_optimization", {})
     if not isinstance(zero, dict):
@@ -128,12 +132,11 @@ class Parallel:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "gpus_per_node"):
+        for name, least in (("gpus", 1), ("gpus_per_node", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_GPUS:
-                raise ConfigError(f"{name} must be a whole number from 1 to {MAX_GPUS:,}, got {value!r}")
-        if self.gpus < 1:
-            raise ConfigError(f"gpus must be at least 1, got {self.gpus}")
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_GPUS:
+                raise ConfigError(f"{name} must be a whole number from {least} to {MAX_GPUS:,}"
+                                  + (" (0: 8, or gpus if fewer)" if least == 0 else "") + f", got {value!r}")
         if self.zero is not None and self.fsdp is not None:
             raise ConfigError("--zero (DeepSpeed) and --fsdp (PyTorch FSDP2) are two engines; give one")
         if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in ZERO_STAGES):
