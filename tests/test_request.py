@@ -96,10 +96,11 @@ def test_params_paths_and_specs_are_models():
 
 
 HOSTILE = ["", " ", "0", "-1", "1.5", "nan", "inf", "-inf", "1e308", "99999999999999999999", "abc", "7B", "0x10",
-           "1,2", "None", "\u00e9", "sdpa", "full", "fp32", "adamw"]
+           "1,2", "None", "\u00e9", "sdpa", "full", "fp32", "adamw", "8", "q,v", "all-linear", "nf4", "3"]
 FLAGS = ["--batch", "--seq", "--grad-accum", "--dropout", "--headroom", "--fragmentation", "--cuda-overhead",
          "--activation-k", "--gpu", "--recipe", "--optimizer", "--optimizer-impl", "--attention", "--checkpointing",
-         "--loss", "--units"]
+         "--loss", "--units", "--gpus", "--zero", "--fsdp", "--offload", "--lora", "--lora-targets", "--base-quant",
+         "--adapter-dtype", "--lora-alpha"]
 
 
 class _Hang(Exception):

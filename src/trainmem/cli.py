@@ -71,6 +71,7 @@ class _Workload:
     gpu: object
     unit: str
     parallel: object = None
+    finetune: object = None
 
 
 SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attention", "checkpointing", "dropout",
@@ -98,7 +99,10 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
                            cuda_overhead=options["cuda_overhead"], hub=options["hub"], need_config=need_config,
                            gpus=gpus, gpus_per_node=options["gpus_per_node"], zero=zero, fsdp=options["fsdp"],
                            offload=options["offload"], ddp_bucket_view=options["ddp_bucket_view"],
-                           ds_config=options["ds_config"], batch=batch, seq=seq,
+                           ds_config=options["ds_config"], lora=options["lora"], lora_alpha=options["lora_alpha"],
+                           lora_targets=options["lora_targets"], adapter_dtype=options["adapter_dtype"],
+                           base_quant=options["base_quant"], double_quant=options["double_quant"],
+                           qlora=options["qlora"], batch=batch, seq=seq,
                            **{k: options[k] for k in SETTING_FLAGS})
     except ConfigError as exc:
         message = str(exc)
@@ -106,7 +110,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
             word, _, rest = message.partition(" ")
             raise ConfigError(f"--{word.replace('_', '-')} {rest}") from None
         raise
-    return _Workload(req.model, req.config, req.settings, req.device, req.gpu, unit, req.parallel)
+    return _Workload(req.model, req.config, req.settings, req.device, req.gpu, unit, req.parallel, req.finetune)
 
 
 def _one_int(text: str, flag: str, minimum: int = 1) -> int:
@@ -174,6 +178,16 @@ def _workload_options(f):
                      help="DDP with gradient_as_bucket_view=True (no second copy of the gradients)."),
         click.option("--ds-config", type=click.Path(dir_okay=False),
                      help="A DeepSpeed config: its zero_optimization keys (stage, buckets, offload) apply."),
+        click.option("--lora", type=int, default=None, help="Train LoRA adapters of this rank on a frozen base "
+                     "(static memory; the step's activations under LoRA are not modelled yet)."),
+        click.option("--lora-alpha", type=float, default=None, help="LoRA alpha (scales the adapters; no bytes)."),
+        click.option("--lora-targets", default="q,v", show_default=True,
+                     help="q,k,v,o,gate,up,down,lm_head, peft module names (q_proj, c_attn, ...) or all-linear."),
+        click.option("--adapter-dtype", default="auto", show_default=True,
+                     help="auto (fp32 over a half base, as peft does) | fp32 | bf16 | fp16."),
+        click.option("--base-quant", default=None, help="Quantize the frozen base: nf4 | fp4 | int8 (bitsandbytes)."),
+        click.option("--double-quant", is_flag=True, help="4-bit base with double quantization of the constants."),
+        click.option("--qlora", is_flag=True, help="QLoRA's base: --base-quant nf4 --double-quant."),
         click.option("--json", "as_json", is_flag=True, help="Print the versioned JSON document (bytes as integers)."),
     ]
     for option in reversed(options):
@@ -212,6 +226,9 @@ def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
 
         if target is None:
             raise ConfigError("--max-batch and --max-seq need --gpu NAME")
+        if w.finetune is not None:
+            raise ConfigError("--max-batch and --max-seq need the step's activations, which trainmem does not model "
+                              "under LoRA yet")
         if max_batch:
             best = find_batch(spec, settings, target, device, w.parallel)
             extra["max_batch"] = best
@@ -223,7 +240,7 @@ def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
             extra["max_seq_is_position_limit"] = bool(best) and best == seq_limit(spec)
             if best:
                 settings = replace(settings, seq=best)
-    est = estimate_model(spec, settings, device, w.parallel)
+    est = estimate_model(spec, settings, device, w.parallel, w.finetune)
     nothing_fits = any(extra.get(key) == 0 for key in ("max_batch", "max_seq"))
     if as_json:
         _emit_json(to_dict(est, target, extra))
@@ -262,6 +279,8 @@ def trace(batch, seq, no_round, **options) -> None:
     from .step import check_runnable
 
     w = _workload(options, batch, seq, need_config="trace")
+    if w.finetune is not None:
+        raise ConfigError("trace does not run LoRA yet (its activations are not modelled yet either)")
     sharded = w.parallel is not None and w.parallel.engine != "single"
     if sharded and w.parallel.engine != "fsdp2":
         raise ConfigError("trace runs one GPU, or one rank of FSDP2 (--gpus N --fsdp full|grad-op); DDP and "
@@ -322,6 +341,8 @@ def sweep(batches, seqs, **options) -> None:
                 raise ConfigError(f"--gpus {g} --zero {z}: {exc}") from None
             if layout not in layouts:
                 layouts.append(layout)
+    if w.finetune is not None:
+        raise ConfigError("sweep does not take --lora yet: under LoRA only the static memory is modelled")
     estimates = run_sweep(spec, settings, batch_list, seq_list, device, layouts)
     if any(e.peak is None for e in estimates):
         raise ConfigError("a sweep needs activations: give a model config, not --params")
@@ -353,6 +374,8 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     w = _workload(options, batch, seq, need_config="measure")
+    if w.finetune is not None:
+        raise ConfigError("measure does not run LoRA yet")
     _one_process(w, "measure")
     from .step import check_runnable
 

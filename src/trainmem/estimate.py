@@ -91,6 +91,8 @@ class Estimate:
     """sharding.Parallel: how many GPUs and which engine; every figure is then per GPU."""
     rank: Any = None
     """sharding.RankLayout of one GPU under a data-parallel engine (its buffers, host memory), None on one GPU."""
+    finetune: Any = None
+    """lora.FineTune when adapters train on a frozen (possibly quantized) base."""
 
     @property
     def per_gpu(self) -> bool:
@@ -191,13 +193,13 @@ def validation_notes(model: ModelSpec, settings: TrainingSettings) -> tuple[str,
 
 
 def estimate_model(model: ModelSpec, settings: TrainingSettings | None = None,
-                   device: DeviceOptions | None = None, parallel=None) -> Estimate:
+                   device: DeviceOptions | None = None, parallel=None, finetune=None) -> Estimate:
     """The estimate of one set-up: the step model compiled (stepmodel.py) and evaluated at its batch and seq, for
     one GPU of ``parallel`` (sharding.Parallel; default one GPU)."""
     from .stepmodel import compile_step
 
     settings = settings or TrainingSettings()
-    return compile_step(model, settings, device, parallel).estimate(settings.batch, settings.seq)
+    return compile_step(model, settings, device, parallel, finetune).estimate(settings.batch, settings.seq)
 
 
 def estimate(model=None, device: DeviceOptions | None = None, **options) -> Estimate:
@@ -218,4 +220,5 @@ def estimate(model=None, device: DeviceOptions | None = None, **options) -> Esti
     if device is not None and {"headroom", "fragmentation", "cuda_overhead"} & set(options):
         raise ConfigError("give device=DeviceOptions(...) or headroom/fragmentation/cuda_overhead, not both")
     req = make_request(model, **options)
-    return replace(estimate_model(req.model, req.settings, device or req.device, req.parallel), gpu=req.gpu)
+    return replace(estimate_model(req.model, req.settings, device or req.device, req.parallel, req.finetune),
+                   gpu=req.gpu)

@@ -129,7 +129,7 @@ class Dropout:
 
 ROLES = ("embedding", "position_embedding", "projection", "input_norm", "norm", "attention_input",
          "attention_output", "mlp", "mlp_down", "router", "expert", "expert_down", "shared_expert", "shared_expert_gate",
-         "head")
+         "head", "adapter")
 """What a parameter tensor is, which the timeline reads instead of its name: the input norm is a layer's first;
 attention_input covers q, k, v (fused or not) and MLA's low-rank projections; mlp_down and expert_down are the
 dense and routed experts' down projections; a shared expert's tensors are shared_expert whatever their place."""

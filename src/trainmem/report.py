@@ -125,6 +125,8 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
         doc["gpu"] = {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "fits": est.fits(gpu)}
     if est.per_gpu:
         _parallel_keys(est, doc)
+    if est.finetune is not None:
+        doc["lora"] = est.finetune.as_dict(m)
     if extra:
         doc.update(extra)
     return doc
@@ -150,6 +152,10 @@ def _title(est: Estimate) -> str:
         title += f", {m.num_active_parameters:,} active per token"
     if est.per_gpu:
         title += f"; per GPU of {_layout_words(est.parallel)}"
+    if est.finetune is not None:
+        f = est.finetune
+        title += f"; LoRA rank {f.lora.rank} on {','.join(f.lora.targets)}" + (
+            f", {f.base_quant}{' + double quant' if f.double_quant else ''} base" if f.base_quant else "")
     return title
 
 

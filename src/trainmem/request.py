@@ -18,6 +18,7 @@ from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION, GPU, MIB
 from .models import ModelSpec, nominal_spec
 from .optimizers import get_optimizer
 from .settings import TrainingSettings, make_settings
+from .lora import FineTune, LoraOptions
 from .sharding import Parallel, read_deepspeed_config
 
 MAX_PARAMS = 1e16
@@ -35,6 +36,8 @@ class Request:
     gpu: GPU | None = None
     parallel: Parallel = field(default_factory=Parallel)
     """How many GPUs and which engine: every figure is then per GPU."""
+    finetune: FineTune | None = None
+    """LoRA adapters on a frozen, possibly quantized, base."""
 
 
 def parse_params(value: Any) -> int:
@@ -68,13 +71,17 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
                  cuda_overhead: float = DEFAULT_CUDA_OVERHEAD_MIB, hub: bool = False, need_config: str = "",
                  gpus: int = 1, gpus_per_node: int = 0, zero: int | None = None, fsdp: str | None = None,
                  offload: str = "none", ddp_bucket_view: bool = False, ds_config: str | os.PathLike | None = None,
-                 **settings: Any) -> Request:
+                 lora: int | None = None, lora_alpha: float | None = None, lora_targets: Any = ("q", "v"),
+                 adapter_dtype: str = "auto", base_quant: str | None = None, double_quant: bool = False,
+                 qlora: bool = False, **settings: Any) -> Request:
     """Validate a request. ``model`` is a catalog name, a Hub repo id, a path to a config.json or its folder, or a
     ModelSpec; ``params`` a nominal size instead (``7e9``, ``"7B"``). ``cuda_overhead`` is in MiB. ``hub`` allows
     fetching a config from the Hugging Face Hub (never otherwise: a Hub id must be in the local cache).
     ``need_config`` names a command that cannot run on ``params`` alone. ``gpus``, ``gpus_per_node``, ``zero``,
     ``fsdp``, ``offload``, ``ddp_bucket_view`` lay the run out on several GPUs (sharding.Parallel); ``ds_config`` is a
     DeepSpeed config whose zero_optimization keys (stage, buckets, offload) apply where the keywords say nothing.
+    ``lora`` (the rank), ``lora_alpha``, ``lora_targets`` (a list or "q,v"), ``adapter_dtype``, ``base_quant``,
+    ``double_quant`` and ``qlora`` (nf4 with double quantization) train adapters on a frozen base (lora.py).
     ``settings`` are TrainingSettings fields. Checks that cost nothing come before the model is read."""
     if need_config and params is not None:
         raise ConfigError(f"{need_config} needs a model config, not --params")
@@ -95,6 +102,7 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     target = get_gpu(gpu) if isinstance(gpu, str) else gpu
     parallel = Parallel(gpus=gpus, gpus_per_node=gpus_per_node, zero=zero, fsdp=fsdp, offload=offload,
                         ddp_bucket_view=ddp_bucket_view)
+    finetune = _finetune(lora, lora_alpha, lora_targets, adapter_dtype, base_quant, double_quant, qlora)
     config = None
     if params is not None:
         spec = nominal_spec(parse_params(params))
@@ -110,7 +118,31 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
         parallel = _with_deepspeed_config(parallel, ds_config, spec)
     if parallel.engine != "single" and spec.is_nominal and (parallel.zero == 3 or parallel.fsdp):
         raise ConfigError("ZeRO-3 and FSDP2 shard each tensor: give a model instead of --params")
-    return Request(spec, config, training, device, target, parallel)
+    if finetune is not None:
+        if spec.is_nominal:
+            raise ConfigError("LoRA needs the model's layers: give a model config, not --params")
+        finetune.as_dict(spec)  # the targets are checked against the model's modules here
+        if parallel.engine != "single":
+            raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
+    return Request(spec, config, training, device, target, parallel, finetune)
+
+
+def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlora) -> FineTune | None:
+    if qlora:
+        if base_quant not in (None, "nf4") or double_quant is False and base_quant is not None:
+            raise ConfigError("--qlora is nf4 with double quantization; give it alone or --base-quant instead")
+        base_quant, double_quant = "nf4", True
+    if rank is None:
+        if base_quant or double_quant or adapter_dtype != "auto" or alpha is not None:
+            raise ConfigError("--base-quant, --qlora, --double-quant, --lora-alpha and --adapter-dtype need --lora RANK")
+        return None
+    if isinstance(targets, str):
+        targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+    elif isinstance(targets, (list, tuple)) and all(isinstance(t, str) for t in targets):
+        targets = tuple(targets)
+    else:
+        raise ConfigError(f"lora targets must be names such as q,v or all-linear, got {targets!r}")
+    return FineTune(LoraOptions(rank, alpha, targets, adapter_dtype), base_quant, double_quant)
 
 
 def _with_deepspeed_config(parallel: Parallel, path, spec: ModelSpec) -> Parallel:

@@ -32,6 +32,7 @@ from .models import ModelSpec
 from .optimizers import get_optimizer
 from .recipes import get_recipe
 from .settings import TrainingSettings
+from .lora import FineTune, adapter_bytes_per_value, adapter_groups, adapter_parameters, base_weight_bytes
 from .sharding import Parallel, RankLayout, rank_layout
 from .timeline import CATEGORIES, Phase, peak_of, seed_activation_bytes, seed_rule_candidates, step_candidates
 
@@ -90,7 +91,7 @@ class StepModel:
     """
 
     def __init__(self, spec: ModelSpec, settings: TrainingSettings, device: DeviceOptions | None = None,
-                 parallel: Parallel | None = None):
+                 parallel: Parallel | None = None, finetune: FineTune | None = None):
         self.spec = spec
         self.settings = settings
         self.device = device or DeviceOptions()
@@ -102,6 +103,11 @@ class StepModel:
         if self.parallel.engine != "single":
             self.rank = rank_layout(spec, self.recipe, self.optimizer, single[3].bytes, self.parallel)
             single = rank_static_components(single, self.rank, spec.num_parameters)
+        self.finetune = finetune
+        if finetune is not None:
+            if self.rank is not None:
+                raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
+            single = finetune_static_components(spec, settings, finetune)
         self.static = single
         self._static_bytes = {c.name: c.bytes for c in self.static}
         self.unchecked = validation_notes(spec, settings) + (self.rank.notes if self.rank else ())
@@ -152,6 +158,11 @@ class StepModel:
         spec, settings = self.spec, self.settings_at(batch, seq)
         warning = position_warning(spec, seq)
         warnings = (warning,) if warning else ()
+        if self.finetune is not None:
+            note = ("not modelled yet: the activations of a LoRA step (frozen layers keep less for backward, each "
+                    "adapter keeps its input and its rank-wide output), so this is the static memory only")
+            return Estimate(spec, settings, self.static, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
+                            warnings=warnings, finetune=self.finetune)
         if not spec.has_architecture:
             note = ("activations need the architecture: give a model config, not only --params"
                     if spec.is_nominal else
@@ -197,6 +208,34 @@ def rank_static_components(single: tuple[StaticComponent, ...], rank: RankLayout
     return tuple(replace(c, bytes=per_rank[c.name], bytes_per_param=per_rank[c.name] / n,
                          note=c.note + (" (this GPU's shard)" if per_rank[c.name] < c.bytes else ""))
                  for c in single)
+
+
+def finetune_static_components(spec: ModelSpec, settings: TrainingSettings,
+                               finetune: FineTune) -> tuple[StaticComponent, ...]:
+    """LoRA's static memory: the frozen base as stored (quantized or in the recipe's dtype) and the adapters, which
+    alone have gradients and optimizer states, in the adapters' dtype (lora.py)."""
+    recipe, optimizer = get_recipe(settings.recipe), get_optimizer(settings.optimizer)
+    n = spec.num_parameters
+    adapters = adapter_parameters(spec, finetune.lora)
+    adapter_bytes = adapter_bytes_per_value(finetune.lora, recipe.weight_bytes)
+    base = base_weight_bytes(spec, recipe.weight_bytes, finetune)
+    master = 4 * adapters if recipe.master_weights and adapter_bytes < 4 else 0
+    state_bytes = 4 if adapter_bytes == 4 else recipe.state_bytes_for(optimizer.name)
+    states = optimizer.state_bytes(adapter_groups(spec, finetune.lora), state_bytes)
+    quant = f"{finetune.base_quant}{' + double quant' if finetune.double_quant else ''}" if finetune.base_quant \
+        else recipe.weights
+    adapter_dtype = {4: "fp32", 2: recipe.compute if recipe.compute != "fp32" else "bf16"}[adapter_bytes]
+    return (
+        StaticComponent("weights", f"{quant} base + {adapter_dtype} adapters", base + adapters * adapter_bytes,
+                        (base + adapters * adapter_bytes) / n,
+                        f"frozen base ({n:,} parameters) and {adapters:,} adapter parameters"),
+        StaticComponent("gradients", adapter_dtype, adapters * adapter_bytes, adapters * adapter_bytes / n,
+                        "the adapters' only: the base is frozen"),
+        StaticComponent("master_weights", "fp32" if master else "-", master, master / n,
+                        "fp32 copy of half-precision adapters" if master else "none: the adapters are updated in place"),
+        StaticComponent("optimizer_states", {4: "fp32", 2: "bf16", 1: "uint8+fp32"}.get(state_bytes, "fp32"), states,
+                        states / n, f"{optimizer.states} of the adapters"),
+    )
 
 
 def _is_whole(value) -> bool:
@@ -284,10 +323,11 @@ def _envelope(name: str, moments: list[_Moment]) -> _PhaseForm:
 
 
 def compile_step(spec: ModelSpec, settings: TrainingSettings | None = None,
-                 device: DeviceOptions | None = None, parallel: Parallel | None = None) -> StepModel:
-    """Compile ``spec`` trained with ``settings`` (whose batch and seq are ignored) on ``parallel``'s GPUs for
-    :func:`evaluate`."""
-    return StepModel(spec, settings or TrainingSettings(), device, parallel)
+                 device: DeviceOptions | None = None, parallel: Parallel | None = None,
+                 finetune: FineTune | None = None) -> StepModel:
+    """Compile ``spec`` trained with ``settings`` (whose batch and seq are ignored) on ``parallel``'s GPUs, fully or
+    with ``finetune``'s adapters, for :func:`evaluate`."""
+    return StepModel(spec, settings or TrainingSettings(), device, parallel, finetune)
 
 
 def evaluate(step: StepModel, batch: int, seq: int) -> Evaluation:

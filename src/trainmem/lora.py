@@ -1,0 +1,175 @@
+"""LoRA adapters: which Linear layers peft adapts, how many parameters that adds, and what then trains.
+
+peft (``LoraConfig``, ``get_peft_model``; peft 0.21) puts an adapter pair on each targeted Linear of
+(out_features, in_features): ``lora_A`` (r, in_features) and ``lora_B`` (out_features, r), r x (in + out)
+parameters; the base weight is frozen. ``target_modules`` matches module names: the short names here (q, k, v,
+o, gate, up, down, lm_head) name the projection whatever the family calls it, and a short name on a fused
+projection selects the fused layer (q on GPT-NeoX's ``query_key_value``), as peft selects by module name;
+``all-linear`` is every Linear of the decoder but the output layer (peft's ``INCLUDE_LINEAR_LAYERS_SHORTHAND``).
+peft keeps adapters in fp32 over a half-precision base (``autocast_adapter_dtype=True``), so their gradients and
+optimizer states are fp32 too. Counts are checked against peft's ``get_nb_trainable_parameters`` (tests/test_lora.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .models import ModelSpec, ParamTensor
+
+SHORT_NAMES = {
+    "q": ("q_proj", "qkv_proj", "q_a_proj", "q_b_proj"),
+    "k": ("k_proj", "qkv_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
+    "v": ("v_proj", "qkv_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
+    "o": ("o_proj",),
+    "gate": ("mlp.gate_proj", "mlp.gate_up_proj"),
+    "up": ("mlp.up_proj", "mlp.gate_up_proj", "mlp.fc1"),
+    "down": ("mlp.down_proj", "mlp.fc2"),
+    "lm_head": ("lm_head",),
+}
+"""Short target names -> trainmem's tensor names (the first one the model has, per short name)."""
+
+MODULE_NAMES = {
+    "q_proj": ("q_proj",), "k_proj": ("k_proj",), "v_proj": ("v_proj",), "o_proj": ("o_proj",),
+    "qkv_proj": ("qkv_proj",), "gate_proj": ("mlp.gate_proj",), "up_proj": ("mlp.up_proj",),
+    "down_proj": ("mlp.down_proj",), "gate_up_proj": ("mlp.gate_up_proj",), "lm_head": ("lm_head",),
+    "q_a_proj": ("q_a_proj",), "q_b_proj": ("q_b_proj",), "kv_a_proj_with_mqa": ("kv_a_proj_with_mqa",),
+    "kv_b_proj": ("kv_b_proj",),
+    # GPT-2 (Conv1D layers), GPT-NeoX, Falcon, BLOOM, OPT
+    "c_attn": ("qkv_proj",), "c_proj": ("o_proj", "mlp.fc2"), "c_fc": ("mlp.fc1",),
+    "query_key_value": ("qkv_proj",), "dense": ("o_proj",), "dense_h_to_4h": ("mlp.fc1",),
+    "dense_4h_to_h": ("mlp.fc2",), "out_proj": ("o_proj",), "fc1": ("mlp.fc1",), "fc2": ("mlp.fc2",),
+    "project_in": ("project_in",), "project_out": ("project_out",),
+}
+"""The module names peft users write (transformers' attribute names) -> trainmem's tensor names. A name that
+means different modules in different families (``dense``) maps to the one the family has."""
+
+ADAPTER_DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    rank: int
+    alpha: float | None = None
+    """Scales the adapter's output (alpha / rank); it changes no byte. None: 2 x rank, torchtune's habit."""
+    targets: tuple[str, ...] = ("q", "v")
+    adapter_dtype: str = "auto"
+    """auto: fp32 over a half-precision base (peft's autocast_adapter_dtype), else the base's dtype."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= 65536:
+            raise ConfigError(f"lora rank must be a whole number from 1 to 65536, got {self.rank!r}")
+        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
+                                       or not 0 < self.alpha < 1e6):
+            raise ConfigError(f"lora alpha must be a positive number, got {self.alpha!r}")
+        if not self.targets:
+            raise ConfigError("lora targets are empty; give short names (q,k,v,o,gate,up,down,lm_head), module "
+                              "names (q_proj, c_attn, ...) or all-linear")
+        if self.adapter_dtype not in ADAPTER_DTYPES:
+            raise ConfigError(f"unknown adapter dtype {self.adapter_dtype!r}; accepted: {', '.join(ADAPTER_DTYPES)}")
+
+
+def _linear_weights(spec: ModelSpec) -> list[tuple[int, ParamTensor]]:
+    """(repeat, weight) for every Linear weight of the model: 2-D tensors with a Linear's role."""
+    linear_roles = {"attention_input", "attention_output", "mlp", "mlp_down", "shared_expert", "router",
+                    "shared_expert_gate", "projection", "head"}
+    return [(g.repeat, t) for g in spec.param_groups for t in g.tensors
+            if t.role in linear_roles and len(t.shape) == 2 and t.name.endswith("weight")]
+
+
+def selected_weights(spec: ModelSpec, options: LoraOptions) -> list[tuple[int, ParamTensor]]:
+    """The Linear weights peft would put an adapter on, with how many times each occurs."""
+    if spec.is_moe:
+        raise ConfigError("LoRA on mixture-of-experts models is not supported yet: peft 0.21 adapts the experts' "
+                          "3-D parameters in a way trainmem does not count yet")
+    if not spec.has_architecture:
+        raise ConfigError("LoRA needs the model's layers: give a model config, not --params")
+    weights = _linear_weights(spec)
+    present = {t.name.removesuffix(".weight") for _, t in weights}
+    chosen: set[str] = set()
+    for target in options.targets:
+        if target == "all-linear":
+            chosen |= {name for name in present if name != "lm_head"}
+        elif target in SHORT_NAMES:
+            match = next((n for n in SHORT_NAMES[target] if n in present), None)
+            if match is None:
+                raise ConfigError(f"lora target {target!r}: {spec.name} has no such projection")
+            chosen.add(match)
+            if match.startswith(("q_a_proj", "kv_a_proj")):  # MLA: the low-rank pair together
+                chosen.add(match.replace("_a_proj_with_mqa", "_b_proj").replace("_a_proj", "_b_proj"))
+        elif target in MODULE_NAMES:
+            found = [n for n in MODULE_NAMES[target] if n in present]
+            if not found:
+                raise ConfigError(f"lora target {target!r}: {spec.name} ({spec.model_type}) has no module of that "
+                                  "name")
+            chosen |= set(found)
+        else:
+            raise ConfigError(f"unknown lora target {target!r}; accepted: {', '.join(SHORT_NAMES)}, all-linear, or "
+                              f"module names ({', '.join(sorted(MODULE_NAMES))})")
+    return [(r, t) for r, t in weights if t.name.removesuffix(".weight") in chosen]
+
+
+def adapter_parameters(spec: ModelSpec, options: LoraOptions) -> int:
+    """Parameters the adapters add: r x (in_features + out_features) per adapted Linear."""
+    return sum(repeat * options.rank * (t.shape[0] + t.shape[1]) for repeat, t in selected_weights(spec, options))
+
+
+def adapter_bytes_per_value(options: LoraOptions, base_weight_bytes: int) -> int:
+    if options.adapter_dtype == "auto":
+        return 4 if base_weight_bytes < 4 else base_weight_bytes
+    return {"fp32": 4, "bf16": 2, "fp16": 2}[options.adapter_dtype]
+
+
+QUANTIZED_ROLES = frozenset({"attention_input", "attention_output", "mlp", "mlp_down", "shared_expert",
+                             "shared_expert_gate", "router", "projection"})
+"""The Linear weights bitsandbytes quantizes (transformers' BitsAndBytesConfig: every nn.Linear but the output
+layer); embeddings, norms, biases and the LM head stay in the compute dtype."""
+
+
+@dataclass(frozen=True)
+class FineTune:
+    """LoRA on a frozen base, the base optionally quantized (QLoRA: nf4 with double quantization)."""
+
+    lora: LoraOptions
+    base_quant: str | None = None
+    double_quant: bool = False
+
+    def __post_init__(self) -> None:
+        from .quantization import QUANT_TYPES
+
+        if self.base_quant is not None and self.base_quant not in QUANT_TYPES:
+            raise ConfigError(f"unknown base quantization {self.base_quant!r}; accepted: {', '.join(QUANT_TYPES)}")
+        if self.double_quant and self.base_quant not in ("nf4", "fp4"):
+            raise ConfigError("--double-quant applies to a 4-bit base: give --base-quant nf4 or fp4")
+
+    def as_dict(self, spec: ModelSpec) -> dict:
+        adapters = adapter_parameters(spec, self.lora)
+        return {"rank": self.lora.rank, "alpha": self.lora.alpha if self.lora.alpha is not None else 2 * self.lora.rank,
+                "targets": list(self.lora.targets), "adapter_dtype": self.lora.adapter_dtype,
+                "base_quant": self.base_quant, "double_quant": self.double_quant,
+                "adapter_parameters": adapters, "frozen_parameters": spec.num_parameters}
+
+
+def base_weight_bytes(spec: ModelSpec, weight_bytes: int, finetune: FineTune) -> int:
+    """The frozen base as stored: quantized Linear weights (bitsandbytes' bytes, quantization.py) or the recipe's
+    dtype."""
+    from .quantization import stored_bytes
+
+    total = 0
+    for group in spec.param_groups:
+        for t in group.tensors:
+            if finetune.base_quant and t.role in QUANTIZED_ROLES and len(t.shape) == 2 and t.name.endswith("weight"):
+                total += group.repeat * stored_bytes(t.shape, finetune.base_quant, finetune.double_quant)
+            else:
+                total += group.repeat * t.numel * weight_bytes
+    return total
+
+
+def adapter_groups(spec: ModelSpec, options: LoraOptions):
+    """The adapters as parameter groups (lora_A and lora_B of each adapted Linear), for the optimizer's states."""
+    from .models import ParamGroup
+
+    return tuple(ParamGroup(t.name.removesuffix(".weight") + " adapter", repeat,
+                            (ParamTensor("lora_A", (options.rank, t.shape[1]), "adapter"),
+                             ParamTensor("lora_B", (t.shape[0], options.rank), "adapter")))
+                 for repeat, t in selected_weights(spec, options))

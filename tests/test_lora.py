@@ -1,0 +1,136 @@
+"""LoRA: the adapters trainmem counts are the ones peft creates, for every dense model type."""
+
+import pytest
+
+from tiny_configs import TINY_CONFIGS
+
+from trainmem.errors import ConfigError
+from trainmem.lora import LoraOptions, adapter_parameters
+from trainmem.models import spec_from_config
+
+DENSE = [name for name, cfg in TINY_CONFIGS.items()
+         if cfg["model_type"] not in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")]
+TARGETS = [("all-linear",), ("q", "v"), ("q", "k", "v", "o"), ("up", "down"), ("lm_head", "q"), ("o",)]
+
+
+@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("rank", [8, 64])
+def test_all_linear_adds_what_peft_adds(name, rank):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = TINY_CONFIGS[name]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=rank, target_modules="all-linear"))
+    trainable, everything = wrapped.get_nb_trainable_parameters()
+    spec = spec_from_config(config)
+    ours = adapter_parameters(spec, LoraOptions(rank, targets=("all-linear",)))
+    assert ours == trainable
+    assert spec.num_parameters + ours == everything
+
+
+MODULE_TARGETS = {
+    "llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"], "gpt_neox": ["query_key_value", "dense"],
+    "falcon": ["query_key_value", "dense_4h_to_h"], "bloom": ["dense_h_to_4h"], "opt": ["q_proj", "out_proj", "fc1"],
+    "phi3": ["qkv_proj", "gate_up_proj"], "gemma2": ["o_proj", "down_proj"], "gpt2-inner-untied": ["c_proj"],
+}
+
+
+@pytest.mark.parametrize("name, modules", list(MODULE_TARGETS.items()))
+def test_module_names_select_what_peft_selects(name, modules):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = TINY_CONFIGS[name]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules=modules))
+    trainable, _ = wrapped.get_nb_trainable_parameters()
+    assert adapter_parameters(spec_from_config(config), LoraOptions(16, targets=tuple(modules))) == trainable
+
+
+def test_short_names_on_fused_projections_select_the_fused_layer():
+    neox = spec_from_config(TINY_CONFIGS["gpt_neox"])
+    assert adapter_parameters(neox, LoraOptions(8, targets=("q",))) == \
+        adapter_parameters(neox, LoraOptions(8, targets=("query_key_value",)))
+    assert adapter_parameters(neox, LoraOptions(8, targets=("q", "k", "v"))) == \
+        adapter_parameters(neox, LoraOptions(8, targets=("q",)))
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(rank=0), "rank must be"), (dict(rank=8, targets=("qq",)), "unknown lora target"),
+    (dict(rank=8, targets=()), "targets are empty"), (dict(rank=8, adapter_dtype="fp8"), "unknown adapter dtype"),
+    (dict(rank=8, alpha=-1), "alpha must be"),
+])
+def test_bad_options_are_refused(kwargs, says):
+    with pytest.raises(ConfigError, match=says):
+        adapter_parameters(spec_from_config(TINY_CONFIGS["llama"]), LoraOptions(**kwargs))
+
+
+def test_moe_models_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        adapter_parameters(spec_from_config(TINY_CONFIGS["mixtral"]), LoraOptions(8))
+    with pytest.raises(ConfigError, match="no module of that name"):
+        adapter_parameters(spec_from_config(TINY_CONFIGS["llama"]), LoraOptions(8, targets=("c_attn",)))
+
+
+def test_lora_static_memory_trains_only_the_adapters():
+    import trainmem
+    from trainmem.catalog import catalog_spec
+
+    spec = catalog_spec("llama-3.1-8b")
+    est = trainmem.estimate("llama-3.1-8b", recipe="pure-bf16-bf16states", lora=8, lora_targets="q,v")
+    parts = {c.name: c.bytes for c in est.static}
+    # q_proj 4096 -> 4096 and v_proj 4096 -> 1024 in each of 32 layers: 8 x (8192 + 5120) x 32 adapter parameters
+    adapters = 8 * (4096 + 4096 + 4096 + 1024) * 32
+    assert adapters == 3_407_872
+    assert parts["weights"] == 2 * spec.num_parameters + 4 * adapters  # bf16 base, fp32 adapters (peft's default)
+    assert parts["gradients"] == 4 * adapters and parts["optimizer_states"] == 8 * adapters
+    assert parts["master_weights"] == 0
+    assert est.peak is None and est.fits(trainmem.hardware.GPUS["RTX-4090"]) is None
+    assert any("not modelled yet" in n for n in est.notes)
+    bf16 = trainmem.estimate("llama-3.1-8b", recipe="pure-bf16-bf16states", lora=8, adapter_dtype="bf16")
+    assert {c.name: c.bytes for c in bf16.static}["optimizer_states"] == 4 * adapters  # bf16 states
+
+
+def test_qlora_base_is_stored_as_bitsandbytes_stores_it():
+    import trainmem
+    from trainmem.catalog import catalog_spec
+    from trainmem.quantization import stored_bytes
+
+    spec = catalog_spec("llama-3.1-8b")
+    est = trainmem.estimate("llama-3.1-8b", recipe="pure-bf16-bf16states", lora=8, qlora=True)
+    quantized = unquantized = 0
+    for g in spec.param_groups:
+        for t in g.tensors:
+            if g.name.startswith("layers") and len(t.shape) == 2:
+                quantized += g.repeat * stored_bytes(t.shape, "nf4", True)
+            else:
+                unquantized += g.repeat * 2 * t.numel  # embedding, norms and the LM head stay bf16
+    weights = {c.name: c.bytes for c in est.static}["weights"]
+    assert weights == quantized + unquantized + 4 * 3_407_872
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--qlora"], "need --lora RANK"), (["--lora", "8", "--gpus", "2"], "several GPUs"),
+    (["--lora", "8", "--base-quant", "int4"], "unknown base quantization"),
+    (["--lora", "8", "--base-quant", "int8", "--double-quant"], "4-bit base"),
+    (["--lora", "8", "--gpu", "T4", "--max-batch"], "under LoRA"), (["--lora", "0"], "rank must be"),
+])
+def test_lora_flags_refuse_what_is_not_modelled_in_one_line(run_cli, args, says):
+    code, out, err = run_cli("estimate", "llama-3.2-1b", *args)
+    assert code == 2 and says in err and err.count("\n") == 1, err
+
+
+def test_lora_json_records_the_adapters(run_cli):
+    import json
+
+    code, out, _ = run_cli("estimate", "llama-3.2-1b", "--lora", "16", "--lora-targets", "all-linear", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["lora"]["rank"] == 16 and doc["lora"]["targets"] == ["all-linear"]
+    assert doc["peak"] is None and doc["fits"] is None
+    code, _, err = run_cli("sweep", "llama-3.2-1b", "--lora", "8")
+    assert code == 2 and "sweep does not take --lora" in err
