@@ -90,8 +90,7 @@ def test_lora_static_memory_trains_only_the_adapters():
     assert parts["weights"] == 2 * spec.num_parameters + 4 * adapters  # bf16 base, fp32 adapters (peft's default)
     assert parts["gradients"] == 4 * adapters and parts["optimizer_states"] == 8 * adapters
     assert parts["master_weights"] == 0
-    assert est.peak is None and est.fits(trainmem.hardware.GPUS["RTX-4090"]) is None
-    assert any("not modelled yet" in n for n in est.notes)
+    assert est.peak is not None  # a Llama with SDPA: the activations are modelled too
     bf16 = trainmem.estimate("llama-3.1-8b", recipe="pure-bf16-bf16states", lora=8, adapter_dtype="bf16")
     assert {c.name: c.bytes for c in bf16.static}["optimizer_states"] == 4 * adapters  # bf16 states
 
@@ -118,7 +117,7 @@ def test_qlora_base_is_stored_as_bitsandbytes_stores_it():
     (["--qlora"], "need --lora RANK"), (["--lora", "8", "--gpus", "2"], "several GPUs"),
     (["--lora", "8", "--base-quant", "int4"], "unknown base quantization"),
     (["--lora", "8", "--base-quant", "int8", "--double-quant"], "4-bit base"),
-    (["--lora", "8", "--gpu", "T4", "--max-batch"], "under LoRA"), (["--lora", "0"], "rank must be"),
+    (["--lora", "0"], "rank must be"),
 ])
 def test_lora_flags_refuse_what_is_not_modelled_in_one_line(run_cli, args, says):
     code, out, err = run_cli("estimate", "llama-3.2-1b", *args)
@@ -131,6 +130,68 @@ def test_lora_json_records_the_adapters(run_cli):
     code, out, _ = run_cli("estimate", "llama-3.2-1b", "--lora", "16", "--lora-targets", "all-linear", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["lora"]["rank"] == 16 and doc["lora"]["targets"] == ["all-linear"]
-    assert doc["peak"] is None and doc["fits"] is None
-    code, _, err = run_cli("sweep", "llama-3.2-1b", "--lora", "8")
-    assert code == 2 and "sweep does not take --lora" in err
+    assert doc["peak"]["allocated_bytes"] > doc["static"]["total_bytes"]
+    code, out, _ = run_cli("estimate", "llama-3.2-1b", "--lora", "16", "--qlora", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["peak"] is None and doc["fits"] is None  # a 4-bit base: static memory only
+    code, out, _ = run_cli("sweep", "llama-3.2-1b", "--lora", "8", "--batch", "1,2", "--seq", "256", "--json")
+    rows = json.loads(out)["sweep"]
+    assert code == 0 and rows[0]["peak"]["allocated_bytes"] < rows[1]["peak"]["allocated_bytes"]
+    code, _, err = run_cli("sweep", "llama-3.2-1b", "--lora", "8", "--qlora")
+    assert code == 2 and "not modelled yet" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank, targets, recipe, checkpointing, batch, seq", [
+    (8, ("q", "v"), "pure-bf16-bf16states", "none", 1, 512),
+    (8, ("q", "v"), "pure-bf16-bf16states", "full", 2, 512),
+    (16, ("all-linear",), "pure-bf16-bf16states", "none", 2, 256),
+    (64, ("all-linear",), "fp32", "full", 1, 512),
+    (8, ("q", "k", "v", "o"), "pure-bf16", "none", 2, 256),
+    (32, ("q", "v", "down"), "mixed-bf16", "none", 1, 512),
+    (8, ("q", "v"), "fp32", "none", 1, 256),
+])
+def test_lora_step_matches_its_trace(rank, targets, recipe, checkpointing, batch, seq):
+    """peft's LoRA on a 2-layer Llama-3.2-1B, traced (trace_step with finetune: peft on the meta device, then fake
+    tensors): every phase within 1% of the estimate (measured: 0.00% in bf16, up to +0.55% over an fp32 base)."""
+    pytest.importorskip("peft")
+    from trainmem.catalog import catalog_config
+    from trainmem.estimate import estimate_model
+    from trainmem.lora import FineTune
+    from trainmem.settings import make_settings
+    from trainmem.trace import trace_step
+
+    config = dict(catalog_config("llama-3.2-1b"), num_hidden_layers=2)
+    spec = spec_from_config(config)
+    finetune = FineTune(LoraOptions(rank, targets=targets))
+    settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=batch, seq=seq, dropout=0.0,
+                             optimizer_impl="foreach")
+    est = estimate_model(spec, settings, finetune=finetune)
+    traced = trace_step(config, settings, spec, finetune=finetune)
+    assert est.peak is not None
+    for e, t in zip(est.phases, traced.phases):
+        assert abs(e.allocated_bytes - t.allocated_bytes) <= 0.01 * t.allocated_bytes, (e, t)
+
+
+@pytest.mark.parametrize("model, kwargs, says", [
+    ("gpt2", dict(lora=8, lora_targets="c_attn"), "gpt2's layers"),
+    ("llama-3.2-1b", dict(lora=8, recipe="amp-bf16"), "amp-bf16 recipe"),
+    ("llama-3.2-1b", dict(lora=8, attention="eager"), "eager attention"),
+    ("llama-3.2-1b", dict(lora=8, qlora=True), "quantized base"),
+    ("llama-3.2-1b", dict(lora=8, lora_targets="down"), "without q, k or v"),
+])
+def test_lora_set_ups_outside_the_traced_ground_give_static_memory_and_say_why(model, kwargs, says):
+    import trainmem
+
+    est = trainmem.estimate(model, **kwargs)
+    assert est.peak is None and any(says in n for n in est.notes), est.notes
+
+
+def test_lora_estimate_has_a_peak_where_its_activations_are_modelled():
+    import trainmem
+
+    est = trainmem.estimate("llama-3.1-8b", recipe="pure-bf16-bf16states", batch=2, seq=2048, checkpointing="full",
+                            lora=8, lora_alpha=16, lora_targets="q,v", gpu="RTX-4090")
+    full = trainmem.estimate("llama-3.1-8b", recipe="pure-bf16-bf16states", batch=2, seq=2048, checkpointing="full")
+    assert est.peak is not None and est.peak.allocated_bytes < full.peak.allocated_bytes
+    assert sum(la.count for la in est.activations.layers) == 32  # the first layer stands apart

@@ -138,15 +138,17 @@ def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_byt
     ]
 
 
-def _linear_inputs(p: Precision, width: int, consumers: int, label: str, input_bytes: int) -> list[Term]:
+def _linear_inputs(p: Precision, width: int, consumers: int, label: str, input_bytes: int,
+                   site: str = "") -> list[Term]:
     """The input a Linear keeps for its weight gradient.
 
     Without autocast the consumers share the tensor they read. Under autocast each Linear casts an fp32 input
     to half precision itself (activations are not in autocast's cast cache), so each keeps its own copy.
     """
     if p.autocast and input_bytes == FP32:
-        return [Term(f"{label}: half copy per Linear x{consumers}", consumers * p.compute * width)]
-    return [Term(f"{label}", input_bytes * width)]
+        return [Term(f"{label}: half copy per Linear x{consumers}", consumers * p.compute * width, site,
+                     "linear_input")]
+    return [Term(f"{label}", input_bytes * width, site, "linear_input")]
 
 
 @dataclass(frozen=True)
@@ -288,7 +290,8 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
                       Term("v" + repeated + padded, c * kv_passed * dv8)]
             k_kept = not repeat and not pad and qk_bytes == c
             v_kept = not repeat and not pad
-        terms += [Term("attention output" + padded, c * a * dv8), Term("softmax logsumexp (fp32)", FP32 * a)]
+        terms += [Term("attention output" + padded, c * a * dv8, "o_input", "shared_input"),
+                  Term("softmax logsumexp (fp32)", FP32 * a)]
         if pad or q_by_cat:
             terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv))
             released = c * a * dv
@@ -768,7 +771,7 @@ def _mlp_terms(mlp: MLP, p: Precision, fc1_bytes: int | None = None) -> list[Ter
         # gate and up outputs (kept by the activation and the product), the activation output, the product
         # (down_proj's input). A fused gate_up_proj keeps one 2I-wide output: the same bytes.
         return [Term("gate, up projections", 2 * c * i), Term(f"{act}(gate)", c * i),
-                Term("gate*up (down_proj input)", c * i)]
+                Term("gate*up (down_proj input)", c * i, "down_input", "linear_input")]
     if act == "relu":
         # relu keeps its output only, which is also fc2's input (OPT); under autocast fc2 casts an fp32 one.
         return [Term("relu output (fc2 input)", f * i)] + ([Term("fc2 input cast", c * i)] if f != c else [])
@@ -862,7 +865,7 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     terms += _norm_terms(spec, h, p, "input norm", r, "input_norm")
     # Linears reading the input norm's output: one fused qkv; q/k/v; MLA's q_a_proj and kv_a_proj_with_mqa.
     qkv_consumers = 1 if att.fused_qkv else 2 if att.kind == "mla" else 3
-    terms += _linear_inputs(p, h, qkv_consumers, "input norm output (q/k/v projections' input)", r)
+    terms += _linear_inputs(p, h, qkv_consumers, "input norm output (q/k/v projections' input)", r, "qkv_input")
     gemma = spec.traits.rms_norm_fp32_plus_one
     if att.kind == "mla":
         attention = _mla_terms(spec, layer, settings, p, kernel, attn_dropout)
@@ -896,7 +899,7 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         if p.autocast:  # the shared fp32 norm output is cast again by each MLP Linear
             terms += _linear_inputs(p, h, mlp_consumers, "input norm output (MLP input)", r)
     else:
-        terms += _linear_inputs(p, h, mlp_consumers, "MLP norm output (MLP input)", r)
+        terms += _linear_inputs(p, h, mlp_consumers, "MLP norm output (MLP input)", r, "mlp_input")
     falcon_bias = spec.traits.bias_after_matmul and p.autocast and att.qkv_bias
     if layer.mlp:
         terms += _mlp_terms(layer.mlp, p, fc1_bytes=p.residual if falcon_bias else None)
@@ -1013,7 +1016,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     layers = tuple(layer_activations(spec, layer, count, recipe, settings) for layer, count in spec.layer_runs)
     emb_dropout = spec.dropout.embedding if settings.dropout is None else settings.dropout
 
-    embedding = [Term("input_ids (embedding backward)", INDEX)]
+    embedding = [Term("input_ids (embedding backward)", INDEX, "embedding", "input_ids")]
     constant: list[Term] = []
     if spec.traits.position_ids == "per_token":
         embedding.append(Term("position ids", INDEX))
@@ -1049,7 +1052,8 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         constant.append(Term("ALiBi mask kept by the memory-efficient kernel", masks_used))
         masks_built -= masks_used
 
-    head = _norm_terms(spec, h, p, "final norm", p.residual, "final_norm") if spec.final_norm and spec.norm_vectors else []
+    head = (_norm_terms(spec, h, p, "final norm", p.residual, "final_norm") if spec.final_norm and spec.norm_vectors
+            else [])
     if spec.traits.rms_norm_fp32_plus_one:
         constant.append(Term("final norm (1 + weight) in fp32", FP32 * h))
     if projected:
@@ -1057,7 +1061,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         head += _linear_inputs(p, h, 1, "final norm output (project_out input)", p.residual)
         head.append(Term("project_out output (LM head input)", p.compute * spec.embedding_dim))
     else:
-        head += _linear_inputs(p, h, 1, "final norm output (LM head input)", p.residual)
+        head += _linear_inputs(p, h, 1, "final norm output (LM head input)", p.residual, "head_input")
     if spec.final_logit_softcap:
         head.append(Term("final logit softcapping tanh output", p.compute * v))
     if settings.loss == "chunked":

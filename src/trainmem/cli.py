@@ -226,16 +226,16 @@ def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
 
         if target is None:
             raise ConfigError("--max-batch and --max-seq need --gpu NAME")
-        if w.finetune is not None:
+        if w.finetune is not None and estimate_model(spec, settings, device, w.parallel, w.finetune).peak is None:
             raise ConfigError("--max-batch and --max-seq need the step's activations, which trainmem does not model "
-                              "under LoRA yet")
+                              "for this LoRA set-up yet (estimate without them says why)")
         if max_batch:
-            best = find_batch(spec, settings, target, device, w.parallel)
+            best = find_batch(spec, settings, target, device, w.parallel, w.finetune)
             extra["max_batch"] = best
             if best:
                 settings = replace(settings, batch=best)
         if max_seq:
-            best = find_seq(spec, settings, target, device, w.parallel)
+            best = find_seq(spec, settings, target, device, w.parallel, w.finetune)
             extra["max_seq"] = best
             extra["max_seq_is_position_limit"] = bool(best) and best == seq_limit(spec)
             if best:
@@ -341,11 +341,13 @@ def sweep(batches, seqs, **options) -> None:
                 raise ConfigError(f"--gpus {g} --zero {z}: {exc}") from None
             if layout not in layouts:
                 layouts.append(layout)
-    if w.finetune is not None:
-        raise ConfigError("sweep does not take --lora yet: under LoRA only the static memory is modelled")
-    estimates = run_sweep(spec, settings, batch_list, seq_list, device, layouts)
+    if w.finetune is not None and len(layouts) > 1:
+        raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
+    estimates = run_sweep(spec, settings, batch_list, seq_list, device, layouts, w.finetune)
     if any(e.peak is None for e in estimates):
-        raise ConfigError("a sweep needs activations: give a model config, not --params")
+        why = ("this LoRA set-up's activations are not modelled yet" if w.finetune
+               else "give a model config, not --params")
+        raise ConfigError(f"a sweep needs activations: {why}")
     if as_json:
         _emit_json({**_header("sweep"), "sweep": [to_dict(e, target) for e in estimates]})
     else:

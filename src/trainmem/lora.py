@@ -173,3 +173,103 @@ def adapter_groups(spec: ModelSpec, options: LoraOptions):
                             (ParamTensor("lora_A", (options.rank, t.shape[1]), "adapter"),
                              ParamTensor("lora_B", (t.shape[0], options.rank), "adapter")))
                  for repeat, t in selected_weights(spec, options))
+
+
+SITE_CONSUMERS = {"qkv_input": ("q_proj", "k_proj", "v_proj"), "o_input": ("o_proj",),
+                  "mlp_input": ("mlp.gate_proj", "mlp.up_proj"), "down_input": ("mlp.down_proj",),
+                  "head_input": ("lm_head",)}
+"""The Linears reading each input activations.py tags (Term.module), for Llama-style layers."""
+_ATTENTION_SITES = ("input_norm", "qkv_input", "o_input")
+
+
+def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune | None = None) -> str | None:
+    """Why the activations of this LoRA step are not modelled, or None when they are: Llama-style layers (separate
+    q/k/v, gated MLP, two norms), SDPA, no autocast, no dropout (checked against the trace, tests/test_lora.py)."""
+    from .activations import effective_kernel
+
+    layer = spec.layer_runs[0][0] if spec.layer_runs else None
+    if layer is None or any(lay.attention.fused_qkv or lay.attention.kind == "mla" or lay.moe or lay.mlp is None
+                            or not lay.mlp.gated or lay.mlp.fused_gate_up or lay.parallel_residual
+                            or lay.num_norms != 2 for lay, _ in spec.layer_runs):
+        return f"{spec.model_type}'s layers (LoRA activations are modelled for Llama-style layers)"
+    if spec.traits.block != "standard" or spec.projects_embeddings:
+        return f"{spec.model_type}'s layers (LoRA activations are modelled for Llama-style layers)"
+    if recipe.autocast:
+        return f"the {recipe.name} recipe (LoRA activations are modelled without autocast)"
+    if effective_kernel(spec, settings.attention) != "sdpa":
+        return f"{settings.attention} attention (LoRA activations are modelled for SDPA)"
+    dropout = spec.dropout.attention if settings.dropout is None else settings.dropout
+    if dropout or (settings.dropout is None and spec.dropout.hidden):
+        return "dropout (LoRA activations are modelled without dropout)"
+    if settings.loss != "standard":
+        return "--loss chunked"
+    if finetune is not None:
+        if finetune.base_quant:
+            return "a quantized base (the dequantized weights each layer makes are not modelled yet)"
+        chosen = {t.name.removesuffix(".weight") for _, t in selected_weights(spec, finetune.lora)}
+        if not chosen & {"q_proj", "k_proj", "v_proj"}:
+            return "targets without q, k or v (the first layer's attention then keeps nothing)"
+        if "lm_head" in chosen:
+            return "an adapter on the LM head"
+    return None
+
+
+def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
+    """What a LoRA step keeps instead of a full fine-tune's (activations.py's terms, by their tags): a frozen
+    Linear keeps no input (its weight takes no gradient; the gradient of its input needs only the weight); each
+    adapter keeps its input, cast to the adapter's dtype when that differs (one copy per adapter, peft's
+    ``_cast_input_dtype``), and its A output (rank wide); a frozen norm weight keeps no normalised value; the frozen
+    embedding keeps nothing, and the first layer's input norm, whose input takes no gradient, nothing either."""
+    from dataclasses import replace
+
+    from .activations import Term
+
+    options = finetune.lora
+    chosen = {t.name.removesuffix(".weight") for _, t in selected_weights(spec, options)}
+    ab = adapter_bytes_per_value(options, p.compute)
+
+    def adapted_terms(terms, first_layer=False):
+        out, attention_delta = [], 0.0
+        for t in terms:
+            new: list = []
+            if t.kind == "normalised" or t.kind == "input_ids" or (first_layer and t.module == "input_norm"):
+                pass  # dropped
+            elif t.kind in ("linear_input", "shared_input"):
+                adapted = [c for c in SITE_CONSUMERS.get(t.module, ()) if c in chosen]
+                width = t.bytes_per_token / p.compute
+                if t.kind == "shared_input":
+                    new.append(t)  # kept by attention whatever the Linear does
+                if adapted:
+                    if ab != p.compute:
+                        new.append(Term(f"{t.name}: adapters' {ab * 8}-bit input copies x{len(adapted)}",
+                                        len(adapted) * ab * width, t.module, "adapter_input"))
+                    elif t.kind == "linear_input":
+                        new.append(t)  # the adapters read the tensor itself
+                    new.append(Term(f"LoRA A outputs x{len(adapted)}", len(adapted) * ab * options.rank, t.module,
+                                    "adapter_output"))
+            else:
+                new.append(t)
+            if t.module in _ATTENTION_SITES or (first_layer and t.module == "input_norm"):
+                attention_delta += sum(n.bytes_per_token for n in new) - t.bytes_per_token
+            out += new
+        return tuple(out), attention_delta
+
+    layers = []
+    for index, la in enumerate(acts.layers):
+        for first, count in (((True, 1), (False, la.count - 1)) if index == 0 else ((False, la.count),)):
+            if count == 0:
+                continue
+            terms, delta = adapted_terms(la.terms, first)
+            layers.append(replace(la, count=count, terms=terms,
+                                  attention_bytes_per_token=la.attention_bytes_per_token + delta))
+    head, _ = adapted_terms(acts.head_terms)
+    embedding, _ = adapted_terms(acts.embedding_terms)
+    return replace(acts, layers=tuple(layers), head_terms=head, embedding_terms=embedding)
+
+
+def adapter_numel(spec: ModelSpec, tensors, finetune: FineTune, names: tuple[str, ...] | None = None) -> int:
+    """Adapter parameters on ``tensors`` (one layer's, by trainmem's names), or on those of them named ``names``."""
+    options = finetune.lora
+    chosen = {t.name for _, t in selected_weights(spec, options)}
+    return sum(options.rank * (t.shape[0] + t.shape[1]) for t in tensors if t.name in chosen
+               and (names is None or t.name.removesuffix(".weight") in names))

@@ -128,8 +128,8 @@ class Dropout:
 
 
 ROLES = ("embedding", "position_embedding", "projection", "input_norm", "norm", "attention_input",
-         "attention_output", "mlp", "mlp_down", "router", "expert", "expert_down", "shared_expert", "shared_expert_gate",
-         "head", "adapter")
+         "attention_output", "mlp", "mlp_down", "router", "expert", "expert_down", "shared_expert",
+         "shared_expert_gate", "head", "adapter")
 """What a parameter tensor is, which the timeline reads instead of its name: the input norm is a layer's first;
 attention_input covers q, k, v (fused or not) and MLA's low-rank projections; mlp_down and expert_down are the
 dense and routed experts' down projections; a shared expert's tensors are shared_expert whatever their place."""
@@ -182,7 +182,8 @@ class FamilyTraits:
     """Which ``eager_attention_forward``: Llama's upcasts the softmax to fp32 and drops out probabilities cast to q's
     dtype, returning them; GPT-2's computes it in the scores' dtype, casts to v's and holds its output in the block."""
     rms_norm_fp32_plus_one: bool = False
-    """Gemma's RMSNorm: keeps the fp32 normalised value and multiplies by ``1 + weight.float()`` (a kept fp32 vector)."""
+    """Gemma's RMSNorm: keeps the fp32 normalised value and multiplies by ``1 + weight.float()`` (a kept fp32
+    vector)."""
     sdpa_supported: bool = True
     """Whether transformers 5 has an SDPA path (Gemma 2 and BLOOM fall back to eager)."""
     sdpa_mask_always: bool = False
@@ -330,7 +331,8 @@ def _attention_tensors(att: Attention, hidden: int) -> list[ParamTensor]:
             out += _linear("q_b_proj", att.q_lora_rank, a * d, False, "attention_input")
         else:
             out += _linear("q_proj", h, a * d, False, "attention_input")
-        out += _linear("kv_a_proj_with_mqa", h, att.kv_lora_rank + att.qk_rope_head_dim, att.qkv_bias, "attention_input")
+        out += _linear("kv_a_proj_with_mqa", h, att.kv_lora_rank + att.qk_rope_head_dim, att.qkv_bias,
+                       "attention_input")
         out += _norm("kv_a_layernorm", att.kv_lora_rank, 1)
         nope = d - att.qk_rope_head_dim
         out += _linear("kv_b_proj", att.kv_lora_rank, a * (nope + dv), False, "attention_input")

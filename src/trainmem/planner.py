@@ -46,9 +46,9 @@ def _fits(peak, gpu: GPU) -> bool:
 
 
 def max_batch(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions,
-              parallel: Parallel | None = None) -> int:
+              parallel: Parallel | None = None, finetune=None) -> int:
     _require_architecture(model)
-    step = compile_step(model, settings, device, parallel)
+    step = compile_step(model, settings, device, parallel, finetune)
     return _largest(lambda b: _fits(evaluate(step, b, settings.seq).peak, gpu))
 
 
@@ -58,19 +58,19 @@ def seq_limit(model: ModelSpec) -> int:
 
 
 def max_seq(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions,
-            parallel: Parallel | None = None) -> int:
+            parallel: Parallel | None = None, finetune=None) -> int:
     """The longest sequence that fits, capped at :func:`seq_limit` (a longer one would fit memory, not the model)."""
     _require_architecture(model)
-    step = compile_step(model, settings, device, parallel)
+    step = compile_step(model, settings, device, parallel, finetune)
     return _largest(lambda s: _fits(evaluate(step, settings.batch, s).peak, gpu), seq_limit(model))
 
 
 def sweep(model: ModelSpec, settings: TrainingSettings, batches: list[int], seqs: list[int],
-          device: DeviceOptions, layouts: list[Parallel] | None = None) -> list[Estimate]:
+          device: DeviceOptions, layouts: list[Parallel] | None = None, finetune=None) -> list[Estimate]:
     """One estimate per (layout, batch, seq), layout-major, then batch-major."""
     out = []
     for parallel in layouts or [None]:
-        step = compile_step(model, settings, device, parallel)
+        step = compile_step(model, settings, device, parallel, finetune)
         out += [step.estimate(b, s) for b in batches for s in seqs]
     return out
 
@@ -88,13 +88,13 @@ def _searchable(model, gpu, options):
 def find_max_batch(model, gpu, **options) -> int:
     """The largest micro-batch of ``model`` that fits ``gpu`` (0 if none); ``options`` as trainmem.estimate's."""
     req = _searchable(model, gpu, options)
-    return max_batch(req.model, req.settings, req.gpu, req.device, req.parallel)
+    return max_batch(req.model, req.settings, req.gpu, req.device, req.parallel, req.finetune)
 
 
 def find_max_seq(model, gpu, **options) -> int:
     """The longest sequence of ``model`` that fits ``gpu`` (0 if none), capped at its position limit."""
     req = _searchable(model, gpu, options)
-    return max_seq(req.model, req.settings, req.gpu, req.device, req.parallel)
+    return max_seq(req.model, req.settings, req.gpu, req.device, req.parallel, req.finetune)
 
 
 def sweep_grid(model, batches, seqs, **options) -> list[Estimate]:
@@ -110,4 +110,5 @@ def sweep_grid(model, batches, seqs, **options) -> list[Estimate]:
     req = make_request(model, batch=batches[0], seq=seqs[0], **options)
     _require_architecture(req.model)
     return [with_gpu(e, gpu=req.gpu)
-            for e in sweep(req.model, req.settings, list(batches), list(seqs), req.device, [req.parallel])]
+            for e in sweep(req.model, req.settings, list(batches), list(seqs), req.device, [req.parallel],
+                           req.finetune)]

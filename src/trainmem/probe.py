@@ -71,6 +71,59 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
     return model
 
 
+_PEFT_SHORT = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+               "down": "down_proj", "lm_head": "lm_head"}
+
+
+def peft_target_modules(spec, lora) -> list[str] | str:
+    """peft's ``target_modules`` for trainmem's targets: the module names of the Linears lora.py selects."""
+    from .lora import selected_weights
+
+    if tuple(lora.targets) == ("all-linear",):
+        return "all-linear"
+    names = {t.name.removesuffix(".weight").rsplit(".", 1)[-1] for _, t in selected_weights(spec, lora)}
+    return sorted(names)
+
+
+def build_lora_model(config: dict[str, Any], recipe: Recipe, attention: str, dropout: float | None, finetune, spec):
+    """The model with peft's LoRA adapters, its tensors created in the active mode (fake under FakeTensorMode).
+
+    peft cannot wrap a model whose parameters are fake tensors (its ``Module.to`` swaps tensors that FakeTensorMode
+    holds weak references to), so the model and its adapters are built on the meta device outside any mode, then
+    each parameter and buffer is replaced by a new tensor of the same shape, dtype and ``requires_grad``, a tensor
+    shared by two modules (tied embeddings) staying one tensor."""
+    import peft
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    lora = finetune.lora
+    with unset_fake_temporarily(), torch.device("meta"):
+        model = build_model(config, recipe, attention, dropout)
+        adapter_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha or 2 * lora.rank, lora_dropout=0.0,
+            target_modules=peft_target_modules(spec, lora)), autocast_adapter_dtype=lora.adapter_dtype == "auto")
+        if adapter_dtype[lora.adapter_dtype] is not None:
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.data = param.data.to(adapter_dtype[lora.adapter_dtype])
+    made: dict[int, Any] = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in list(store.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:
+                    new = torch.empty(tensor.shape, dtype=tensor.dtype)
+                    if not new.is_meta and new.is_floating_point():
+                        new.normal_(0, 0.02)
+                    made[id(tensor)] = (torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+                                        if isinstance(tensor, torch.nn.Parameter) else new)
+                store[name] = made[id(tensor)]
+    model.train()
+    return model
+
+
 def saved_tensors(config: dict[str, Any], recipe: str | Recipe = "fp32", batch: int = 2, seq: int = 16,
                   attention: str = "sdpa", dropout: float | None = None, seed: int = 0,
                   checkpointing: bool = False, emulate: str = "cuda") -> list[SavedTensor]:

@@ -66,7 +66,8 @@ def _number(name: str, value: Any) -> float:
     return value
 
 
-def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: Any = None, gpu: str | GPU | None = None,
+def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: Any = None,
+                 gpu: str | GPU | None = None,
                  headroom: float = DEFAULT_HEADROOM, fragmentation: float = DEFAULT_FRAGMENTATION,
                  cuda_overhead: float = DEFAULT_CUDA_OVERHEAD_MIB, hub: bool = False, need_config: str = "",
                  gpus: int = 1, gpus_per_node: int = 0, zero: int | None = None, fsdp: str | None = None,
@@ -93,7 +94,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     overhead = _number("cuda-overhead", cuda_overhead)
     if not 0 <= overhead <= MAX_CUDA_OVERHEAD_BYTES / MIB:
         raise ConfigError(f"cuda-overhead must be from 0 to {MAX_CUDA_OVERHEAD_BYTES // MIB:,} MiB, got {overhead:g}")
-    device = DeviceOptions(headroom=_number("headroom", headroom), fragmentation=_number("fragmentation", fragmentation),
+    device = DeviceOptions(headroom=_number("headroom", headroom),
+                           fragmentation=_number("fragmentation", fragmentation),
                            cuda_overhead_bytes=int(overhead * MIB))
     if isinstance(gpu, str) and not gpu.strip():
         raise ConfigError("gpu is empty; give a GPU name (trainmem estimate --help lists them)")
@@ -134,7 +136,8 @@ def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlo
         base_quant, double_quant = "nf4", True
     if rank is None:
         if base_quant or double_quant or adapter_dtype != "auto" or alpha is not None:
-            raise ConfigError("--base-quant, --qlora, --double-quant, --lora-alpha and --adapter-dtype need --lora RANK")
+            raise ConfigError("--base-quant, --qlora, --double-quant, --lora-alpha and --adapter-dtype need "
+                              "--lora RANK")
         return None
     if isinstance(targets, str):
         targets = tuple(t.strip() for t in targets.split(",") if t.strip())

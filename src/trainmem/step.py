@@ -108,22 +108,26 @@ def check_runnable(settings: TrainingSettings, device: str = "cpu") -> None:
 class TrainingStep:
     """The model, optimizer and batch of one set-up; ``forward_backward()`` then ``step()`` is one step."""
 
-    def __init__(self, config: dict[str, Any], settings: TrainingSettings, device: str = "cpu", spec=None):
+    def __init__(self, config: dict[str, Any], settings: TrainingSettings, device: str = "cpu", spec=None,
+                 finetune=None):
         import torch
 
         from .activations import effective_kernel
         from .models import spec_from_config
-        from .probe import build_model
+        from .probe import build_lora_model, build_model
 
         self.torch = torch
         self.recipe = recipe = get_recipe(settings.recipe)
         self.settings = settings
         check_runnable(settings, device)
-        kernel = effective_kernel(spec or spec_from_config(config), settings.attention)
+        spec = spec or spec_from_config(config)
+        kernel = effective_kernel(spec, settings.attention)
         kernel = "flash_attention_2" if kernel == "flash" else kernel
+        self.finetune = finetune
         # Built directly on the device (no .to(), which FakeTensorMode cannot apply to parameters).
         with torch.device(device):
-            self.model = build_model(config, recipe, kernel, settings.dropout)
+            self.model = (build_lora_model(config, recipe, kernel, settings.dropout, finetune, spec) if finetune
+                          else build_model(config, recipe, kernel, settings.dropout))
         self.recomputing = False
         """True while a checkpointed layer's forward is being recomputed inside backward."""
         if settings.checkpointing == "full":
@@ -132,16 +136,18 @@ class TrainingStep:
         # Zero-element parameters (DeepSeek-V3's shared experts with n_shared_experts 0) hold no memory, and
         # torch.optim.Adafactor divides by their size.
         self.params = [p for p in self.model.parameters() if p.requires_grad and p.numel() > 0]
+        half_trainables = any(p.dtype != torch.float32 for p in self.params)
         self.masters = ([p.detach().float().requires_grad_(True) for p in self.params]
-                        if recipe.master_weights else None)
+                        if recipe.master_weights and (finetune is None or half_trainables) else None)
         self.main_grads = None
-        if recipe.gradients == "fp32" and recipe.weights != "fp32":
+        if recipe.gradients == "fp32" and recipe.weights != "fp32" and finetune is None:
             # Megatron-LM's main_grad: a persistent fp32 buffer per parameter; each half gradient is added into it
             # as soon as backward has produced it, then freed (DistributedDataParallel's grad accumulation hooks).
             self.main_grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
             for p, main in zip(self.params, self.main_grads):
                 p.register_post_accumulate_grad_hook(lambda param, main=main: self._accumulate_main_grad(param, main))
-        fp32_states = recipe.optimizer_states == "fp32" and recipe.weights != "fp32" and self.masters is None
+        fp32_states = (recipe.optimizer_states == "fp32" and recipe.weights != "fp32" and self.masters is None
+                       and half_trainables)
         self.optimizer = make_optimizer(torch, settings.optimizer, self.masters or self.params,
                                         settings.fused_optimizer, fp32_states)
         self.ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq), device=device)
@@ -218,3 +224,7 @@ class TrainingStep:
         else:
             states = [t for st in self.optimizer.state.values() for t in st.values()]
         return [self.model, *states, *(self.masters or [])]
+
+    def frozen_parameters(self) -> list:
+        """Parameters that take no gradient (a LoRA base): MemTracker must not hook them."""
+        return [p for p in self.model.parameters() if not p.requires_grad]

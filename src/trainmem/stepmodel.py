@@ -32,7 +32,9 @@ from .models import ModelSpec
 from .optimizers import get_optimizer
 from .recipes import get_recipe
 from .settings import TrainingSettings
-from .lora import FineTune, adapter_bytes_per_value, adapter_groups, adapter_parameters, base_weight_bytes
+from .activations import Precision
+from .lora import (FineTune, activations_modelled, adapter_bytes_per_value, adapter_groups, adapter_parameters,
+                   base_weight_bytes, lora_activations)
 from .sharding import Parallel, RankLayout, rank_layout
 from .timeline import CATEGORIES, Phase, peak_of, seed_activation_bytes, seed_rule_candidates, step_candidates
 
@@ -128,9 +130,15 @@ class StepModel:
         if settings.activation_k is not None:
             return None, seed_rule_candidates(self.spec, self._static_bytes, self.recipe, self.optimizer, settings,
                                               self.rank)
-        acts = estimate_activations(self.spec, self.recipe, settings)
+        acts = self.activations(settings)
         return acts, step_candidates(self.spec, self._static_bytes, acts, self.recipe, self.optimizer, settings,
-                                     self.rank)
+                                     self.rank, self.finetune)
+
+    def activations(self, settings: TrainingSettings) -> ActivationEstimate:
+        acts = estimate_activations(self.spec, self.recipe, settings)
+        if self.finetune is not None:
+            acts = lora_activations(acts, self.spec, Precision.of(self.recipe), self.finetune)
+        return acts
 
     # -- compiled forms ----------------------------------------------------------------------------------------
 
@@ -158,17 +166,19 @@ class StepModel:
         spec, settings = self.spec, self.settings_at(batch, seq)
         warning = position_warning(spec, seq)
         warnings = (warning,) if warning else ()
-        if self.finetune is not None:
-            note = ("not modelled yet: the activations of a LoRA step (frozen layers keep less for backward, each "
-                    "adapter keeps its input and its rank-wide output), so this is the static memory only")
+        unmodelled = (activations_modelled(spec, self.recipe, settings, self.finetune)
+                      if self.finetune is not None else None)
+        if unmodelled is not None:
+            note = (f"not modelled yet: the activations of a LoRA step with {unmodelled}, so this is the static "
+                    "memory only")
             return Estimate(spec, settings, self.static, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
                             warnings=warnings, finetune=self.finetune)
         if not spec.has_architecture:
             note = ("activations need the architecture: give a model config, not only --params"
                     if spec.is_nominal else
                     f"model_type {spec.model_type!r} was counted by transformers; activations need an analytic spec")
-            return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
-                            warnings=warnings)
+            return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, device=self.device,
+                            notes=(note, NO_PEAK, *self.unchecked), warnings=warnings)
         if settings.activation_k is not None:
             phases = tuple(peak_of(c) for c in self.candidates(batch, seq)[1])
             acts = estimate_activations(spec, self.recipe, settings)
@@ -181,12 +191,13 @@ class StepModel:
                 f"{(acts.saved_bytes + acts.logits_bytes) / 2**30:.2f} GiB with embedding, head, loss and logits",
                 *self.unchecked,
             )
-            return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, activation_k_bytes=seed_activation_bytes(spec, settings),
+            return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank,
+                            activation_k_bytes=seed_activation_bytes(spec, settings),
                             phases=phases, peak=peak_of_phases(phases, self.device), device=self.device, notes=notes,
                             warnings=warnings)
         form = self.form(batch, seq)
         if form is not None:
-            acts = estimate_activations(spec, self.recipe, settings)
+            acts = self.activations(settings)
             phases = tuple(f.phase(batch) for f in form)
         else:
             acts, candidates = self.candidates(batch, seq)
@@ -195,7 +206,8 @@ class StepModel:
         if self.optimizer.paged:
             notes.append("paged optimizer states live in CUDA unified memory: max_memory_allocated() does not count "
                          "them")
-        return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, activations=acts, phases=phases,
+        return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, finetune=self.finetune,
+                        activations=acts, phases=phases,
                         peak=peak_of_phases(phases, self.device), device=self.device, notes=tuple(notes),
                         warnings=warnings)
 
@@ -232,7 +244,8 @@ def finetune_static_components(spec: ModelSpec, settings: TrainingSettings,
         StaticComponent("gradients", adapter_dtype, adapters * adapter_bytes, adapters * adapter_bytes / n,
                         "the adapters' only: the base is frozen"),
         StaticComponent("master_weights", "fp32" if master else "-", master, master / n,
-                        "fp32 copy of half-precision adapters" if master else "none: the adapters are updated in place"),
+                        "fp32 copy of half-precision adapters" if master else
+                        "none: the adapters are updated in place"),
         StaticComponent("optimizer_states", {4: "fp32", 2: "bf16", 1: "uint8+fp32"}.get(state_bytes, "fp32"), states,
                         states / n, f"{optimizer.states} of the adapters"),
     )

@@ -284,7 +284,7 @@ def _param_bytes(numel: int, per_param: float) -> int:
 
 
 def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, fused: bool,
-                           rank: RankLayout | None = None) -> int:
+                           rank: RankLayout | None = None, finetune=None) -> int:
     """Temporaries of optimizer.step(): the foreach implementations (CUDA's default) compute over all of a
     group's tensors at once, so one parameter-sized intermediate exists, e.g. AdamW's
     ``torch._foreach_sqrt(exp_avg_sqs)`` (torch/optim/adamw.py, _multi_tensor_adamw); fused kernels
@@ -293,6 +293,14 @@ def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer
     updates that rank's elements, and the engine's own fp32 gradient copy is one of its buffers (sharding.py)."""
     n = spec.num_parameters if rank is None else rank.optimizer_numel
     temp = 0
+    if finetune is not None:  # the optimizer updates the adapters, in their dtype
+        from .lora import adapter_bytes_per_value, adapter_parameters
+
+        n = adapter_parameters(spec, finetune.lora)
+        ab = adapter_bytes_per_value(finetune.lora, recipe.weight_bytes)
+        states = 4 if ab == 4 else recipe.state_bytes_for(optimizer.name)
+        return (0 if fused else optimizer.foreach_temporaries * n * states) + \
+            (4 * n if recipe.master_weights and ab < 4 else 0)
     if not fused:
         temp += optimizer.foreach_temporaries * n * recipe.state_bytes_for(optimizer.name)
     if recipe.master_weights and recipe.gradients != recipe.master_weights and (rank is None
@@ -402,15 +410,26 @@ def casts_cached(spec: ModelSpec, p: Precision, settings: TrainingSettings) -> b
 
 
 def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
-                     settings: TrainingSettings) -> list[_LayerBytes]:
+                     settings: TrainingSettings, finetune=None) -> list[_LayerBytes]:
     if not spec.has_architecture:
         return []
     p = Precision.of(recipe)
     tokens = acts.tokens
     cached = casts_cached(spec, p, settings)
+    gradients_of = recipe
+    if finetune is not None:
+        # Only the adapters take gradients, in their own dtype: each Linear's tensor stands for its adapter pair.
+        from dataclasses import replace as replaced
+
+        from .lora import adapter_bytes_per_value
+
+        ab = adapter_bytes_per_value(finetune.lora, recipe.weight_bytes)
+        gradients_of = replaced(recipe, gradients={4: "fp32", 2: "bf16"}[ab], weights={4: "fp32", 2: "bf16"}[ab])
     out = []
     for la in acts.layers:
         tensors = layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors)
+        if finetune is not None:
+            tensors = _adapter_view(spec, tensors, finetune)
         down = _numel(tensors, *_DOWN_PROJECTIONS)
         layer = la.layer
         full = int(la.bytes_per_token * tokens) + la.constant_bytes
@@ -442,25 +461,27 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         if acts.checkpointing == "full":
             attention_live += kept + (full - int(la.bytes_per_token * tokens) - la.constant_bytes)
         item = _LayerBytes(
-            kept=kept, full=full, product=_mlp_bytes(layer, p) * _mlp_width(layer) * tokens + down_copy + freed_before_mlp,
-            down_grad=_param_bytes(down, recipe.gradient_bytes),
+            kept=kept, full=full, product=(_mlp_bytes(layer, p) * _mlp_width(layer) * tokens if finetune is None else
+                                           _down_input_kept(la, tokens)) + down_copy + freed_before_mlp,
+            down_grad=_param_bytes(down, gradients_of.gradient_bytes),
             # Under autocast the matmul's weight gradient is first made in the half copy's dtype; its cast to the
             # parameter's comes after the layer's down-projection input is freed (traced).
-            down_weight_gradient=p.compute * down if down_copy else _param_bytes(down, _autograd_grad_bytes(recipe)),
+            down_weight_gradient=(p.compute * down if down_copy
+                                  else _param_bytes(down, _autograd_grad_bytes(gradients_of))),
             down_gradient_cast=((down_copy + (0 if layer.mlp.activation == "relu" and not layer.mlp.gated
                                               else _mlp_bytes(layer, p) * _mlp_width(layer) * tokens),
                                  (_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size) * tokens
-                                 + p.compute * down + _param_bytes(down, recipe.gradient_bytes))
+                                 + p.compute * down + _param_bytes(down, gradients_of.gradient_bytes))
                                 if down_copy else (0, 0)),
-            grads=_param_bytes(sum(t.numel for t in tensors), recipe.gradient_bytes),
+            grads=_param_bytes(sum(t.numel for t in tensors), gradients_of.gradient_bytes),
             transient=_mlp_transient(spec, la, p, tokens, settings),
             forward_transient=_forward_transient(spec, la, p, tokens,
                                                  _layer_casts(spec, la, p) if cached else (0, 0)),
             experts_freed=int(_term_bytes(la.terms, "routed_experts", "intermediate") * tokens),
-            experts_transient=_experts_transient(spec, la, p, recipe, tokens),
+            experts_transient=_experts_transient(spec, la, p, gradients_of, tokens),
             experts_weighting_transient=_experts_weighting_transient(spec, layer, p, tokens),
             experts_weighting_freed=_experts_weighting_freed(spec, la, p, tokens),
-            experts_weighting_grads=(_param_bytes(_numel(tensors, "shared_expert"), recipe.gradient_bytes)
+            experts_weighting_grads=(_param_bytes(_numel(tensors, "shared_expert"), gradients_of.gradient_bytes)
                                      if _shared_first(layer) else 0),
             # Gemma's RMSNorm backward in fp32: the upcast output gradient, its product with (1 + weight), and the
             # rsqrt and input branches, five h-wide fp32 tensors at once (traced), beside the residual gradient.
@@ -469,14 +490,14 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             output_norm_freed=int(_term_bytes(output_norm, "post_feedforward_norm", exclude=("input_fp32",)) * tokens),
             attention_live=attention_live,
             attention_transient=int((la.attention_backward + p.residual * spec.hidden_size) * tokens),
-            attention_grads_pending=_param_bytes(projections + first_norm, recipe.gradient_bytes),
+            attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens),
             recompute_attention_end=(kept + int((la.attention_bytes_per_token + la.recompute_locals) * tokens)
                                      + (p.compute * sum(t.numel for t in tensors if len(t.shape) == 2
                                                         and t.role not in MLP_ROLES) if p.autocast else 0)
                                      - shared_input if la.recompute_locals else 0),
             recompute_gradient=int(_recompute_gradient(spec, layer, p, bool(output_norm)) * tokens),
-            norm_moment=_norm_moment(spec, la, p, recipe, tensors, tokens, attention_live),
+            norm_moment=_norm_moment(spec, la, p, gradients_of, tensors, tokens, attention_live),
             # (o_proj's backward has run: its input, the attention output, is freed)
             matmul_live=(attention_live + int(la.attention_released * tokens)
                          - p.compute * layer.attention.num_heads * layer.attention.v_head_dim * tokens
@@ -494,6 +515,22 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         )
         out.extend([item] * la.count)
     return out
+
+
+def _adapter_view(spec: ModelSpec, tensors, finetune) -> list:
+    """A layer's tensors as a LoRA step's gradients see them: each adapted Linear's weight stands for its adapter
+    pair (r x (in + out) elements), the rest take none."""
+    from .lora import adapter_numel
+    from .models import ParamTensor
+
+    return [ParamTensor(t.name, (adapter_numel(spec, [t], finetune),), t.role) for t in tensors
+            if adapter_numel(spec, [t], finetune)]
+
+
+def _down_input_kept(la: LayerActivations, tokens: int) -> int:
+    """Under LoRA, what the down projection's input leaves saved (its adapter's copy and A output), freed by its
+    backward."""
+    return int(sum(t.bytes_per_token for t in la.terms if t.module == "down_input") * tokens)
 
 
 def tied_held_for(spec: ModelSpec, recipe: Recipe) -> int:
@@ -514,7 +551,7 @@ def _head_copy(acts: ActivationEstimate) -> int:
 
 
 def _lm_head_moments(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe, p: Precision, weights: int,
-                     states: int, grads_in_forward: int, saved: int) -> list[Phase]:
+                     states: int, grads_in_forward: int, saved: int, frozen: bool = False) -> list[Phase]:
     """The LM head's backward, after the loss's: log_softmax's output is freed; the fp32 gradient of the logits is
     cast to the compute dtype (``logits.float()``'s backward); the head's matmuls make the gradient of its input
     (T x h) and of its weight (V x h, in the compute dtype) while the logits' gradient is alive; under autocast the
@@ -528,7 +565,7 @@ def _lm_head_moments(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe, 
     moments = [Phase("backward", "logits gradient", weights, grads_in_forward, states, after_logsoftmax,
                      FP32 * v * tokens + dlogits_half)]
     dlogits = dlogits_half or FP32 * v * tokens
-    d_input, d_weight = c * tokens * emb, c * v * emb
+    d_input, d_weight = c * tokens * emb, (0 if frozen else c * v * emb)
     param_bytes = recipe.weight_bytes
     held = spec.tied_embeddings or grads_in_forward > 0
     cast = param_bytes != c
@@ -573,10 +610,11 @@ def _static(static: dict[str, int], recipe: Recipe, settings: TrainingSettings,
 
 
 def _outer_phases(spec: ModelSpec, st: _Static, recipe: Recipe, optimizer: Optimizer,
-                  settings: TrainingSettings, rank: RankLayout | None = None) -> tuple[Phase, Phase, Phase]:
+                  settings: TrainingSettings, rank: RankLayout | None = None,
+                  finetune=None) -> tuple[Phase, Phase, Phase]:
     """load, optimizer and between_steps: the phases outside forward and backward, the same whatever models the
     activations."""
-    temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer, rank)
+    temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer, rank, finetune)
     return (Phase("load", "static state", st.weights, st.grads_between, st.states, 0, 0),
             Phase("optimizer", "step()", st.weights, st.grads, st.states, 0, temp),
             Phase("between_steps", "after zero_grad", st.weights, st.grads_between, st.states, 0, 0))
@@ -584,7 +622,7 @@ def _outer_phases(spec: ModelSpec, st: _Static, recipe: Recipe, optimizer: Optim
 
 def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate, recipe: Recipe,
                     optimizer: Optimizer, settings: TrainingSettings,
-                    rank: RankLayout | None = None) -> tuple[tuple[Phase, ...], ...]:
+                    rank: RankLayout | None = None, finetune=None) -> tuple[tuple[Phase, ...], ...]:
     """Every moment that can be a phase's peak, per phase (load, forward, backward, optimizer, between_steps), in
     the order they happen. Each moment's bytes are linear in the batch for a fixed sequence length (stepmodel.py
     relies on it). ``rank``: one GPU of a data-parallel engine (sharding.py): ``static`` is then that rank's, the
@@ -604,7 +642,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # (all created in forward, so counted as activations). With full checkpointing it can instead be inside the
     # last layer's forward, where that layer's activations exist until it returns.
     saved = acts.saved_bytes
-    layers = _expanded_layers(spec, acts, recipe, settings)
+    layers = _expanded_layers(spec, acts, recipe, settings, finetune)
     checkpointed = acts.checkpointing == "full" and bool(layers)
     cached = checkpointed and casts_cached(spec, p, settings)
     cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if cached else 0
@@ -613,6 +651,10 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # (OPT's project_out makes the output a half tensor the head keeps)
     final_hidden = (p.residual * h * tokens if p.autocast and p.residual == FP32 and layers
                     and not spec.projects_embeddings else 0)
+    if finetune is not None and layers:
+        # A frozen LM head keeps no input, but the CausalLM forward holds the final norm's output (its local)
+        # while it computes the logits and the loss.
+        final_hidden = p.compute * h * tokens
     candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
                            saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache
                            + final_hidden, 0)]
@@ -658,11 +700,14 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # that keeps only the loss (HF Trainer's compute_loss, `loss = model(...).loss`) drops the output object.
     loss_grads = 0 if settings.loss == "chunked" else 2 * FP32 * v * tokens
     head_grad = _param_bytes(_role_numel(spec, "head"), recipe.gradient_bytes) if not spec.tied_embeddings else 0
+    if finetune is not None:
+        head_grad = 0  # a frozen LM head (an adapter on it is not modelled)
     if rank and rank.head_gradient_sharded:
         head_grad = -(-head_grad // shards)
     candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
     if settings.loss != "chunked":
-        candidates += _lm_head_moments(spec, acts, recipe, p, weights, states, grads_in_forward, saved)
+        candidates += _lm_head_moments(spec, acts, recipe, p, weights, states, grads_in_forward, saved,
+                                       frozen=finetune is not None)
     if layers and spec.final_norm and spec.norm_vectors:
         # The final norm's backward, right after the head's: what the head kept is freed; an RMSNorm computed in
         # fp32 (LlamaRMSNorm and kin) has five h-wide fp32 gradient temporaries at once (traced), a LayerNorm the
@@ -672,7 +717,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         at_norm = saved - acts.head_bytes + int(final_norm_terms * tokens) - head_copy
         norm_temps = (5 * FP32 if spec.norm == "rms" else 2 * p.residual) * h * tokens
         candidates.append(Phase("backward", "final norm", weights, max(grads_in_forward, head_grad), states,
-                                at_norm, norm_temps + tied_held_for(spec, recipe)))
+                                at_norm, norm_temps + (tied_held_for(spec, recipe) if finetune is None else 0)))
     # Then layer by layer, last to first. Each layer's worst moment is its MLP backward: down_proj's backward has
     # run (its input, the product, is freed; its weight gradient exists), the rest of the layer's activations
     # (recomputed, under full checkpointing) are alive, and the MLP's input gradients are being computed.
@@ -681,7 +726,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     base_kept = acts.embedding_bytes + acts.constant_bytes - head_copy
     # Tied embeddings: autograd sums the LM head's and the embedding's gradient contributions before accumulating
     # into .grad, so the head's V x h contribution is held as a temporary through the whole layer backward.
-    tied_held = tied_held_for(spec, recipe)
+    tied_held = tied_held_for(spec, recipe) if finetune is None else 0
     kept_below = [0]
     for x in layers:
         kept_below.append(kept_below[-1] + x.kept)
@@ -763,12 +808,12 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         candidates.append(Phase("backward", "embedding (tied weights)", weights,
                                 max(grads_in_forward, finished), states, base_kept,
                                 2 * tied_held + emb_input_grad))
-    elif layers:
+    elif layers and finetune is None:  # (a frozen embedding runs no backward)
         emb_grad = _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
         finished = grads - emb_grad if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, finished), states,
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
-    load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank)
+    load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank, finetune)
     phases = (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
     if not (rank and rank.buffers):
         return phases
@@ -830,9 +875,9 @@ def seed_activation_bytes(spec: ModelSpec, settings: TrainingSettings) -> int:
 
 def seed_rule_candidates(spec: ModelSpec, static: dict[str, int], recipe: Recipe, optimizer: Optimizer,
                          settings: TrainingSettings, rank: RankLayout | None = None) -> tuple[tuple[Phase, ...], ...]:
-    """The same five phases with the activations given as one number (the seed article's b*s*h*L*k*2 rule): they are all alive at the end of forward and, as the rule counts them, when
-    backward starts producing gradients; the optimizer step and the time between steps are as in
-    :func:`step_candidates`. One candidate per phase."""
+    """The same five phases with the activations given as one number (the seed article's b*s*h*L*k*2 rule): they
+    are all alive at the end of forward and, as the rule counts them, when backward starts producing gradients; the
+    optimizer step and the time between steps are as in :func:`step_candidates`. One candidate per phase."""
     activation_bytes = seed_activation_bytes(spec, settings)
     st = _static(static, recipe, settings, rank)
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank)

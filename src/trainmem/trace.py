@@ -147,9 +147,17 @@ def _real_cpu(emulate: str):
         yield
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
 def _track(tracker, mem_tracker, run) -> None:
     """Register the step's long-lived tensors with a MemTracker: model, optimizer states, fp32 masters, and the
-    fp32 main-grad buffers of ``mixed-bf16-fp32grads`` as gradients."""
+    fp32 main-grad buffers of ``mixed-bf16-fp32grads`` as gradients. Frozen parameters (a LoRA base) get no
+    gradient hooks, which torch refuses on a tensor that takes no gradient."""
+    for param in run.frozen_parameters():
+        tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
     tracker.track_external(*run.tracked_objects())
     for main in run.main_grads or ():
         tracker._update_and_maybe_create_winfos(main, mem_tracker._MemRefType.GRAD)
@@ -239,7 +247,7 @@ def _gradient_sum(tracker, temporary, func, args) -> bool:
 
 
 def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,
-               round_to_cuda: bool = True, emulate: str = "cuda", fake: bool = True) -> TraceResult:
+               round_to_cuda: bool = True, emulate: str = "cuda", fake: bool = True, finetune=None) -> TraceResult:
     """Trace one steady-state training step; returns the peak of each phase by category.
 
     ``emulate="cuda"`` (the default) runs CUDA's autocast policy, SDPA kernel choice and dropout
@@ -259,7 +267,7 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
     try:
         environment = fake_gpu(emulate) if fake else _real_cpu(emulate)
         with environment:
-            run = TrainingStep(config, settings, "cpu", spec)
+            run = TrainingStep(config, settings, "cpu", spec, finetune)
             run.forward_backward()  # warm-up: creates the optimizer states
             run.step()
 
