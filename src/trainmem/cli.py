@@ -179,7 +179,7 @@ def _workload_options(f):
         click.option("--ds-config", type=click.Path(dir_okay=False),
                      help="A DeepSpeed config: its zero_optimization keys (stage, buckets, offload) apply."),
         click.option("--lora", type=int, default=None, help="Train LoRA adapters of this rank on a frozen base "
-                     "(static memory; the step's activations under LoRA are not modelled yet)."),
+                     "(the step is modelled for Llama-style models with SDPA; elsewhere the static memory)."),
         click.option("--lora-alpha", type=float, default=None, help="LoRA alpha (scales the adapters; no bytes)."),
         click.option("--lora-targets", default="q,v", show_default=True,
                      help="q,k,v,o,gate,up,down,lm_head, peft module names (q_proj, c_attn, ...) or all-linear."),

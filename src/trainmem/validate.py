@@ -282,7 +282,8 @@ def _pct(x: float | None) -> str:
 MATRIX_FULL_SIZE = "## Matrix: full-size configs"
 MATRIX_SCALED = "## Matrix: scaled-down configs"
 RANDOM_HEADING = "## Random models"
-KEPT_SECTIONS = ("## Tracing full-size models: time and memory", "## CUDA measurements", "## Many GPUs")
+KEPT_SECTIONS = ("## Tracing full-size models: time and memory", "## CUDA measurements", "## Many GPUs",
+                 "## LoRA")
 """From benchmarks/ scripts and sharded traces (trace timings, CUDA measurements, FSDP2 and DeepSpeed checks): kept
 as they are when the report is rewritten."""
 
