@@ -131,13 +131,13 @@ def test_lora_json_records_the_adapters(run_cli):
     doc = json.loads(out)
     assert code == 0 and doc["lora"]["rank"] == 16 and doc["lora"]["targets"] == ["all-linear"]
     assert doc["peak"]["allocated_bytes"] > doc["static"]["total_bytes"]
-    code, out, _ = run_cli("estimate", "llama-3.2-1b", "--lora", "16", "--qlora", "--json")
+    code, out, _ = run_cli("estimate", "llama-3.2-1b", "--lora", "16", "--base-quant", "int8", "--json")
     doc = json.loads(out)
-    assert code == 0 and doc["peak"] is None and doc["fits"] is None  # a 4-bit base: static memory only
+    assert code == 0 and doc["peak"] is None and doc["fits"] is None  # an 8-bit base: static memory only
     code, out, _ = run_cli("sweep", "llama-3.2-1b", "--lora", "8", "--batch", "1,2", "--seq", "256", "--json")
     rows = json.loads(out)["sweep"]
     assert code == 0 and rows[0]["peak"]["allocated_bytes"] < rows[1]["peak"]["allocated_bytes"]
-    code, _, err = run_cli("sweep", "llama-3.2-1b", "--lora", "8", "--qlora")
+    code, _, err = run_cli("sweep", "llama-3.2-1b", "--lora", "8", "--base-quant", "int8")
     assert code == 2 and "not modelled yet" in err
 
 
@@ -177,7 +177,7 @@ def test_lora_step_matches_its_trace(rank, targets, recipe, checkpointing, batch
     ("gpt2", dict(lora=8, lora_targets="c_attn"), "gpt2's layers"),
     ("llama-3.2-1b", dict(lora=8, recipe="amp-bf16"), "amp-bf16 recipe"),
     ("llama-3.2-1b", dict(lora=8, attention="eager"), "eager attention"),
-    ("llama-3.2-1b", dict(lora=8, qlora=True), "quantized base"),
+    ("llama-3.2-1b", dict(lora=8, base_quant="int8"), "8-bit base"),
     ("llama-3.2-1b", dict(lora=8, lora_targets="down"), "without q, k or v"),
 ])
 def test_lora_set_ups_outside_the_traced_ground_give_static_memory_and_say_why(model, kwargs, says):
@@ -195,3 +195,22 @@ def test_lora_estimate_has_a_peak_where_its_activations_are_modelled():
     full = trainmem.estimate("llama-3.1-8b", recipe="pure-bf16-bf16states", batch=2, seq=2048, checkpointing="full")
     assert est.peak is not None and est.peak.allocated_bytes < full.peak.allocated_bytes
     assert sum(la.count for la in est.activations.layers) == 32  # the first layer stands apart
+
+
+def test_qlora_adds_one_dequantized_weight_inside_the_layers_and_says_it_is_not_validated():
+    from trainmem.catalog import catalog_spec
+    from trainmem.lora import FineTune
+    from trainmem.settings import make_settings
+    from trainmem.stepmodel import compile_step
+
+    spec = catalog_spec("llama-3.2-1b")
+    settings = make_settings(recipe="pure-bf16-bf16states")
+    lora = LoraOptions(8, targets=("q", "v"))
+    plain = compile_step(spec, settings, finetune=FineTune(lora)).candidates(1, 1024)[1]
+    step = compile_step(spec, settings, finetune=FineTune(lora, "nf4", True))
+    qlora = step.candidates(1, 1024)[1]
+    largest = 8192 * 2048  # Llama-3.2-1B's gate, up and down projections
+    backward = {ph.moment: ph for ph in plain[2]}, {ph.moment: ph for ph in qlora[2]}
+    assert backward[1]["layer 3 MLP"].temporaries - backward[0]["layer 3 MLP"].temporaries == 2 * largest
+    assert backward[1]["loss gradients"].temporaries == backward[0]["loss gradients"].temporaries
+    assert any("not validated" in note for note in step.unchecked)

@@ -142,6 +142,19 @@ class FineTune:
         if self.double_quant and self.base_quant not in ("nf4", "fp4"):
             raise ConfigError("--double-quant applies to a 4-bit base: give --base-quant nf4 or fp4")
 
+    def buffers(self, spec: ModelSpec, p) -> tuple:
+        """What a quantized base adds at the moments inside a layer: bitsandbytes' MatMul4Bit dequantizes the
+        weight to the compute dtype for each matmul, forward and backward (bitsandbytes/autograd/_functions.py),
+        one Linear at a time: the largest of a layer's."""
+        from .sharding import Buffer
+
+        if self.base_quant not in ("nf4", "fp4"):
+            return ()
+        largest = max((t.numel for g in spec.param_groups if g.name.startswith("layers") for t in g.tensors
+                       if t.role in QUANTIZED_ROLES and len(t.shape) == 2), default=0)
+        return (Buffer("a dequantized base weight", p.compute * largest, "temporaries",
+                       ("forward:layer", "backward:layer"), "the largest Linear of a layer, while it computes"),)
+
     def as_dict(self, spec: ModelSpec) -> dict:
         adapters = adapter_parameters(spec, self.lora)
         return {"rank": self.lora.rank, "alpha": self.lora.alpha if self.lora.alpha is not None else 2 * self.lora.rank,
@@ -204,8 +217,8 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
     if settings.loss != "standard":
         return "--loss chunked"
     if finetune is not None:
-        if finetune.base_quant:
-            return "a quantized base (the dequantized weights each layer makes are not modelled yet)"
+        if finetune.base_quant == "int8":
+            return "an 8-bit base (LLM.int8()'s matmul buffers are not modelled yet)"
         chosen = {t.name.removesuffix(".weight") for _, t in selected_weights(spec, finetune.lora)}
         if not chosen & {"q_proj", "k_proj", "v_proj"}:
             return "targets without q, k or v (the first layer's attention then keeps nothing)"

@@ -113,6 +113,10 @@ class StepModel:
         self.static = single
         self._static_bytes = {c.name: c.bytes for c in self.static}
         self.unchecked = validation_notes(spec, settings) + (self.rank.notes if self.rank else ())
+        if finetune is not None and finetune.base_quant:
+            self.unchecked += ("not validated: bitsandbytes' 4-bit kernels cannot run under the trace's fake tensors; "
+                               "the base's stored bytes are checked against bitsandbytes, the step is the LoRA step "
+                               "traced in bf16 plus one dequantized weight at a time",)
         if settings.activation_k is not None and not spec.has_architecture:
             raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
                               f"{spec.source or spec.name} has none (give a model name or config.json)")

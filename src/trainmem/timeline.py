@@ -815,14 +815,15 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank, finetune)
     phases = (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
-    if not (rank and rank.buffers):
+    buffers = (rank.buffers if rank else ()) + (finetune.buffers(spec, p) if finetune is not None else ())
+    if not buffers:
         return phases
     # Where each moment is: inside a decoder layer (all of forward's but the loss, which is last; backward's layer
     # walk), before the layers (backward's loss and LM head moments) or after them (the embedding's backward).
     places = ({}, {"start": range(starts), "layer": range(starts, len(candidates_fw) - 1)},
               {"head": range(first_layer_moment), "layer": layer_moments,
                "end": range(layer_moments.stop, len(candidates))}, {}, {})
-    return with_buffers(phases, rank.buffers, places)
+    return with_buffers(phases, buffers, places)
 
 
 def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers,
