@@ -188,21 +188,22 @@ def adapter_groups(spec: ModelSpec, options: LoraOptions):
                  for repeat, t in selected_weights(spec, options))
 
 
-SITE_CONSUMERS = {"qkv_input": ("q_proj", "k_proj", "v_proj"), "o_input": ("o_proj",),
-                  "mlp_input": ("mlp.gate_proj", "mlp.up_proj"), "down_input": ("mlp.down_proj",),
+SITE_CONSUMERS = {"qkv_input": ("q_proj", "k_proj", "v_proj", "qkv_proj"), "o_input": ("o_proj",),
+                  "mlp_input": ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj"), "down_input": ("mlp.down_proj",),
                   "head_input": ("lm_head",)}
 """The Linears reading each input activations.py tags (Term.module), for Llama-style layers."""
 _ATTENTION_SITES = ("input_norm", "qkv_input", "o_input")
 
 
 def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune | None = None) -> str | None:
-    """Why the activations of this LoRA step are not modelled, or None when they are: Llama-style layers (separate
-    q/k/v, gated MLP, two norms), SDPA, no autocast, no dropout (checked against the trace, tests/test_lora.py)."""
+    """Why the activations of this LoRA step are not modelled, or None when they are: Llama-style layers (q/k/v
+    separate or fused as Phi-3's, a gated MLP, two norms), SDPA, no autocast, no dropout (checked against the
+    trace, tests/test_lora.py)."""
     from .activations import effective_kernel
 
     layer = spec.layer_runs[0][0] if spec.layer_runs else None
-    if layer is None or any(lay.attention.fused_qkv or lay.attention.kind == "mla" or lay.moe or lay.mlp is None
-                            or not lay.mlp.gated or lay.mlp.fused_gate_up or lay.parallel_residual
+    if layer is None or any(lay.attention.kind == "mla" or lay.moe or lay.mlp is None
+                            or not lay.mlp.gated or lay.parallel_residual
                             or lay.num_norms != 2 for lay, _ in spec.layer_runs):
         return f"{spec.model_type}'s layers (LoRA activations are modelled for Llama-style layers)"
     if spec.traits.block != "standard" or spec.projects_embeddings:
@@ -220,7 +221,7 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
         if finetune.base_quant == "int8":
             return "an 8-bit base (LLM.int8()'s matmul buffers are not modelled yet)"
         chosen = {t.name.removesuffix(".weight") for _, t in selected_weights(spec, finetune.lora)}
-        if not chosen & {"q_proj", "k_proj", "v_proj"}:
+        if not chosen & {"q_proj", "k_proj", "v_proj", "qkv_proj"}:
             return "targets without q, k or v (the first layer's attention then keeps nothing)"
         if "lm_head" in chosen:
             return "an adapter on the LM head"
