@@ -37,6 +37,7 @@ FAST = [
     ("estimate", "llama-2-7b", "--gpus", "16", "--zero", "3", "--offload", "optimizer+params"),
     ("estimate", "llama-2-7b", "--gpus", "16", "--fsdp", "hybrid", "--gpu", "H100"),
     ("estimate", "llama-2-7b", "--gpus", "4"),
+    ("estimate", "llama-3.2-3b", "--recipe", "pure-bf16", "--optimizer-in-backward"),
     ("estimate", "llama-3.1-8b", "--lora", "8", "--qlora", "--lora-targets", "all-linear"),
     ("sweep", "llama-2-7b", "--gpus", "1,8", "--zero", "1,3", "--batch", "1", "--seq", "512"),
     ("models",),

@@ -190,3 +190,55 @@ def test_timeline_reads_term_kinds_and_parameter_roles_never_names(monkeypatch):
         assert relabelled.layers[0].terms[0].name.startswith("label")
         after = step_candidates(spec, static, relabelled, get_recipe(settings.recipe), get_optimizer("adamw"), settings)
         assert after == before, (name, settings)
+
+
+def test_optimizer_in_backward_leaves_no_gradients_waiting_and_nothing_for_step():
+    import trainmem
+
+    kwargs = dict(recipe="pure-bf16-bf16states", batch=1, seq=1024)
+    plain = trainmem.estimate("llama-3.2-3b", **kwargs)
+    stepped = trainmem.estimate("llama-3.2-3b", optimizer_in_backward=True, **kwargs)
+    assert stepped.static_bytes == plain.static_bytes
+    phase = {p.name: p for p in stepped.phases}
+    assert phase["optimizer"].gradients == 0 and phase["optimizer"].temporaries == 0
+    assert phase["optimizer"].allocated_bytes == phase["load"].allocated_bytes
+    assert stepped.peak.allocated_bytes < plain.peak.allocated_bytes
+    assert "optimizer_in_backward" not in plain.settings.as_dict()
+    assert stepped.settings.as_dict()["optimizer_in_backward"] is True
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(recipe="mixed-bf16"), "without fp32 master weights"), (dict(recipe="fp32", grad_accum=2), "--grad-accum"),
+    (dict(recipe="fp32", optimizer_in_backward="yes"), "true or false"),
+])
+def test_optimizer_in_backward_refusals(kwargs, says):
+    from trainmem.errors import ConfigError
+    from trainmem.settings import make_settings
+
+    with pytest.raises(ConfigError, match=says):
+        make_settings(**{"optimizer_in_backward": True, **kwargs})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, recipe, checkpointing, optimizer", [
+    ("llama-3.2-1b", "pure-bf16-bf16states", "none", "adamw"), ("llama-3.2-1b", "fp32", "full", "adamw"),
+    ("qwen2.5-0.5b", "pure-bf16", "none", "adamw"), ("gpt2", "amp-bf16", "none", "adamw"),
+    ("llama-2-7b", "pure-bf16-bf16states", "full", "sgd"),
+])
+def test_optimizer_in_backward_matches_its_trace(name, recipe, checkpointing, optimizer):
+    """One optimizer per parameter stepped by its post-accumulate hook (torchtune's optimizer_in_bwd), traced."""
+    from trainmem.catalog import catalog_config
+    from trainmem.estimate import estimate_model
+    from trainmem.models import spec_from_config
+    from trainmem.settings import make_settings
+    from trainmem.trace import trace_step
+
+    config = dict(catalog_config(name))
+    config.update({k: 2 for k in ("n_layer", "num_hidden_layers") if k in config or k == "num_hidden_layers"})
+    settings = make_settings(recipe=recipe, batch=2, seq=256, checkpointing=checkpointing, optimizer=optimizer,
+                             optimizer_impl="foreach", dropout=0.0, optimizer_in_backward=True)
+    spec = spec_from_config(config)
+    est = estimate_model(spec, settings)
+    traced = trace_step(config, settings, spec)
+    for e, t in zip(est.phases, traced.phases):
+        assert abs(e.allocated_bytes - t.allocated_bytes) <= 0.005 * t.allocated_bytes, (e, t)

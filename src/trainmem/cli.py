@@ -75,7 +75,7 @@ class _Workload:
 
 
 SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attention", "checkpointing", "dropout",
-                 "loss", "activation_k")
+                 "loss", "activation_k", "optimizer_in_backward")
 _FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "zero", "fsdp", "offload",
                "gpus_per_node")
 """Request fields whose messages name a flag: the CLI prints them as --flag."""
@@ -157,6 +157,8 @@ def _workload_options(f):
         click.option("--loss", default="standard", show_default=True, help="standard | chunked (Liger-style)."),
         click.option("--activation-k", type=float, default=None,
                      help="Use the seed's rule b*s*h*L*k*2 bytes for activations."),
+        click.option("--optimizer-in-backward", is_flag=True,
+                     help="Step each parameter as its gradient is made, then free it (torchtune's optimizer_in_bwd)."),
         click.option("--gpu", help="GPU to check (the table lists all)."),
         click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True,
                      help="Safety factor on the device total."),
@@ -378,6 +380,8 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     w = _workload(options, batch, seq, need_config="measure")
     if w.finetune is not None:
         raise ConfigError("measure does not run LoRA yet")
+    if w.settings.optimizer_in_backward:
+        raise ConfigError("measure does not run --optimizer-in-backward yet (trace does)")
     _one_process(w, "measure")
     from .step import check_runnable
 

@@ -48,6 +48,9 @@ class TrainingSettings:
     """foreach (torch's default on CUDA: one parameter-sized temporary), fused (no temporaries; AdamW, Adam, SGD and
     the bitsandbytes optimizers have one), or auto: fused for the mixed-* recipes where the optimizer has a fused
     implementation (DeepSpeed's FusedAdam), foreach otherwise."""
+    optimizer_in_backward: bool = False
+    """Step each parameter as soon as backward has made its gradient, then free it (torchtune's
+    ``optimizer_in_bwd``, through ``register_post_accumulate_grad_hook``): the gradients never exist together."""
 
     @property
     def fused_optimizer(self) -> bool:
@@ -85,12 +88,28 @@ class TrainingSettings:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.activation_k is not None and not 0 < self.activation_k <= 10_000:  # (NaN and infinity fail too)
             raise ConfigError(f"activation-k must be a positive number up to 10000, got {self.activation_k!r}")
+        if not isinstance(self.optimizer_in_backward, bool):
+            raise ConfigError(f"optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
+        if self.optimizer_in_backward:
+            recipe = get_recipe(self.recipe)
+            if self.grad_accum > 1:
+                raise ConfigError("--optimizer-in-backward steps every micro-batch: it does not go with --grad-accum "
+                                  "(torchtune refuses the pair too)")
+            if recipe.master_weights or recipe.persistent_gradients:
+                raise ConfigError(f"--optimizer-in-backward is modelled for recipes without fp32 master weights "
+                                  f"(fp32, amp-*, pure-bf16*); got {self.recipe!r}")
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for name in _ADDED_IN_SCHEMA_2:  # keys added after schema 2's first documents appear when they are set
+            if out[name] == _DEFAULTS[name]:
+                del out[name]
+        return out
 
 
 _FIELDS = {f.name for f in fields(TrainingSettings)}
+_DEFAULTS = {f.name: f.default for f in fields(TrainingSettings)}
+_ADDED_IN_SCHEMA_2 = ("optimizer_in_backward",)
 _TEXT_FIELDS = ("recipe", "optimizer", "attention", "checkpointing", "loss", "optimizer_impl")
 
 

@@ -148,8 +148,18 @@ class TrainingStep:
                 p.register_post_accumulate_grad_hook(lambda param, main=main: self._accumulate_main_grad(param, main))
         fp32_states = (recipe.optimizer_states == "fp32" and recipe.weights != "fp32" and self.masters is None
                        and half_trainables)
-        self.optimizer = make_optimizer(torch, settings.optimizer, self.masters or self.params,
-                                        settings.fused_optimizer, fp32_states)
+        if settings.optimizer_in_backward:
+            # one optimizer per parameter, stepped by the parameter's post-accumulate hook, which then frees its
+            # gradient (torchtune's optimizer_in_bwd); step() has nothing left to do
+            self.optimizers = {p: make_optimizer(torch, settings.optimizer, [p], settings.fused_optimizer,
+                                                 fp32_states) for p in self.params}
+            for p, opt in self.optimizers.items():
+                p.register_post_accumulate_grad_hook(lambda param, opt=opt: self._step_in_backward(opt))
+            self.optimizer = None
+        else:
+            self.optimizers = None
+            self.optimizer = make_optimizer(torch, settings.optimizer, self.masters or self.params,
+                                            settings.fused_optimizer, fp32_states)
         self.ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq), device=device)
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.compute)
         self.autocast_device = torch.device(device).type
@@ -179,6 +189,11 @@ class TrainingStep:
                 module._gradient_checkpointing_func = marked(module._gradient_checkpointing_func)
 
     @staticmethod
+    def _step_in_backward(optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    @staticmethod
     def _accumulate_main_grad(param, main) -> None:
         main.add_(param.grad)
         param.grad = None
@@ -202,6 +217,8 @@ class TrainingStep:
         before the fp32 copies of the gradients that master-weight recipes make."""
         if on_optimizer_start is not None:
             on_optimizer_start()
+        if self.optimizers is not None:
+            return  # every parameter was stepped, and its gradient freed, in backward
         if self.masters is not None:
             for i, (m, p) in enumerate(zip(self.masters, self.params)):
                 m.grad = self.main_grads[i] if self.main_grads is not None else p.grad.float()
@@ -219,10 +236,13 @@ class TrainingStep:
 
     def tracked_objects(self) -> list:
         """What MemTracker must know about: the model, the optimizer (or its state tensors), the masters."""
-        if isinstance(self.optimizer, self.torch.optim.Optimizer):
-            states = [self.optimizer]
-        else:
-            states = [t for st in self.optimizer.state.values() for t in st.values()]
+        optimizers = list(self.optimizers.values()) if self.optimizers is not None else [self.optimizer]
+        states = []
+        for optimizer in optimizers:
+            if isinstance(optimizer, self.torch.optim.Optimizer):
+                states.append(optimizer)
+            else:
+                states += [t for st in optimizer.state.values() for t in st.values()]
         return [self.model, *states, *(self.masters or [])]
 
     def frozen_parameters(self) -> list:

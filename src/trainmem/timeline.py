@@ -614,6 +614,10 @@ def _outer_phases(spec: ModelSpec, st: _Static, recipe: Recipe, optimizer: Optim
                   finetune=None) -> tuple[Phase, Phase, Phase]:
     """load, optimizer and between_steps: the phases outside forward and backward, the same whatever models the
     activations."""
+    if settings.optimizer_in_backward:  # the steps ran in backward: nothing is left for step()
+        return (Phase("load", "static state", st.weights, st.grads_between, st.states, 0, 0),
+                Phase("optimizer", "step() (done in backward)", st.weights, 0, st.states, 0, 0),
+                Phase("between_steps", "after zero_grad", st.weights, st.grads_between, st.states, 0, 0))
     temp = _optimizer_temporaries(spec, recipe, optimizer, settings.fused_optimizer, rank, finetune)
     return (Phase("load", "static state", st.weights, st.grads_between, st.states, 0, 0),
             Phase("optimizer", "step()", st.weights, st.grads, st.states, 0, temp),
@@ -643,6 +647,14 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # last layer's forward, where that layer's activations exist until it returns.
     saved = acts.saved_bytes
     layers = _expanded_layers(spec, acts, recipe, settings, finetune)
+    stepped = settings.optimizer_in_backward
+    if stepped:
+        # Each parameter is stepped, and its gradient freed, as soon as backward has made it: no gradient of a
+        # finished layer (or of the LM head) waits for the others.
+        from dataclasses import replace as replaced
+
+        layers = [replaced(x, grads=0, down_grad=0, attention_grads_pending=0, experts_weighting_grads=0,
+                           norm_moment=(x.norm_moment[0], 0, x.norm_moment[2])) for x in layers]
     checkpointed = acts.checkpointing == "full" and bool(layers)
     cached = checkpointed and casts_cached(spec, p, settings)
     cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if cached else 0
@@ -700,8 +712,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # that keeps only the loss (HF Trainer's compute_loss, `loss = model(...).loss`) drops the output object.
     loss_grads = 0 if settings.loss == "chunked" else 2 * FP32 * v * tokens
     head_grad = _param_bytes(_role_numel(spec, "head"), recipe.gradient_bytes) if not spec.tied_embeddings else 0
-    if finetune is not None:
-        head_grad = 0  # a frozen LM head (an adapter on it is not modelled)
+    if finetune is not None or stepped:
+        head_grad = 0  # a frozen LM head (an adapter on it is not modelled), or one stepped at once
     if rank and rank.head_gradient_sharded:
         head_grad = -(-head_grad // shards)
     candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
@@ -804,13 +816,13 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     emb_input_grad = p.residual * h * tokens if layers else 0
     if tied_held:
         # (on a rank, the finished gradients are the reduced shards of the head and the layers)
-        finished = grads - tied_held if shards == 1 else head_grad + grads_above
+        finished = 0 if stepped else grads - tied_held if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding (tied weights)", weights,
                                 max(grads_in_forward, finished), states, base_kept,
                                 2 * tied_held + emb_input_grad))
     elif layers and finetune is None:  # (a frozen embedding runs no backward)
         emb_grad = _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
-        finished = grads - emb_grad if shards == 1 else head_grad + grads_above
+        finished = 0 if stepped else grads - emb_grad if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, finished), states,
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank, finetune)
