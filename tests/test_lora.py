@@ -63,7 +63,7 @@ def test_short_names_on_fused_projections_select_the_fused_layer():
 @pytest.mark.parametrize("kwargs, says", [
     (dict(rank=0), "rank must be"), (dict(rank=8, targets=("qq",)), "unknown lora target"),
     (dict(rank=8, targets=()), "targets are empty"), (dict(rank=8, adapter_dtype="fp8"), "unknown adapter dtype"),
-    (dict(rank=8, alpha=-1), "alpha must be"),
+    (dict(rank=8, alpha=-1), "alpha must be"), (dict(rank=8, dropout=1.0), "dropout must be"),
 ])
 def test_bad_options_are_refused(kwargs, says):
     with pytest.raises(ConfigError, match=says):
@@ -142,18 +142,20 @@ def test_lora_json_records_the_adapters(run_cli):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank, targets, recipe, checkpointing, batch, seq, model", [
-    (8, ("q", "v"), "pure-bf16-bf16states", "none", 1, 512, "llama-3.2-1b"),
-    (8, ("q", "v"), "pure-bf16-bf16states", "full", 2, 512, "llama-3.2-1b"),
-    (16, ("all-linear",), "pure-bf16-bf16states", "none", 2, 256, "llama-3.2-1b"),
-    (64, ("all-linear",), "fp32", "full", 1, 512, "llama-3.2-1b"),
-    (8, ("q", "k", "v", "o"), "pure-bf16", "none", 2, 256, "llama-3.2-1b"),
-    (32, ("q", "v", "down"), "mixed-bf16", "none", 1, 512, "llama-3.2-1b"),
-    (8, ("q", "v"), "fp32", "none", 1, 256, "llama-3.2-1b"),
-    (8, ("q", "v"), "pure-bf16-bf16states", "none", 1, 512, "phi-3-mini-4k"),
-    (16, ("all-linear",), "pure-bf16-bf16states", "full", 2, 256, "phi-3-mini-4k"),
+@pytest.mark.parametrize("rank, targets, recipe, checkpointing, batch, seq, model, dropout", [
+    (8, ("q", "v"), "pure-bf16-bf16states", "none", 1, 512, "llama-3.2-1b", 0.0),
+    (8, ("q", "v"), "pure-bf16-bf16states", "full", 2, 512, "llama-3.2-1b", 0.0),
+    (16, ("all-linear",), "pure-bf16-bf16states", "none", 2, 256, "llama-3.2-1b", 0.0),
+    (64, ("all-linear",), "fp32", "full", 1, 512, "llama-3.2-1b", 0.0),
+    (8, ("q", "k", "v", "o"), "pure-bf16", "none", 2, 256, "llama-3.2-1b", 0.0),
+    (32, ("q", "v", "down"), "mixed-bf16", "none", 1, 512, "llama-3.2-1b", 0.0),
+    (8, ("q", "v"), "fp32", "none", 1, 256, "llama-3.2-1b", 0.0),
+    (8, ("q", "v"), "pure-bf16-bf16states", "none", 1, 512, "phi-3-mini-4k", 0.0),
+    (16, ("all-linear",), "pure-bf16-bf16states", "full", 2, 256, "phi-3-mini-4k", 0.0),
+    (8, ("q", "v"), "pure-bf16-bf16states", "none", 1, 512, "llama-3.2-1b", 0.05),
+    (8, ("q", "k", "v", "o"), "pure-bf16", "full", 2, 256, "llama-3.2-1b", 0.1),
 ])
-def test_lora_step_matches_its_trace(rank, targets, recipe, checkpointing, batch, seq, model):
+def test_lora_step_matches_its_trace(rank, targets, recipe, checkpointing, batch, seq, model, dropout):
     """peft's LoRA on a 2-layer Llama-3.2-1B (and Phi-3-mini, fused projections), traced (trace_step with finetune:
     peft on the meta device, then fake tensors): every phase within 1% of the estimate (measured: 0.00% in bf16 for
     Llama, up to +0.55% over an fp32 base and +0.56% for Phi-3 without checkpointing)."""
@@ -166,7 +168,7 @@ def test_lora_step_matches_its_trace(rank, targets, recipe, checkpointing, batch
 
     config = dict(catalog_config(model), num_hidden_layers=2)
     spec = spec_from_config(config)
-    finetune = FineTune(LoraOptions(rank, targets=targets))
+    finetune = FineTune(LoraOptions(rank, targets=targets, dropout=dropout))
     settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=batch, seq=seq, dropout=0.0,
                              optimizer_impl="foreach")
     est = estimate_model(spec, settings, finetune=finetune)

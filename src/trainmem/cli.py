@@ -100,7 +100,8 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
                            gpus=gpus, gpus_per_node=options["gpus_per_node"], zero=zero, fsdp=options["fsdp"],
                            offload=options["offload"], ddp_bucket_view=options["ddp_bucket_view"],
                            ds_config=options["ds_config"], lora=options["lora"], lora_alpha=options["lora_alpha"],
-                           lora_targets=options["lora_targets"], adapter_dtype=options["adapter_dtype"],
+                           lora_targets=options["lora_targets"], lora_dropout=options["lora_dropout"],
+                           adapter_dtype=options["adapter_dtype"],
                            base_quant=options["base_quant"], double_quant=options["double_quant"],
                            qlora=options["qlora"], batch=batch, seq=seq,
                            **{k: options[k] for k in SETTING_FLAGS})
@@ -183,6 +184,8 @@ def _workload_options(f):
         click.option("--lora", type=int, default=None, help="Train LoRA adapters of this rank on a frozen base "
                      "(the step is modelled for Llama-style models with SDPA; elsewhere the static memory)."),
         click.option("--lora-alpha", type=float, default=None, help="LoRA alpha (scales the adapters; no bytes)."),
+        click.option("--lora-dropout", type=float, default=0.0, show_default=True,
+                     help="Dropout on each adapter's input (peft's lora_dropout)."),
         click.option("--lora-targets", default="q,v", show_default=True,
                      help="q,k,v,o,gate,up,down,lm_head, peft module names (q_proj, c_attn, ...) or all-linear."),
         click.option("--adapter-dtype", default="auto", show_default=True,

@@ -55,6 +55,8 @@ class LoraOptions:
     targets: tuple[str, ...] = ("q", "v")
     adapter_dtype: str = "auto"
     """auto: fp32 over a half-precision base (peft's autocast_adapter_dtype), else the base's dtype."""
+    dropout: float = 0.0
+    """peft's ``lora_dropout`` on each adapter's input (its output and bool mask are then what the adapter keeps)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= 65536:
@@ -65,6 +67,8 @@ class LoraOptions:
         if not self.targets:
             raise ConfigError("lora targets are empty; give short names (q,k,v,o,gate,up,down,lm_head), module "
                               "names (q_proj, c_attn, ...) or all-linear")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
         if self.adapter_dtype not in ADAPTER_DTYPES:
             raise ConfigError(f"unknown adapter dtype {self.adapter_dtype!r}; accepted: {', '.join(ADAPTER_DTYPES)}")
 
@@ -159,6 +163,7 @@ class FineTune:
         adapters = adapter_parameters(spec, self.lora)
         return {"rank": self.lora.rank, "alpha": self.lora.alpha if self.lora.alpha is not None else 2 * self.lora.rank,
                 "targets": list(self.lora.targets), "adapter_dtype": self.lora.adapter_dtype,
+                "dropout": self.lora.dropout,
                 "base_quant": self.base_quant, "double_quant": self.double_quant,
                 "adapter_parameters": adapters, "frozen_parameters": spec.num_parameters}
 
@@ -236,7 +241,7 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
     embedding keeps nothing, and the first layer's input norm, whose input takes no gradient, nothing either."""
     from dataclasses import replace
 
-    from .activations import Term
+    from .activations import MASK, Term
 
     options = finetune.lora
     chosen = {t.name.removesuffix(".weight") for _, t in selected_weights(spec, options)}
@@ -254,7 +259,13 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
                 if t.kind == "shared_input":
                     new.append(t)  # kept by attention whatever the Linear does
                 if adapted:
-                    if ab != p.compute:
+                    if options.dropout > 0:
+                        # each adapter keeps its dropped-out input, and the dropout its bool mask where its input
+                        # takes a gradient (not the first layer's q/k/v input: nothing before it trains)
+                        mask = 0 if first_layer and t.module == "qkv_input" else MASK
+                        new.append(Term(f"{t.name}: adapters' dropped-out inputs and masks x{len(adapted)}",
+                                        len(adapted) * (ab + mask) * width, t.module, "adapter_input"))
+                    elif ab != p.compute:
                         new.append(Term(f"{t.name}: adapters' {ab * 8}-bit input copies x{len(adapted)}",
                                         len(adapted) * ab * width, t.module, "adapter_input"))
                     elif t.kind == "linear_input":

@@ -101,7 +101,7 @@ def build_lora_model(config: dict[str, Any], recipe: Recipe, attention: str, dro
         model = build_model(config, recipe, attention, dropout)
         adapter_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         model = peft.get_peft_model(model, peft.LoraConfig(
-            r=lora.rank, lora_alpha=lora.alpha or 2 * lora.rank, lora_dropout=0.0,
+            r=lora.rank, lora_alpha=lora.alpha or 2 * lora.rank, lora_dropout=lora.dropout,
             target_modules=peft_target_modules(spec, lora)), autocast_adapter_dtype=lora.adapter_dtype == "auto")
         if adapter_dtype[lora.adapter_dtype] is not None:
             for name, param in model.named_parameters():

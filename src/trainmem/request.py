@@ -73,6 +73,7 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
                  gpus: int = 1, gpus_per_node: int = 0, zero: int | None = None, fsdp: str | None = None,
                  offload: str = "none", ddp_bucket_view: bool = False, ds_config: str | os.PathLike | None = None,
                  lora: int | None = None, lora_alpha: float | None = None, lora_targets: Any = ("q", "v"),
+                 lora_dropout: float = 0.0,
                  adapter_dtype: str = "auto", base_quant: str | None = None, double_quant: bool = False,
                  qlora: bool = False, **settings: Any) -> Request:
     """Validate a request. ``model`` is a catalog name, a Hub repo id, a path to a config.json or its folder, or a
@@ -104,7 +105,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     target = get_gpu(gpu) if isinstance(gpu, str) else gpu
     parallel = Parallel(gpus=gpus, gpus_per_node=gpus_per_node, zero=zero, fsdp=fsdp, offload=offload,
                         ddp_bucket_view=ddp_bucket_view)
-    finetune = _finetune(lora, lora_alpha, lora_targets, adapter_dtype, base_quant, double_quant, qlora)
+    finetune = _finetune(lora, lora_alpha, lora_targets, adapter_dtype, base_quant, double_quant, qlora,
+                         lora_dropout)
     config = None
     if params is not None:
         spec = nominal_spec(parse_params(params))
@@ -129,15 +131,16 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     return Request(spec, config, training, device, target, parallel, finetune)
 
 
-def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlora) -> FineTune | None:
+def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlora,
+              dropout=0.0) -> FineTune | None:
     if qlora:
         if base_quant not in (None, "nf4") or double_quant is False and base_quant is not None:
             raise ConfigError("--qlora is nf4 with double quantization; give it alone or --base-quant instead")
         base_quant, double_quant = "nf4", True
     if rank is None:
-        if base_quant or double_quant or adapter_dtype != "auto" or alpha is not None:
-            raise ConfigError("--base-quant, --qlora, --double-quant, --lora-alpha and --adapter-dtype need "
-                              "--lora RANK")
+        if base_quant or double_quant or adapter_dtype != "auto" or alpha is not None or dropout:
+            raise ConfigError("--base-quant, --qlora, --double-quant, --lora-alpha, --lora-dropout and "
+                              "--adapter-dtype need --lora RANK")
         return None
     if isinstance(targets, str):
         targets = tuple(t.strip() for t in targets.split(",") if t.strip())
@@ -145,7 +148,7 @@ def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlo
         targets = tuple(targets)
     else:
         raise ConfigError(f"lora targets must be names such as q,v or all-linear, got {targets!r}")
-    return FineTune(LoraOptions(rank, alpha, targets, adapter_dtype), base_quant, double_quant)
+    return FineTune(LoraOptions(rank, alpha, targets, adapter_dtype, dropout), base_quant, double_quant)
 
 
 def _with_deepspeed_config(parallel: Parallel, path, spec: ModelSpec) -> Parallel:
