@@ -162,3 +162,24 @@ def test_formulas_read_family_traits_not_model_type():
         found = re.findall(r"model_type\s*(?:==|!=|\bin\b|\.startswith)", text)
         assert not found, f"{module}.py tests model_type: {found}"
     assert set(FAMILY_TRAITS) <= set(SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, alias, canonical", [
+    ("gpt2", "num_hidden_layers", "n_layer"), ("gpt2", "hidden_size", "n_embd"),
+    ("bloom", "num_hidden_layers", "n_layer"), ("mixtral", "num_experts", "num_local_experts"),
+    ("deepseek_v3", "num_local_experts", "n_routed_experts"),
+])
+def test_a_config_with_an_alias_and_its_field_counts_as_transformers_builds_it(name, alias, canonical):
+    """transformers' attribute_map aliases write the field after it, so where a config has both (and they differ)
+    the alias wins; trainmem reads them the same way."""
+    from tiny_configs import TINY_CONFIGS
+
+    config = dict(TINY_CONFIGS[name])
+    base = config.get(canonical, config.get(alias))
+    if base is None:
+        base = {"num_hidden_layers": 2, "n_layer": 2, "num_experts": 4, "num_local_experts": 4}.get(alias, 4)
+    config[canonical], config[alias] = base, base * 2  # (head counts are left out: they change no count here)
+    from hf import hf_num_parameters
+
+    assert spec_from_config(config).num_parameters == hf_num_parameters(config)

@@ -672,7 +672,7 @@ def _moe_fields(c: _Config, *, experts_keys: tuple[str, ...]) -> tuple[int, int]
 
 
 def _parse_mixtral(c: _Config) -> dict[str, Any]:
-    experts, top_k = _moe_fields(c, experts_keys=("num_local_experts", "num_experts"))
+    experts, top_k = _moe_fields(c, experts_keys=("num_experts", "num_local_experts"))  # the attribute_map alias wins
     moe = MoE(experts, top_k, c.req("intermediate_size"), _act(c))
     return _llama_like(c, qkv_bias=False, o_bias=False, moe_for_layer=lambda _: moe,
                        windows=_all_layers(c, c.get("sliding_window")))
@@ -749,7 +749,7 @@ def _parse_deepseek_v3(c: _Config) -> dict[str, Any]:
         "mla", heads, heads, nope + rope, v, qkv_bias=bias, o_bias=bias,
         q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=c.req("kv_lora_rank"), qk_rope_head_dim=rope, rotary_dim=rope,
     )
-    experts, top_k = _moe_fields(c, experts_keys=("n_routed_experts",))
+    experts, top_k = _moe_fields(c, experts_keys=("num_local_experts", "n_routed_experts"))  # (attribute_map)
     act = _act(c)
     moe_i = c.req("moe_intermediate_size")
     groups, top_groups = c.get("n_group"), c.get("topk_group")
@@ -772,15 +772,19 @@ def _parse_deepseek_v3(c: _Config) -> dict[str, Any]:
 
 
 def _parse_gpt2(c: _Config) -> dict[str, Any]:
-    hidden = c.req("n_embd", "hidden_size")
-    heads = c.req("n_head", "num_attention_heads")
+    # GPT2Config.attribute_map: hidden_size, num_attention_heads, num_hidden_layers and max_position_embeddings
+    # write n_embd, n_head, n_layer and n_positions, after them, so where a config has both the alias wins.
+    hidden = c.req("hidden_size", "n_embd")
+    heads = c.req("num_attention_heads", "n_head")
     d = _split_heads(c, hidden, heads)
     att = Attention("mha", heads, heads, d, d, True, True, fused_qkv=True)
     # modeling_gpt2.py, GPT2Block: inner_dim = n_inner if not None else 4 * hidden_size.
     layer = Layer(att, MLP(c.get("n_inner"), False, _act(c), bias=True), None, 2)
-    positions = c.get("n_positions")
+    positions = c.get("max_position_embeddings") if c.raw.get("max_position_embeddings") is not None else \
+        c.get("n_positions")
     return dict(
-        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("n_layer", "num_hidden_layers")),),
+        hidden_size=hidden, vocab_size=c.req("vocab_size"),
+        layer_runs=((layer, c.req("num_hidden_layers", "n_layer")),),
         norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings")),
         max_position_embeddings=positions, position_table_rows=positions,
         dropout=Dropout(c.get("attn_pdrop"), c.get("resid_pdrop"), c.get("embd_pdrop")),
@@ -868,14 +872,14 @@ def _parse_opt(c: _Config) -> dict[str, Any]:
 
 def _parse_bloom(c: _Config) -> dict[str, Any]:
     hidden = c.req("hidden_size", "n_embed")
-    heads = c.req("n_head", "num_attention_heads")
+    heads = c.req("num_attention_heads", "n_head")  # BloomConfig.attribute_map: the alias wins, as for GPT-2
     d = _split_heads(c, hidden, heads)
     att = Attention("mha", heads, heads, d, d, True, True, fused_qkv=True)
     # BloomGelu: a tanh GELU written in Python inside a custom autograd Function (modeling_bloom.py)
     layer = Layer(att, MLP(4 * hidden, False, "bloom_gelu", bias=True), None, 2)
     return dict(
         hidden_size=hidden, vocab_size=c.req("vocab_size"),
-        layer_runs=((layer, c.req("n_layer", "num_hidden_layers")),),
+        layer_runs=((layer, c.req("num_hidden_layers", "n_layer")),),
         norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings")), embedding_norm=True,
         dropout=Dropout(c.get("attention_dropout"), c.get("hidden_dropout")),
     )
