@@ -62,7 +62,7 @@ def test_report_rewrites_its_own_matrix_and_keeps_the_other_sections():
 
 @pytest.mark.parametrize("args, message", [
     (["--jobs", "0"], "--jobs must be at least 1, got 0"),
-    (["--quick", "--full-size"], "--quick, --full-size and --random are different runs"),
+    (["--quick", "--full-size"], "--quick, --full-size, --random and --lora are different runs"),
     (["--random", "0"], "--random must be at least 1, got 0"),
     (["--quick", "--seed", "3"], "--seed chooses the cases of --random"),
 ])
@@ -134,3 +134,20 @@ def test_full_size_cases_from_issue_9_match_their_traces(label, layers, recipe, 
         config["num_hidden_layers"] = layers
     row = run_row(config, label, recipe, "none", batch, seq, "adamw", dropout=None, attention=attention)
     assert row.within_tolerance and abs(row.total_error) < 0.005, (row.phase, row.total_error, row.worst_phase)
+
+
+@pytest.mark.slow
+def test_the_quick_lora_matrix_is_within_tolerance(tmp_path, run_cli):
+    """One LoRA row per family whose LoRA step is modelled (q,v, rank 16, checkpointed), traced against the
+    estimate: what CI checks of `trainmem validate --lora`."""
+    pytest.importorskip("peft")
+    out = tmp_path / "accuracy.md"
+    code, stdout, err = run_cli("validate", "--lora", "--quick", "-o", str(out))
+    assert code == 0, stdout[-2000:] + err
+    text = out.read_text()
+    assert "## Matrix: LoRA" in text and "6 of 6 rows within tolerance" in text
+
+
+def test_lora_matrix_is_its_own_run(run_cli, tmp_path):
+    code, _, err = run_cli("validate", "--lora", "--random", "3", "-o", str(tmp_path / "a.md"))
+    assert code == 2 and "different runs" in err

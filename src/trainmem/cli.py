@@ -645,10 +645,12 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
               help="Instead of a matrix, N random models and set-ups (the differential test; every phase scored).")
 @click.option("--seed", type=int, default=None, help="Seed of --random (default 0): the same seed draws the "
               "same cases.")
+@click.option("--lora", is_flag=True, help="The LoRA matrix: peft's adapters on the families whose LoRA step is "
+              "modelled (with --quick: one row per family).")
 @click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Rows traced in parallel processes.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default="docs/accuracy.md", show_default=True,
               help="Markdown report to write; its other sections (the other matrix, benchmark results) are kept.")
-def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int | None, jobs: int,
+def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int | None, lora: bool, jobs: int,
              output: str) -> None:
     """Trace and estimate a matrix of model types x recipes x attention x checkpointing x dropout (or random
     models with --random) and write the comparison as Markdown. Exit code 1 when a row is outside its tolerance.
@@ -656,17 +658,19 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
     \b
     Example: trainmem validate --quick -o /tmp/accuracy.md
              trainmem validate --random 200 --seed 7 --jobs 2
+             trainmem validate --lora --jobs 2
     """
     import os
     import tempfile
 
-    from .validate import RANDOM_HEADING, markdown, random_section, replace_sections, validate as run_validate, \
-        validate_random
+    from .validate import LORA_HEADING, RANDOM_HEADING, lora_section, markdown, random_section, replace_sections, \
+        validate as run_validate, validate_lora, validate_random
 
     if jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {jobs}")
-    if quick + full_size + (random_cases is not None) > 1:
-        raise ConfigError("--quick, --full-size and --random are different runs: give one")
+    if quick + full_size + (random_cases is not None) > 1 or lora and (full_size or random_cases is not None):
+        raise ConfigError("--quick, --full-size, --random and --lora are different runs: give one (--lora takes "
+                          "--quick)")
     if random_cases is not None and random_cases < 1:
         raise ConfigError(f"--random must be at least 1, got {random_cases}")
     if seed is not None and random_cases is None:
@@ -677,7 +681,19 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
         with open(output, encoding="utf-8") as handle:
             existing = handle.read()
     console = _console()
-    if random_cases is not None:
+
+    def show_row(r) -> None:
+        verdict = "ok" if r.within_tolerance else "OUT OF TOLERANCE (worst phase %s %+.2f%%)" % (
+            r.worst_phase[0], 100 * r.worst_phase[1])
+        console.print(f"{r.family:12s} {r.recipe:20s} {r.attention:5s} ckpt={r.checkpointing:4s} dropout={r.dropout} "
+                      f"{r.batch}x{r.seq:<4d} {r.phase:9s} total {r.total_error:+.2%} {verdict}")
+
+    if lora:
+        rows = validate_lora(quick=quick, progress=show_row, jobs=jobs)
+        text = replace_sections(existing, {LORA_HEADING: lora_section(rows, quick)})
+        bad = sum(not r.within_tolerance for r in rows)
+        total = len(rows)
+    elif random_cases is not None:
         def show(r) -> None:
             if r.ok:
                 phase, error = r.row.worst_phase
@@ -690,10 +706,7 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
         bad = sum(not r.ok for r in results)
         total = len(results)
     else:
-        rows = run_validate(quick=quick, full_size=full_size, jobs=jobs, progress=lambda r: console.print(
-            f"{r.family:12s} {r.recipe:20s} {r.attention:5s} ckpt={r.checkpointing:4s} dropout={r.dropout} "
-            f"{r.batch}x{r.seq:<4d} {r.phase:9s} total {r.total_error:+.2%} "
-            f"{'ok' if r.within_tolerance else 'OUT OF TOLERANCE (worst phase %s %+.2f%%)' % (r.worst_phase[0], 100 * r.worst_phase[1])}"))
+        rows = run_validate(quick=quick, full_size=full_size, jobs=jobs, progress=show_row)
         text = markdown(rows, full_size=full_size, quick=quick, existing=existing)
         bad = sum(not r.within_tolerance for r in rows)
         total = len(rows)

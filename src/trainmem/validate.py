@@ -185,13 +185,14 @@ def _within(estimate: dict[str, int], trace: dict[str, int]) -> bool:
         e is None or abs(e) <= CATEGORY_TOLERANCE for e in errors)
 
 
-def compare(config: dict, settings, family: str = "") -> Row:
-    """Trace one step of ``config`` under ``settings`` and estimate it: every phase, by category."""
+def compare(config: dict, settings, family: str = "", finetune=None) -> Row:
+    """Trace one step of ``config`` under ``settings`` (with ``finetune``'s LoRA adapters if given) and estimate it:
+    every phase, by category."""
     from .trace import trace_step
 
     spec = spec_from_config(config)
-    traced = trace_step(config, settings, spec, round_to_cuda=ROUND_TO_CUDA)
-    est = {p.name: p.by_category() for p in estimate_model(spec, settings).phases}
+    traced = trace_step(config, settings, spec, round_to_cuda=ROUND_TO_CUDA, finetune=finetune)
+    est = {p.name: p.by_category() for p in estimate_model(spec, settings, finetune=finetune).phases}
     peak = traced.peak
     others = tuple((p.name, est[p.name], p.by_category()) for p in traced.phases if p.name != peak.name)
     return Row(family or config["model_type"], settings.recipe, settings.checkpointing, settings.batch, settings.seq,
@@ -275,6 +276,50 @@ def validate(quick: bool = False, progress=None, full_size: bool = False, jobs: 
     return _map(functools.partial(_run, full_size=full_size), list(matrix(quick, full_size)), jobs, progress)
 
 
+LORA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+"""The families whose LoRA step is modelled (lora.activations_modelled)."""
+LORA_SET_UPS = ((("q", "v"), 0.0), (("all-linear",), 0.0), (("q", "k", "v", "o"), 0.05))
+"""(targets, lora_dropout) per row."""
+
+
+def lora_matrix(quick: bool = False):
+    """The LoRA rows: (label, recipe, checkpointing, targets, lora dropout), rank 16 on scaled-down configs, batch 2
+    x 64, AdamW (the adapters' states are small: the peak stays in forward or backward). ``quick``: one row per
+    family."""
+    recipes = ("pure-bf16-bf16states",) if quick else ("pure-bf16-bf16states", "fp32")
+    set_ups = LORA_SET_UPS[:1] if quick else LORA_SET_UPS
+    checkpointing = ("full",) if quick else CHECKPOINTING
+    for label in LORA_FAMILIES:
+        for recipe, ckpt, (targets, dropout) in itertools.product(recipes, checkpointing, set_ups):
+            yield label, recipe, ckpt, targets, dropout
+
+
+def _run_lora(task: tuple) -> Row:
+    from .lora import FineTune, LoraOptions
+
+    label, recipe, ckpt, targets, dropout = task
+    settings = make_settings(recipe=recipe, checkpointing=ckpt, batch=2, seq=64, optimizer="adamw", dropout=0.0,
+                             optimizer_impl="foreach")
+    finetune = FineTune(LoraOptions(16, targets=targets, dropout=dropout))
+    name = f"{label} LoRA 16 {','.join(targets)}" + (f" drop {dropout:g}" if dropout else "")
+    return compare(scale_down(matrix_config(label)), settings, name, finetune)
+
+
+def validate_lora(quick: bool = False, progress=None, jobs: int = 1) -> list[Row]:
+    """The LoRA matrix (peft's step traced against the estimate; lora_matrix)."""
+    return _map(_run_lora, list(lora_matrix(quick)), jobs, progress)
+
+
+def lora_section(rows: list[Row], quick: bool) -> str:
+    """The report's LoRA matrix: the scaled matrix's table under its own heading."""
+    text = _matrix_section(rows, False, quick).replace(MATRIX_SCALED, LORA_HEADING, 1)
+    command = "`trainmem validate" + (" --quick" if quick else "")
+    return text.replace(command + "`", command + " --lora`", 1).replace(
+        "SGD; dropout 0 at batch 1 x 128, the config's own dropout at batch 2 x 64.",
+        "peft's LoRA, rank 16, on q,v, all-linear and q,k,v,o with lora_dropout 0.05; AdamW; batch 2 x 64; "
+        "model dropout 0.", 1)
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x:+.2%}"
 
@@ -282,6 +327,7 @@ def _pct(x: float | None) -> str:
 MATRIX_FULL_SIZE = "## Matrix: full-size configs"
 MATRIX_SCALED = "## Matrix: scaled-down configs"
 RANDOM_HEADING = "## Random models"
+LORA_HEADING = "## Matrix: LoRA"
 KEPT_SECTIONS = ("## Tracing full-size models: time and memory", "## CUDA measurements", "## Many GPUs",
                  "## LoRA")
 """From benchmarks/ scripts and sharded traces (trace timings, CUDA measurements, FSDP2 and DeepSpeed checks): kept
@@ -423,7 +469,7 @@ and had 393 of 400 within tolerance before its cases were looked at. Now (2026-1
 """,
 }
 
-_ORDER = (*KEPT_SECTIONS, MATRIX_FULL_SIZE, MATRIX_SCALED, RANDOM_HEADING, *_STATIC_SECTIONS)
+_ORDER = (*KEPT_SECTIONS, MATRIX_FULL_SIZE, MATRIX_SCALED, LORA_HEADING, RANDOM_HEADING, *_STATIC_SECTIONS)
 
 
 def replace_sections(existing: str | None, new_sections: dict[str, str]) -> str:
