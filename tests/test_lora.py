@@ -10,21 +10,25 @@ from trainmem.models import spec_from_config
 
 DENSE = [name for name, cfg in TINY_CONFIGS.items()
          if cfg["model_type"] not in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")]
-TARGETS = [("all-linear",), ("q", "v"), ("q", "k", "v", "o"), ("up", "down"), ("lm_head", "q"), ("o",)]
+
+
+def _peft_counts(config: dict, rank: int, target_modules) -> tuple[int, int]:
+    """peft's (trainable, all) parameter counts of ``config``'s model with LoRA adapters, built on the meta device."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, target_modules=target_modules)) \
+        .get_nb_trainable_parameters()
 
 
 @pytest.mark.parametrize("name", DENSE)
 @pytest.mark.parametrize("rank", [8, 64])
 def test_all_linear_adds_what_peft_adds(name, rank):
-    torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = TINY_CONFIGS[name]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=rank, target_modules="all-linear"))
-    trainable, everything = wrapped.get_nb_trainable_parameters()
+    trainable, everything = _peft_counts(config, rank, "all-linear")
     spec = spec_from_config(config)
     ours = adapter_parameters(spec, LoraOptions(rank, targets=("all-linear",)))
     assert ours == trainable
@@ -40,15 +44,8 @@ MODULE_TARGETS = {
 
 @pytest.mark.parametrize("name, modules", list(MODULE_TARGETS.items()))
 def test_module_names_select_what_peft_selects(name, modules):
-    torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = TINY_CONFIGS[name]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules=modules))
-    trainable, _ = wrapped.get_nb_trainable_parameters()
+    trainable, _ = _peft_counts(config, 16, modules)
     assert adapter_parameters(spec_from_config(config), LoraOptions(16, targets=tuple(modules))) == trainable
 
 

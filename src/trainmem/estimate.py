@@ -70,6 +70,9 @@ class Peak:
     required_bytes: int
     """device_bytes x headroom: what to look for in a GPU."""
 
+    def fits(self, gpu: GPU) -> bool:
+        return self.required_bytes <= gpu.memory_bytes
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -125,7 +128,7 @@ class Estimate:
             raise ConfigError("fits() needs a GPU: pass one, or ask estimate(..., gpu=NAME)")
         if self.peak is None:
             return None
-        return self.peak.required_bytes <= gpu.memory_bytes
+        return self.peak.fits(gpu)
 
     def fit_table(self) -> dict[str, bool | None]:
         return {name: self.fits(gpu) for name, gpu in GPUS.items()}

@@ -206,12 +206,9 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
     trace, tests/test_lora.py)."""
     from .activations import effective_kernel
 
-    layer = spec.layer_runs[0][0] if spec.layer_runs else None
-    if layer is None or any(lay.attention.kind == "mla" or lay.moe or lay.mlp is None
-                            or not lay.mlp.gated or lay.parallel_residual
-                            or lay.num_norms != 2 for lay, _ in spec.layer_runs):
-        return f"{spec.model_type}'s layers (LoRA activations are modelled for Llama-style layers)"
-    if spec.traits.block != "standard" or spec.projects_embeddings:
+    if (not spec.layer_runs or spec.traits.block != "standard" or spec.projects_embeddings
+            or any(lay.attention.kind == "mla" or lay.moe or lay.mlp is None or not lay.mlp.gated
+                   or lay.parallel_residual or lay.num_norms != 2 for lay, _ in spec.layer_runs)):
         return f"{spec.model_type}'s layers (LoRA activations are modelled for Llama-style layers)"
     if recipe.autocast:
         return f"the {recipe.name} recipe (LoRA activations are modelled without autocast)"
@@ -225,7 +222,7 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
     if finetune is not None:
         if finetune.base_quant == "int8":
             return "an 8-bit base (LLM.int8()'s matmul buffers are not modelled yet)"
-        chosen = {t.name.removesuffix(".weight") for _, t in selected_weights(spec, finetune.lora)}
+        chosen = adapted_names(spec, finetune.lora)
         if not chosen & {"q_proj", "k_proj", "v_proj", "qkv_proj"}:
             return "targets without q, k or v (the first layer's attention then keeps nothing)"
         if "lm_head" in chosen:
@@ -244,7 +241,7 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
     from .activations import MASK, Term
 
     options = finetune.lora
-    chosen = {t.name.removesuffix(".weight") for _, t in selected_weights(spec, options)}
+    chosen = adapted_names(spec, options)
     ab = adapter_bytes_per_value(options, p.compute)
 
     def adapted_terms(terms, first_layer=False):
@@ -292,9 +289,6 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
     return replace(acts, layers=tuple(layers), head_terms=head, embedding_terms=embedding)
 
 
-def adapter_numel(spec: ModelSpec, tensors, finetune: FineTune, names: tuple[str, ...] | None = None) -> int:
-    """Adapter parameters on ``tensors`` (one layer's, by trainmem's names), or on those of them named ``names``."""
-    options = finetune.lora
-    chosen = {t.name for _, t in selected_weights(spec, options)}
-    return sum(options.rank * (t.shape[0] + t.shape[1]) for t in tensors if t.name in chosen
-               and (names is None or t.name.removesuffix(".weight") in names))
+def adapted_names(spec: ModelSpec, options: LoraOptions) -> frozenset[str]:
+    """trainmem's names of the Linears that carry an adapter (``q_proj``, ``mlp.down_proj``, ...)."""
+    return frozenset(t.name.removesuffix(".weight") for _, t in selected_weights(spec, options))

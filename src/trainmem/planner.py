@@ -41,15 +41,11 @@ def _require_architecture(model: ModelSpec) -> None:
         raise ConfigError("--max-batch/--max-seq need the model's architecture: give a config, not --params")
 
 
-def _fits(peak, gpu: GPU) -> bool:
-    return peak.required_bytes <= gpu.memory_bytes
-
-
 def max_batch(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions,
               parallel: Parallel | None = None, finetune=None) -> int:
     _require_architecture(model)
     step = compile_step(model, settings, device, parallel, finetune)
-    return _largest(lambda b: _fits(evaluate(step, b, settings.seq).peak, gpu))
+    return _largest(lambda b: evaluate(step, b, settings.seq).peak.fits(gpu))
 
 
 def seq_limit(model: ModelSpec) -> int:
@@ -62,7 +58,7 @@ def max_seq(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: Devi
     """The longest sequence that fits, capped at :func:`seq_limit` (a longer one would fit memory, not the model)."""
     _require_architecture(model)
     step = compile_step(model, settings, device, parallel, finetune)
-    return _largest(lambda s: _fits(evaluate(step, settings.batch, s).peak, gpu), seq_limit(model))
+    return _largest(lambda s: evaluate(step, settings.batch, s).peak.fits(gpu), seq_limit(model))
 
 
 def sweep(model: ModelSpec, settings: TrainingSettings, batches: list[int], seqs: list[int],

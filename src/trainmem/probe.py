@@ -71,18 +71,13 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
     return model
 
 
-_PEFT_SHORT = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-               "down": "down_proj", "lm_head": "lm_head"}
-
-
 def peft_target_modules(spec, lora) -> list[str] | str:
     """peft's ``target_modules`` for trainmem's targets: the module names of the Linears lora.py selects."""
-    from .lora import selected_weights
+    from .lora import adapted_names
 
     if tuple(lora.targets) == ("all-linear",):
         return "all-linear"
-    names = {t.name.removesuffix(".weight").rsplit(".", 1)[-1] for _, t in selected_weights(spec, lora)}
-    return sorted(names)
+    return sorted({name.rsplit(".", 1)[-1] for name in adapted_names(spec, lora)})
 
 
 def build_lora_model(config: dict[str, Any], recipe: Recipe, attention: str, dropout: float | None, finetune, spec):

@@ -159,11 +159,14 @@ def _title(est: Estimate) -> str:
     return title
 
 
-def _layout_words(parallel) -> str:
+def _engine_words(parallel) -> str:
     engine = {"ddp": "DDP", "deepspeed": f"DeepSpeed ZeRO-{parallel.zero}",
               "fsdp2": f"FSDP2 ({parallel.fsdp})"}[parallel.engine]
-    offload = f", offload {parallel.offload}" if parallel.offload != "none" else ""
-    return f"{parallel.gpus} ({engine}{offload})"
+    return engine + (f", offload {parallel.offload}" if parallel.offload != "none" else "")
+
+
+def _layout_words(parallel) -> str:
+    return f"{parallel.gpus} ({_engine_words(parallel)})"
 
 
 def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, explain: bool = False) -> None:
@@ -322,8 +325,7 @@ def render_sweep(estimates: list[Estimate], unit: str, console, gpu: GPU | None)
         table.add_column(f"fits {gpu.name}", justify="center")
     for e in estimates:
         assert e.peak is not None
-        row = [str(e.parallel.gpus), _layout_words(e.parallel).split("(", 1)[1].rstrip(")")
-               if e.per_gpu else "one GPU"] if layouts else []
+        row = [str(e.parallel.gpus), _engine_words(e.parallel) if e.per_gpu else "one GPU"] if layouts else []
         row += [str(e.settings.batch), str(e.settings.seq), format_bytes(e.activation_bytes or 0, unit), e.peak.phase,
                format_bytes(e.peak.allocated_bytes, unit), format_bytes(e.peak.required_bytes, unit)]
         if gpu is not None:

@@ -358,7 +358,7 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
     largest = max(unsharded)
     buffers: list[Buffer] = []
     if world > 1:
-        layer = max((sum(t.numel for t in ts) for r, ts in groups[:-1]), default=0)
+        layer = _largest_layer(spec)
         root = unsharded[-1]
         if parallel.fsdp == "grad-op":
             buffers.append(Buffer("gathered parameters (kept from forward to backward)", param_dtype * n, "parameters",
@@ -396,7 +396,4 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
                       ("not validated on a GPU: FSDP2's sharded states are checked on CPU processes (gloo)",),
                       gradient_shard_bytes=orig, head_gradient_sharded=False)
 
-
-def buffer_bytes_in(buffers: tuple[Buffer, ...], phase: str, category: str) -> int:
-    return sum(b.bytes for b in buffers if phase in b.phases and b.category == category)
 

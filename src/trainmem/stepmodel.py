@@ -358,8 +358,3 @@ def evaluate(step: StepModel, batch: int, seq: int) -> Evaluation:
     phases = step.phases(batch, seq)
     return Evaluation(phases, peak_of_phases(phases, step.device))
 
-
-def required_bytes(step: StepModel, batch: int, seq: int) -> int | None:
-    """What a GPU must have for the step at (batch, seq) (``Peak.required_bytes``); None without a peak."""
-    peak = evaluate(step, batch, seq).peak
-    return peak and peak.required_bytes

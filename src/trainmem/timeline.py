@@ -423,13 +423,16 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
 
         from .lora import adapter_bytes_per_value
 
+        from .lora import adapted_names
+
         ab = adapter_bytes_per_value(finetune.lora, recipe.weight_bytes)
         gradients_of = replaced(recipe, gradients={4: "fp32", 2: "bf16"}[ab], weights={4: "fp32", 2: "bf16"}[ab])
+        adapted = adapted_names(spec, finetune.lora)
     out = []
     for la in acts.layers:
         tensors = layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors)
         if finetune is not None:
-            tensors = _adapter_view(spec, tensors, finetune)
+            tensors = _adapter_view(tensors, adapted, finetune.lora.rank)
         down = _numel(tensors, *_DOWN_PROJECTIONS)
         layer = la.layer
         full = int(la.bytes_per_token * tokens) + la.constant_bytes
@@ -517,14 +520,13 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
     return out
 
 
-def _adapter_view(spec: ModelSpec, tensors, finetune) -> list:
-    """A layer's tensors as a LoRA step's gradients see them: each adapted Linear's weight stands for its adapter
-    pair (r x (in + out) elements), the rest take none."""
-    from .lora import adapter_numel
+def _adapter_view(tensors, adapted: frozenset[str], rank: int) -> list:
+    """A layer's tensors as a LoRA step's gradients see them: each adapted Linear's weight (named in ``adapted``)
+    stands for its adapter pair (rank x (in + out) elements), the rest take none."""
     from .models import ParamTensor
 
-    return [ParamTensor(t.name, (adapter_numel(spec, [t], finetune),), t.role) for t in tensors
-            if adapter_numel(spec, [t], finetune)]
+    return [ParamTensor(t.name, (rank * (t.shape[0] + t.shape[1]),), t.role) for t in tensors
+            if t.name.removesuffix(".weight") in adapted]
 
 
 def _down_input_kept(la: LayerActivations, tokens: int) -> int:

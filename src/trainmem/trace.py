@@ -125,6 +125,21 @@ def _unpacked_batches():
 
 
 @contextlib.contextmanager
+def _cuda_block_sizes(enabled: bool = True):
+    """MemTracker rounds to the CUDA allocator's 512-byte blocks only for CUDA tensors; the trace's tensors live
+    on the fake CPU device, so the rounding is applied here for the duration of a trace."""
+    from torch.distributed._tools import mem_tracker
+
+    original = mem_tracker._WeakRefInfo._calculate_mem_consumed
+    if enabled:
+        mem_tracker._WeakRefInfo._calculate_mem_consumed = lambda self: -(-self.size * self.element_size // 512) * 512
+    try:
+        yield
+    finally:
+        mem_tracker._WeakRefInfo._calculate_mem_consumed = original
+
+
+@contextlib.contextmanager
 def fake_gpu(emulate: str = "cuda"):
     """Fake tensors behaving as on a GPU: CUDA's autocast policy and kernels (``emulate="cuda"``), transformers'
     data-dependent checks answered as a real run answers them, and ops that need a value given one."""
@@ -259,43 +274,34 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
     from .step import TrainingStep
 
     started = time.perf_counter()
-    # MemTracker rounds to the CUDA allocator's 512-byte blocks only for CUDA tensors; the trace's tensors live
-    # on the fake CPU device, so the rounding is applied here for the duration of the trace.
-    original_size = mem_tracker._WeakRefInfo._calculate_mem_consumed
-    if round_to_cuda:
-        mem_tracker._WeakRefInfo._calculate_mem_consumed = lambda self: -(-self.size * self.element_size // 512) * 512
-    try:
-        environment = fake_gpu(emulate) if fake else _real_cpu(emulate)
-        with environment:
-            run = TrainingStep(config, settings, "cpu", spec, finetune)
-            run.forward_backward()  # warm-up: creates the optimizer states
+    with _cuda_block_sizes(round_to_cuda), (fake_gpu(emulate) if fake else _real_cpu(emulate)):
+        run = TrainingStep(config, settings, "cpu", spec, finetune)
+        run.forward_backward()  # warm-up: creates the optimizer states
+        run.step()
+
+        load_tracker = mem_tracker.MemTracker()
+        _track(load_tracker, mem_tracker, run)
+        with load_tracker:
+            load = _device_snapshot(load_tracker.get_tracker_snapshot("current"))
+        # With gradient accumulation the last micro-batch is the steady state: the gradients of the earlier ones
+        # are alive through its forward and its backward adds to them. (MemTracker follows one forward per
+        # tracker.)
+        for _ in range(settings.grad_accum - 1):
+            run.micro_batch()
+        tracker = _recompute_aware_tracker(mem_tracker, run)
+        _track(tracker, mem_tracker, run)
+        with tracker:
+            run.micro_batch()
+        stats = tracker.memory_tracking[run.model].snapshots
+        forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
+        backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
+
+        step_tracker = mem_tracker.MemTracker()
+        _track(step_tracker, mem_tracker, run)
+        with step_tracker:
             run.step()
-
-            load_tracker = mem_tracker.MemTracker()
-            _track(load_tracker, mem_tracker, run)
-            with load_tracker:
-                load = _device_snapshot(load_tracker.get_tracker_snapshot("current"))
-            # With gradient accumulation the last micro-batch is the steady state: the gradients of the earlier ones
-            # are alive through its forward and its backward adds to them. (MemTracker follows one forward per
-            # tracker.)
-            for _ in range(settings.grad_accum - 1):
-                run.micro_batch()
-            tracker = _recompute_aware_tracker(mem_tracker, run)
-            _track(tracker, mem_tracker, run)
-            with tracker:
-                run.micro_batch()
-            stats = tracker.memory_tracking[run.model].snapshots
-            forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
-            backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
-
-            step_tracker = mem_tracker.MemTracker()
-            _track(step_tracker, mem_tracker, run)
-            with step_tracker:
-                run.step()
-            optimizer_peak = _device_snapshot(step_tracker.get_tracker_snapshot("peak"))
-            between = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
-    finally:
-        mem_tracker._WeakRefInfo._calculate_mem_consumed = original_size
+        optimizer_peak = _device_snapshot(step_tracker.get_tracker_snapshot("peak"))
+        between = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
     load_phase = _phase("load", "static state", load)
     step_phase = _phase("optimizer", "step()", optimizer_peak)
     # MemTracker tags what optimizer.step() allocates as optimizer state and the fp32 gradient copies made
@@ -370,11 +376,8 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=parallel.gpus, store=FakeStore())
     mesh = init_device_mesh("cpu", (parallel.gpus,))  # outside FakeTensorMode: it computes the rank's coordinates
-    original_size = mem_tracker._WeakRefInfo._calculate_mem_consumed
-    if round_to_cuda:
-        mem_tracker._WeakRefInfo._calculate_mem_consumed = lambda self: -(-self.size * self.element_size // 512) * 512
     try:
-        with fake_gpu():
+        with _cuda_block_sizes(round_to_cuda), fake_gpu():
             recipe = get_recipe(settings.recipe)
             half = FSDP_TRACE_RECIPES[settings.recipe]
             model = build_model(config, get_recipe("fp32") if half else recipe, settings.attention, settings.dropout)
@@ -422,7 +425,6 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
                 optimizer.zero_grad(set_to_none=True)
                 after = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
     finally:
-        mem_tracker._WeakRefInfo._calculate_mem_consumed = original_size
         dist.destroy_process_group()
     states = after.get("Optstate", 0)
     load = _phase("load", "static state", after)
