@@ -22,7 +22,7 @@ from .kernels import (EAGER, EFFICIENT, EFFICIENT_MASK_MULTIPLE, FLASH, FLASH_MA
                       efficient_lse_per_token, efficient_mask_width, flash_head_dim, sdpa_backend)
 from .models import MLP, Attention, Layer, ModelSpec, MoE
 from .recipes import DTYPE_BYTES, Recipe
-from .settings import TrainingSettings
+from .settings import OUTPUT_CHUNKS, TrainingSettings
 
 FP32 = 4
 INDEX = 8  # int64 indices (embedding input, routing indices, labels)
@@ -117,6 +117,21 @@ class LayerActivations:
 # --------------------------------------------------------------------------------------------------------
 # Building blocks
 # --------------------------------------------------------------------------------------------------------
+
+
+
+COMPILED_LOSS_FORWARD = 1
+"""fp32 slice-sized intermediates alive at once in the forward of torchtune's compiled per-slice loss, as the
+aot_eager_decomp_partition trace runs its decomposed graph (traced: Llama-3.1-8B shapes, -1.4%)."""
+COMPILED_LOSS_BACKWARD = 2
+"""The same in its backward (recomputing the softmax from the kept half logits; traced -0.44%). Inductor's fused
+kernels hold fewer, which is most of the LoRA rows' excess over torchtune's published peaks (docs/accuracy.md)."""
+
+
+def uses_kv_cache(settings: TrainingSettings) -> bool:
+    """transformers' causal LMs build a KV cache in training unless gradient checkpointing turns use_cache off;
+    torchtune's models (--loss chunked-output) have none."""
+    return settings.checkpointing == "none" and settings.loss != "chunked-output"
 
 
 def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_bytes: int, module: str) -> list[Term]:
@@ -240,7 +255,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             terms += [Term(f"{name}: input in fp32", FP32 * heads * d), Term(f"{name}: rsqrt", FP32 * heads),
                       Term(f"{name}: normalised", normed * heads * d)]
     rotary = att.rotary_dim > 0
-    use_cache = settings.checkpointing == "none"  # gradient checkpointing turns use_cache off
+    use_cache = uses_kv_cache(settings)
     # Under autocast the rotary tables follow the fp32 hidden states, so the rotated q and k are fp32.
     qk_bytes = p.residual if p.autocast and rotary else c
     # GPT-2: q, k and v are views of one projection output (c_attn); with use_cache, DynamicLayer.update torch.cat's
@@ -558,7 +573,7 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
     a, kv, d, c, r = att.num_heads, att.num_kv_heads, att.head_dim, p.compute, p.residual
     s = settings.seq
     rotary = att.rotary_dim > 0
-    use_cache = settings.checkpointing == "none"
+    use_cache = uses_kv_cache(settings)
     # FalconLinear adds its bias after the (autocast) matmul, so with a bias q, k and v come out in fp32.
     v_bytes = r if p.autocast and att.qkv_bias else c
     qk_bytes = r if p.autocast and (rotary or att.qkv_bias) else c
@@ -690,7 +705,7 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
     a, c, rope, dv, qk = att.num_heads, p.compute, att.qk_rope_head_dim, att.v_head_dim, att.head_dim
     nope = qk - rope
     s = settings.seq
-    use_cache = settings.checkpointing == "none"
+    use_cache = uses_kv_cache(settings)
     terms: list[Term] = []
     kvr = att.kv_lora_rank
     if att.q_lora_rank:
@@ -965,7 +980,20 @@ class ActivationEstimate:
     token and position embeddings (summed into the first hidden states), OPT's too and its position tensors. Freed
     when the base model returns, before the logits."""
 
+    offloaded: bool = False
+    """--offload-activations: the checkpointed layers' inputs live in host memory (host_bytes) until backward."""
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory holding the offloaded layer inputs (all layers') at the end of forward."""
+        if not self.offloaded:
+            return 0
+        return sum(int(sum(t.bytes_per_token for t in la.checkpoint_terms) * self.tokens) * la.count
+                   for la in self.layers)
+
     def layer_saved_bytes(self, layer: LayerActivations) -> int:
+        if self.checkpointing == "full" and self.offloaded:
+            return 0
         if self.checkpointing == "full":
             return int(sum(t.bytes_per_token for t in layer.checkpoint_terms) * self.tokens)
         return int(layer.bytes_per_token * self.tokens) + layer.constant_bytes
@@ -1005,6 +1033,61 @@ def effective_kernel(spec: ModelSpec, kernel: str) -> str:
     return kernel
 
 
+def compile_modelled(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings) -> str | None:
+    """Why --compile's layers are not modelled for this set-up, or None: Llama-style layers (separate q, k, v, a
+    gated MLP, two RMSNorms, no q/k norms), SDPA, no autocast, no dropout (checked against the
+    aot_eager_decomp_partition trace, tests/test_finetune_switches.py)."""
+    if (not spec.layer_runs or spec.traits.block != "standard" or spec.norm != "rms"
+            or spec.traits.rms_norm_fp32_plus_one
+            or any(lay.attention.kind == "mla" or lay.attention.qk_norm or lay.attention.fused_qkv or lay.moe
+                   or lay.mlp is None or not lay.mlp.gated or lay.mlp.fused_gate_up or lay.parallel_residual
+                   or lay.num_norms != 2 or lay.attention.rotary_dim != lay.attention.head_dim
+                   for lay, _ in spec.layer_runs)):
+        return f"{spec.model_type}'s layers (compiled layers are modelled for Llama-style layers)"
+    if recipe.autocast or recipe.compute == "fp32":
+        return (f"the {recipe.name} recipe (compiled layers are modelled in half precision without autocast: "
+                "pure-bf16*, mixed-*)")
+    if effective_kernel(spec, settings.attention) != "sdpa":
+        return f"{settings.attention} attention (compiled layers are modelled with SDPA)"
+    dropout = spec.dropout.attention if settings.dropout is None else settings.dropout
+    if dropout or (settings.dropout is None and spec.dropout.hidden):
+        return "dropout (compiled layers are modelled without dropout)"
+    return None
+
+
+def compiled_layer(la: LayerActivations, p: Precision) -> LayerActivations:
+    """What a torch.compile'd Llama-style layer saves (AOTAutograd's min-cut partitioner, default memory budget,
+    traced with aot_eager_decomp_partition): the layer input and each RMSNorm's rstd (the fp32 upcasts are
+    recomputed), the two norm outputs (matmul inputs), q after rotary, k, v, SDPA's logsumexp, the attention output
+    as o_proj reads it (SDPA's output is a view of it), the residual after attention, and the MLP's gate and up
+    outputs and their product (SiLU is recomputed): per token c(3I + 2h + 2ad + 2kv·d) + 2r·h + 4a + 8, against
+    eager's two fp32 norm upcasts and SiLU output besides."""
+    from dataclasses import replace
+
+    layer, c, r = la.layer, p.compute, p.residual
+    att, mlp = layer.attention, layer.mlp
+    a, kv, d = att.num_heads, att.num_kv_heads, att.head_dim
+    width = la.checkpoint_terms[0].bytes_per_token // r  # the hidden size
+    attention_terms = (
+        Term("layer input", r * width, "input_norm"),
+        Term("input norm rstd (fp32)", FP32, "input_norm"),
+        Term("input norm output (q, k, v input)", c * width, "qkv_input", "linear_input"),
+        Term("q after rotary", c * a * d, "attention"),
+        Term("k after rotary, v", 2 * c * kv * d, "attention"),
+        Term("SDPA logsumexp (fp32)", FP32 * a, "attention"),
+        Term("attention output (o_proj input)", c * a * d, "o_input", "linear_input"),
+    )
+    mlp_terms = (
+        Term("residual after attention", r * width, "post_attention_norm"),
+        Term("post-attention norm rstd (fp32)", FP32, "post_attention_norm"),
+        Term("post-attention norm output (gate, up input)", c * width, "mlp_input", "linear_input"),
+        Term("gate, up outputs", 2 * c * mlp.intermediate_size, "mlp"),
+        Term("SiLU(gate) x up (down input)", c * mlp.intermediate_size, "down_input", "linear_input"),
+    )
+    return replace(la, terms=attention_terms + mlp_terms,
+                   attention_bytes_per_token=sum(t.bytes_per_token for t in attention_terms))
+
+
 def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings) -> ActivationEstimate:
     """Saved activations of one micro-batch of ``settings.batch`` x ``settings.seq`` tokens."""
     from dataclasses import replace
@@ -1014,9 +1097,16 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     h, v, s = spec.hidden_size, spec.vocab_size, settings.seq
     tokens = settings.batch * s
     layers = tuple(layer_activations(spec, layer, count, recipe, settings) for layer, count in spec.layer_runs)
+    if settings.compile:
+        layers = tuple(compiled_layer(la, p) for la in layers)
     emb_dropout = spec.dropout.embedding if settings.dropout is None else settings.dropout
 
     embedding = [Term("input_ids (embedding backward)", INDEX, "embedding", "input_ids")]
+    if settings.offload_activations:
+        # torchtune's OffloadActivations (training/_activation_offloading.py): each checkpointed layer's input
+        # goes to host memory as it is saved; backward brings back the layer it is at and prefetches the next.
+        embedding.append(Term("layer inputs back from host (the current layer's and the next one's)",
+                              2 * p.residual * h))
     constant: list[Term] = []
     if spec.traits.position_ids == "per_token":
         embedding.append(Term("position ids", INDEX))
@@ -1070,6 +1160,23 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         head += [Term("gradient of the LM head input (computed in forward)", p.compute * h)]
         logits_bytes = 0
         loss_transient = 0
+    elif settings.loss == "chunked-output":
+        # torchtune's CEWithChunkedOutputLoss (torchtune/modules/loss/ce_chunked_output_loss.py): every slice's
+        # logits are kept in a list until the loss is summed; each slice's fp32 copy lives only through its own
+        # cross_entropy, whose log_softmax keeps its fp32 output. The labels are views.
+        if settings.compile:
+            # torchtune's compile_loss: the partitioner keeps each slice's half logits (the loss's own input,
+            # alive anyway) and two fp32 values per row (max, logsumexp) instead of the fp32 log_softmax, and
+            # recomputes the rest in backward (traced with aot_eager_decomp_partition, whose decomposed graph
+            # holds COMPILED_LOSS_FORWARD fp32 slice-sized intermediates at once).
+            head += [Term("logits kept by the compiled loss (all slices)", p.compute * v),
+                     Term("max and logsumexp per row (fp32)", 2 * FP32)]
+            logits_bytes = 0
+            loss_transient = COMPILED_LOSS_FORWARD * FP32 * v * tokens // OUTPUT_CHUNKS
+        else:
+            head += [Term("log_softmax output (fp32, all slices)", FP32 * v)]
+            logits_bytes = p.compute * v * tokens
+            loss_transient = (FP32 * v * tokens // OUTPUT_CHUNKS) if p.compute != FP32 else 0
     else:
         # transformers' ForCausalLMLoss: logits.float(), then cross_entropy = log_softmax + nll_loss. log_softmax
         # keeps its fp32 output, nll_loss the shifted labels.
@@ -1092,6 +1199,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         checkpointing=settings.checkpointing, kv_cache_bytes=kv_cache,
         mask_bytes=masks_built if settings.checkpointing != "full" else masks_built - masks_used,
         decoder_locals_bytes=_decoder_locals(spec, p, emb_dropout) * tokens,
+        offloaded=settings.offload_activations,
     )
 
 

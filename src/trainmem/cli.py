@@ -75,7 +75,7 @@ class _Workload:
 
 
 SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attention", "checkpointing", "dropout",
-                 "loss", "activation_k", "optimizer_in_backward")
+                 "loss", "activation_k", "optimizer_in_backward", "compile", "offload_activations")
 _FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "zero", "fsdp", "offload",
                "gpus_per_node")
 """Request fields whose messages name a flag: the CLI prints them as --flag."""
@@ -155,11 +155,18 @@ def _workload_options(f):
         click.option("--attention", default="sdpa", show_default=True, help="eager | sdpa | flash."),
         click.option("--checkpointing", default="none", show_default=True, help="none | full (every decoder layer)."),
         click.option("--dropout", type=float, default=None, help="Dropout probability (default: the config's)."),
-        click.option("--loss", default="standard", show_default=True, help="standard | chunked (Liger-style)."),
+        click.option("--loss", default="standard", show_default=True,
+                     help="standard | chunked (Liger's fused linear CE) | chunked-output (torchtune's 8-slice CE)."),
         click.option("--activation-k", type=float, default=None,
                      help="Use the seed's rule b*s*h*L*k*2 bytes for activations."),
         click.option("--optimizer-in-backward", is_flag=True,
                      help="Step each parameter as its gradient is made, then free it (torchtune's optimizer_in_bwd)."),
+        click.option("--compile", is_flag=True,
+                     help="torch.compile each decoder layer (and torchtune's per-slice loss): what the partitioner "
+                          "saves."),
+        click.option("--offload-activations", is_flag=True,
+                     help="Checkpointed layers' inputs in host memory until backward (torchtune's activation "
+                          "offloading; needs --checkpointing full)."),
         click.option("--gpu", help="GPU to check (the table lists all)."),
         click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True,
                      help="Safety factor on the device total."),
@@ -383,8 +390,10 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     w = _workload(options, batch, seq, need_config="measure")
     if w.finetune is not None:
         raise ConfigError("measure does not run LoRA yet")
-    if w.settings.optimizer_in_backward:
-        raise ConfigError("measure does not run --optimizer-in-backward yet (trace does)")
+    for flag, on in (("--optimizer-in-backward", w.settings.optimizer_in_backward), ("--compile", w.settings.compile),
+                     ("--offload-activations", w.settings.offload_activations)):
+        if on:
+            raise ConfigError(f"measure does not run {flag} yet (trace does)")
     _one_process(w, "measure")
     from .step import check_runnable
 

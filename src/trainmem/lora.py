@@ -217,8 +217,8 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
     dropout = spec.dropout.attention if settings.dropout is None else settings.dropout
     if dropout or (settings.dropout is None and spec.dropout.hidden):
         return "dropout (LoRA activations are modelled without dropout)"
-    if settings.loss != "standard":
-        return "--loss chunked"
+    if settings.loss == "chunked":
+        return "--loss chunked (Liger's fused loss is not modelled with LoRA)"
     if finetune is not None:
         if finetune.base_quant == "int8":
             return "an 8-bit base (LLM.int8()'s matmul buffers are not modelled yet)"

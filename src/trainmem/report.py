@@ -78,6 +78,7 @@ def _activations_dict(est: Estimate) -> dict[str, Any] | None:
         "head_bytes": acts.head_bytes,
         "constant_bytes": acts.constant_bytes,
         "kv_cache_bytes": acts.kv_cache_bytes,
+        **({"host_bytes": acts.host_bytes} if acts.offloaded else {}),
         "per_layer": [
             {"count": la.count, "bytes_per_token": la.bytes_per_token, "bytes": acts.layer_saved_bytes(la),
              "constant_bytes": la.constant_bytes,
@@ -257,6 +258,9 @@ def _render_activations(est: Estimate, unit: str, console, explain: bool) -> Non
                   format_bytes(acts.constant_bytes, unit))
     table.add_row("logits returned by the model", "", "", format_bytes(acts.logits_bytes, unit))
     table.add_row("total", "", "", format_bytes(acts.saved_bytes + acts.logits_bytes, unit), style="bold")
+    if acts.offloaded:
+        table.add_row("[dim]host memory: the layers' inputs, offloaded[/dim]", "", "",
+                      format_bytes(acts.host_bytes, unit))
     console.print(table)
     if not explain:
         console.print("[dim]--explain lists every saved tensor of a layer[/dim]")

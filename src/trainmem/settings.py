@@ -16,7 +16,9 @@ from .recipes import get_recipe
 
 ATTENTION_KERNELS = ("eager", "sdpa", "flash")
 CHECKPOINTING = ("none", "full")
-LOSSES = ("standard", "chunked")
+LOSSES = ("standard", "chunked", "chunked-output")
+OUTPUT_CHUNKS = 8
+"""torchtune's CEWithChunkedOutputLoss default (num_output_chunks), which the model's output layer follows."""
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
 
 
@@ -41,7 +43,9 @@ class TrainingSettings:
     dropout: float | None = None
     """Dropout probability override; None keeps the config's."""
     loss: str = "standard"
-    """Cross-entropy: standard (full logits) or chunked (logits never materialised whole)."""
+    """Cross-entropy: standard (transformers' ForCausalLMLoss on the whole logits), chunked (Liger-Kernel's fused
+    linear cross-entropy: the logits never exist whole) or chunked-output (torchtune's CEWithChunkedOutputLoss: the
+    LM head runs on 8 slices of the sequence and each slice's logits are upcast to fp32 on their own)."""
     activation_k: float | None = None
     """Use the seed article's rule of thumb b*s*h*L*k*2 bytes instead of the architecture model."""
     optimizer_impl: str = "auto"
@@ -51,6 +55,12 @@ class TrainingSettings:
     optimizer_in_backward: bool = False
     """Step each parameter as soon as backward has made its gradient, then free it (torchtune's
     ``optimizer_in_bwd``, through ``register_post_accumulate_grad_hook``): the gradients never exist together."""
+    compile: bool = False
+    """torch.compile each decoder layer (and torchtune's per-slice loss): AOTAutograd's min-cut partitioner
+    decides what a layer saves, keeping fewer tensors than eager where elementwise chains can be recomputed."""
+    offload_activations: bool = False
+    """Move what backward keeps to host memory as it is saved and bring it back when backward needs it
+    (torchtune's OffloadActivations, a saved-tensor hook); the host bytes are reported."""
 
     @property
     def fused_optimizer(self) -> bool:
@@ -90,6 +100,12 @@ class TrainingSettings:
             raise ConfigError(f"activation-k must be a positive number up to 10000, got {self.activation_k!r}")
         if not isinstance(self.optimizer_in_backward, bool):
             raise ConfigError(f"optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
+        for name in ("compile", "offload_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.offload_activations and self.checkpointing != "full":
+            raise ConfigError("--offload-activations is modelled with --checkpointing full (torchtune: it should be "
+                              "used alongside activation checkpointing)")
         if self.optimizer_in_backward:
             recipe = get_recipe(self.recipe)
             if self.grad_accum > 1:
@@ -109,7 +125,7 @@ class TrainingSettings:
 
 _FIELDS = {f.name for f in fields(TrainingSettings)}
 _DEFAULTS = {f.name: f.default for f in fields(TrainingSettings)}
-_ADDED_IN_SCHEMA_2 = ("optimizer_in_backward",)
+_ADDED_IN_SCHEMA_2 = ("optimizer_in_backward", "compile", "offload_activations")
 _TEXT_FIELDS = ("recipe", "optimizer", "attention", "checkpointing", "loss", "optimizer_impl")
 
 

@@ -97,12 +97,65 @@ def _not_traceable(optimizer: str) -> ConfigError:
 def check_runnable(settings: TrainingSettings, device: str = "cpu") -> None:
     """Refuse, before any work (no torch import), what trace and measure cannot run."""
     if settings.loss == "chunked":
-        raise ConfigError("trace and measure run transformers' standard loss; --loss chunked is estimate-only")
+        raise ConfigError("trace and measure run transformers' loss or torchtune's (--loss chunked-output); "
+                          "--loss chunked (Liger) is estimate-only")
     if settings.attention == "flash" and not str(device).startswith("cuda"):
         raise ConfigError("--attention flash (flash_attention_2) needs the flash-attn package and a GPU; on the "
                           "CPU and in trace use eager or sdpa (whose flash kernel the trace emulates)")
     if settings.optimizer not in TRACEABLE_OPTIMIZERS:
         raise _not_traceable(settings.optimizer)
+
+
+COMPILE_BACKEND = "aot_eager_decomp_partition"
+
+
+def compiled(function):
+    import torch
+
+    return torch.compile(function, backend=COMPILE_BACKEND)
+
+
+def decoder_layers(model) -> list:
+    """The decoder layers of a transformers causal LM (under peft too): the modules torchtune compiles."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def chunked_output_model(torch, causal_lm, compile_loss: bool = False):
+    """The model with torchtune's loss: the decoder's last hidden state is cut into OUTPUT_CHUNKS slices along
+    the sequence, the LM head runs on each (all slices' logits kept in a list, torchtune's
+    ``TransformerDecoder.chunked_output``), then ``CEWithChunkedOutputLoss`` upcasts one slice at a time to fp32 for
+    ``cross_entropy(reduction="sum")`` and divides the sum by the token count. No KV cache, as in torchtune."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    from .settings import OUTPUT_CHUNKS
+
+    base = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm  # under peft
+    functional = torch.nn.functional
+
+    def slice_loss(logits, target):  # CEWithChunkedOutputLoss.compute_cross_entropy
+        return functional.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
+
+    if compile_loss:  # torchtune's compile_loss compiles compute_cross_entropy
+        slice_loss = compiled(slice_loss)
+
+    class ChunkedOutputLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = causal_lm
+
+        def forward(self, input_ids, labels):
+            hidden = base.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+            head = base.get_output_embeddings()
+            logits = [head(chunk) for chunk in hidden.tensor_split(OUTPUT_CHUNKS, dim=1)]
+            del hidden
+            targets = [chunk.reshape(-1) for chunk in labels.tensor_split(OUTPUT_CHUNKS, dim=1)]
+            total = 0.0
+            for logits_chunk, target in zip(logits, targets):
+                total = total + slice_loss(logits_chunk.reshape(-1, logits_chunk.size(-1)), target)
+            del logits
+            return CausalLMOutput(loss=total / (labels != -100).sum())  # a pytree: MemTracker hooks its backward
+
+    return ChunkedOutputLoss()
 
 
 class TrainingStep:
@@ -133,6 +186,14 @@ class TrainingStep:
         if settings.checkpointing == "full":
             enable_checkpointing(self.model)
             self._mark_recomputes()
+        elif settings.compile:
+            self._compile_layers()
+        if settings.compile:
+            torch._dynamo.reset()  # a fresh cache per model: dynamo stops compiling a code object after 8 variants
+        if settings.offload_activations:
+            self._offload_decoder_activations()
+        if settings.loss == "chunked-output":
+            self.model = chunked_output_model(torch, self.model, compile_loss=settings.compile)
         # Zero-element parameters (DeepSeek-V3's shared experts with n_shared_experts 0) hold no memory, and
         # torch.optim.Adafactor divides by their size.
         self.params = [p for p in self.model.parameters() if p.requires_grad and p.numel() > 0]
@@ -165,6 +226,48 @@ class TrainingStep:
         self.autocast_device = torch.device(device).type
         self.autocast_dtype = half if recipe.autocast else None
 
+    def _offload_decoder_activations(self) -> None:
+        """torchtune's OffloadActivations around the decoder (its output layer and loss stay on the device): a
+        saved-tensor hook moves each saved tensor of 1 KiB or more that is not a parameter to host memory and
+        backward copies it back when it needs it. Here the device copy is dropped and an empty tensor of the same
+        layout is made when backward unpacks it: the device memory of a synchronous offload (torchtune's stream
+        version also keeps a tensor in flight each way)."""
+        torch = self.torch
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        decoder = base.get_decoder()
+
+        def pack(tensor):
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes < 1024 or isinstance(tensor, torch.nn.Parameter):
+                return tensor
+            return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            shape, stride, dtype, device = packed
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+        hooks = []
+
+        def enter(module, args):
+            hooks.append(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+            hooks[-1].__enter__()
+
+        def leave(module, args, output):
+            hooks.pop().__exit__(None, None, None)
+
+        decoder.register_forward_pre_hook(enter)
+        decoder.register_forward_hook(leave, always_call=True)
+
+    def _compile_layers(self) -> None:
+        """torch.compile every decoder layer as torchtune's ``compile_model`` does, with the
+        ``aot_eager_decomp_partition`` backend: AOTAutograd's min-cut partitioner decides what each layer saves
+        for backward, and the partitioned graphs run op by op, so a memory tracker sees the tensors a compiled
+        step keeps. (Checkpointed layers are compiled inside their checkpoint, in _mark_recomputes.)"""
+        for layer in decoder_layers(self.model):
+            layer.compile(backend=COMPILE_BACKEND)
+
     def _mark_recomputes(self) -> None:
         """Wrap each layer's checkpoint function so that ``self.recomputing`` tells when its forward runs again in
         backward. (MemTracker's own marker starts at the first submodule hook inside the recompute, so it misses
@@ -173,6 +276,10 @@ class TrainingStep:
 
         def marked(checkpoint_func):
             def checkpoint_with_marker(function, *args, **kwargs):
+                if self.settings.compile:
+                    # the layer's forward compiled inside the checkpoint, as torchtune wraps a compiled layer
+                    function = compiled(function)
+
                 def body(*a, **k):
                     if torch._C._current_graph_task_id() == -1:  # the first forward, not the recompute
                         return function(*a, **k)

@@ -110,6 +110,12 @@ class StepModel:
             if self.rank is not None:
                 raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
             single = finetune_static_components(spec, settings, finetune)
+        if settings.compile and spec.has_architecture:
+            from .activations import compile_modelled
+
+            reason = compile_modelled(spec, self.recipe, settings)
+            if reason:
+                raise ConfigError(f"--compile is not modelled for {reason}")
         self.static = single
         self._static_bytes = {c.name: c.bytes for c in self.static}
         self.unchecked = validation_notes(spec, settings) + (self.rank.notes if self.rank else ())

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import (FP32, INDEX, MASK, ActivationEstimate, LayerActivations, Precision,
+from .activations import (COMPILED_LOSS_BACKWARD, FP32, INDEX, MASK, ActivationEstimate, LayerActivations, Precision,
                           _hidden_dropout_sites, _router_score_bytes)
 from .models import MLP_ROLES, ModelSpec, layer_tensors
 from .optimizers import Optimizer
 from .recipes import Recipe
-from .settings import TrainingSettings
+from .settings import OUTPUT_CHUNKS, TrainingSettings
 from .sharding import RankLayout
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporaries")
@@ -553,37 +553,50 @@ def _head_copy(acts: ActivationEstimate) -> int:
 
 
 def _lm_head_moments(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe, p: Precision, weights: int,
-                     states: int, grads_in_forward: int, saved: int, frozen: bool = False) -> list[Phase]:
+                     states: int, grads_in_forward: int, saved: int, frozen: bool = False,
+                     slices: int = 1, compiled_loss: bool = False) -> list[Phase]:
     """The LM head's backward, after the loss's: log_softmax's output is freed; the fp32 gradient of the logits is
     cast to the compute dtype (``logits.float()``'s backward); the head's matmuls make the gradient of its input
     (T x h) and of its weight (V x h, in the compute dtype) while the logits' gradient is alive; under autocast the
     weight's gradient is then cast to the fp32 parameter's dtype (the cast copy's backward), with the head's input
     released. A tied or accumulating weight gradient is a temporary until autograd adds it up; an untied first one
-    becomes ``.grad``."""
+    becomes ``.grad``.
+
+    With the head run on ``slices`` slices of the sequence (torchtune's chunked output), autograd runs every
+    slice's loss backward first (they were recorded after all the head's matmuls, and it runs the latest-recorded
+    ready node first), so all slices' logits gradients are alive when the head's matmuls start; then slice by
+    slice the weight gradients are summed in autograd's input buffer (two V x h at once from the second slice on)
+    and the input gradients wait in the split's buffer until the last one (traced)."""
     c, v, tokens = p.compute, spec.vocab_size, acts.tokens
     emb = spec.embedding_dim or spec.hidden_size
-    after_logsoftmax = saved - FP32 * v * tokens
-    dlogits_half = c * v * tokens if c != FP32 else 0
+    # what the loss keeps per slice: log_softmax's fp32 output, or a compiled loss's half logits
+    log_softmax = (c if compiled_loss else FP32) * v * tokens // slices
+    after_logsoftmax = saved - log_softmax
+    dlogits_half = c * v * tokens // slices if c != FP32 else 0
     moments = [Phase("backward", "logits gradient", weights, grads_in_forward, states, after_logsoftmax,
-                     FP32 * v * tokens + dlogits_half)]
-    dlogits = dlogits_half or FP32 * v * tokens
-    d_input, d_weight = c * tokens * emb, (0 if frozen else c * v * emb)
+                     (0 if compiled_loss else log_softmax) + dlogits_half)]
+    dlogits = dlogits_half or log_softmax
+    # from here on every slice's log_softmax output is freed and every slice's logits gradient is waiting
+    after_loss = saved - log_softmax * slices
+    waiting = dlogits * slices
+    d_input, d_weight = c * tokens * emb // slices, (0 if frozen else c * v * emb)
     param_bytes = recipe.weight_bytes
-    held = spec.tied_embeddings or grads_in_forward > 0
+    held = spec.tied_embeddings or grads_in_forward > 0 or slices > 1
     cast = param_bytes != c
-    if not cast:
-        moments.append(Phase("backward", "LM head weight gradient", weights,
-                             grads_in_forward if held else d_weight, states, after_logsoftmax,
-                             dlogits + d_input + (d_weight if held else 0)))
-    else:
+    moments.append(Phase("backward", "LM head weight gradient", weights,
+                         grads_in_forward if held or cast else d_weight, states, after_loss,
+                         waiting + d_input + (d_weight if held or cast else 0)))
+    if slices > 1 and d_weight:
+        moments.append(Phase("backward", "LM head weight gradient of the second slice", weights,
+                             grads_in_forward, states, after_loss, waiting - dlogits + 2 * d_input + 2 * d_weight))
+    if cast:
         full = param_bytes * v * emb
         # by the cast, the head's matmuls have released their inputs: the head input and autocast's weight copy
         head_copy = _head_copy(acts)
-        moments.append(Phase("backward", "LM head weight gradient", weights, grads_in_forward, states,
-                             after_logsoftmax, dlogits + d_input + d_weight))
         moments.append(Phase("backward", "LM head weight gradient cast to the parameter's dtype", weights,
-                             grads_in_forward if held else full, states, after_logsoftmax - d_input - head_copy,
-                             d_input + d_weight + (full if held else 0)))
+                             grads_in_forward if held else full, states,
+                             after_loss - d_input * slices - head_copy,
+                             d_input * slices + d_weight + (full if held else 0)))
     return moments
 
 
@@ -664,10 +677,10 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
     # (OPT's project_out makes the output a half tensor the head keeps)
     final_hidden = (p.residual * h * tokens if p.autocast and p.residual == FP32 and layers
-                    and not spec.projects_embeddings else 0)
-    if finetune is not None and layers:
+                    and not spec.projects_embeddings and settings.loss != "chunked-output" else 0)
+    if finetune is not None and layers and settings.loss != "chunked-output":
         # A frozen LM head keeps no input, but the CausalLM forward holds the final norm's output (its local)
-        # while it computes the logits and the loss.
+        # while it computes the logits and the loss. (torchtune's decoder returns the logits list, its local gone.)
         final_hidden = p.compute * h * tokens
     candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
                            saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache
@@ -712,7 +725,11 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # Backward start: nll_loss's gradient and log_softmax's gradient (both fp32, V wide) beside everything saved.
     # The logits themselves are gone by then: log_softmax keeps its output, not its input, and a training loop
     # that keeps only the loss (HF Trainer's compute_loss, `loss = model(...).loss`) drops the output object.
-    loss_grads = 0 if settings.loss == "chunked" else 2 * FP32 * v * tokens
+    slices = OUTPUT_CHUNKS if settings.loss == "chunked-output" else 1
+    loss_grads = 0 if settings.loss == "chunked" else 2 * FP32 * v * tokens // slices
+    compiled_loss = settings.loss == "chunked-output" and settings.compile
+    if compiled_loss:
+        loss_grads = COMPILED_LOSS_BACKWARD * FP32 * v * tokens // slices
     head_grad = _param_bytes(_role_numel(spec, "head"), recipe.gradient_bytes) if not spec.tied_embeddings else 0
     if finetune is not None or stepped:
         head_grad = 0  # a frozen LM head (an adapter on it is not modelled), or one stepped at once
@@ -721,7 +738,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
     if settings.loss != "chunked":
         candidates += _lm_head_moments(spec, acts, recipe, p, weights, states, grads_in_forward, saved,
-                                       frozen=finetune is not None)
+                                       frozen=finetune is not None, slices=slices, compiled_loss=compiled_loss)
     if layers and spec.final_norm and spec.norm_vectors:
         # The final norm's backward, right after the head's: what the head kept is freed; an RMSNorm computed in
         # fp32 (LlamaRMSNorm and kin) has five h-wide fp32 gradient temporaries at once (traced), a LayerNorm the

@@ -190,6 +190,12 @@ def _recompute_aware_tracker(mem_tracker, run, base=None, temporary=None, **kwar
     temporary = temporary or mem_tracker._MemRefType.TEMP
 
     class RecomputeAwareTracker(base):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            # Otherwise torch.compile falls back to eager under the tracker (a dispatch mode); with this it
+            # compiles with the tracker off and runs the compiled graphs with it on (--compile).
+            return True
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._fresh_zeros: dict[int, weakref.ref] = {}

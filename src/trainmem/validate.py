@@ -329,7 +329,8 @@ MATRIX_SCALED = "## Matrix: scaled-down configs"
 RANDOM_HEADING = "## Random models"
 LORA_HEADING = "## Matrix: LoRA"
 KEPT_SECTIONS = ("## Tracing full-size models: time and memory", "## CUDA measurements", "## Many GPUs",
-                 "## LoRA")
+                 "## LoRA", "## torchtune's published figures",
+                 "## Compiled layers, chunked-output loss, activation offloading (traced)")
 """From benchmarks/ scripts and sharded traces (trace timings, CUDA measurements, FSDP2 and DeepSpeed checks): kept
 as they are when the report is rewritten."""
 
