@@ -1033,29 +1033,40 @@ def effective_kernel(spec: ModelSpec, kernel: str) -> str:
     return kernel
 
 
+def llama_style_layers(spec: ModelSpec) -> bool:
+    """Every layer shaped as Llama's: attention (no MLA) then a gated dense MLP, two norms, sequential residuals,
+    no projected embeddings: the ground the LoRA and compiled-layer models are built on."""
+    return bool(spec.layer_runs) and spec.traits.block == "standard" and not spec.projects_embeddings and not any(
+        lay.attention.kind == "mla" or lay.moe or lay.mlp is None or not lay.mlp.gated or lay.parallel_residual
+        or lay.num_norms != 2 for lay, _ in spec.layer_runs)
+
+
+def runs_dropout(spec: ModelSpec, settings: TrainingSettings) -> bool:
+    """Whether the step drops anything out in attention or the residual stream (--dropout, else the config's)."""
+    if settings.dropout is not None:
+        return settings.dropout > 0
+    return bool(spec.dropout.attention or spec.dropout.hidden)
+
+
 def compile_modelled(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings) -> str | None:
-    """Why --compile's layers are not modelled for this set-up, or None: Llama-style layers (separate q, k, v, a
-    gated MLP, two RMSNorms, no q/k norms), SDPA, no autocast, no dropout (checked against the
-    aot_eager_decomp_partition trace, tests/test_finetune_switches.py)."""
-    if (not spec.layer_runs or spec.traits.block != "standard" or spec.norm != "rms"
-            or spec.traits.rms_norm_fp32_plus_one
-            or any(lay.attention.kind == "mla" or lay.attention.qk_norm or lay.attention.fused_qkv or lay.moe
-                   or lay.mlp is None or not lay.mlp.gated or lay.mlp.fused_gate_up or lay.parallel_residual
-                   or lay.num_norms != 2 or lay.attention.rotary_dim != lay.attention.head_dim
-                   for lay, _ in spec.layer_runs)):
+    """Why --compile's layers are not modelled for this set-up, or None: Llama-style layers with separate q, k, v,
+    full rotary, two RMSNorms, no q/k norms, SDPA, half precision without autocast, no dropout (checked against
+    the aot_eager_decomp_partition trace, tests/test_finetune_switches.py)."""
+    if (not llama_style_layers(spec) or spec.norm != "rms" or spec.traits.rms_norm_fp32_plus_one
+            or any(lay.attention.qk_norm or lay.attention.fused_qkv or lay.mlp.fused_gate_up
+                   or lay.attention.rotary_dim != lay.attention.head_dim for lay, _ in spec.layer_runs)):
         return f"{spec.model_type}'s layers (compiled layers are modelled for Llama-style layers)"
     if recipe.autocast or recipe.compute == "fp32":
         return (f"the {recipe.name} recipe (compiled layers are modelled in half precision without autocast: "
                 "pure-bf16*, mixed-*)")
     if effective_kernel(spec, settings.attention) != "sdpa":
         return f"{settings.attention} attention (compiled layers are modelled with SDPA)"
-    dropout = spec.dropout.attention if settings.dropout is None else settings.dropout
-    if dropout or (settings.dropout is None and spec.dropout.hidden):
+    if runs_dropout(spec, settings):
         return "dropout (compiled layers are modelled without dropout)"
     return None
 
 
-def compiled_layer(la: LayerActivations, p: Precision) -> LayerActivations:
+def compiled_layer(la: LayerActivations, h: int, p: Precision) -> LayerActivations:
     """What a torch.compile'd Llama-style layer saves (AOTAutograd's min-cut partitioner, default memory budget,
     traced with aot_eager_decomp_partition): the layer input and each RMSNorm's rstd (the fp32 upcasts are
     recomputed), the two norm outputs (matmul inputs), q after rotary, k, v, SDPA's logsumexp, the attention output
@@ -1067,21 +1078,20 @@ def compiled_layer(la: LayerActivations, p: Precision) -> LayerActivations:
     layer, c, r = la.layer, p.compute, p.residual
     att, mlp = layer.attention, layer.mlp
     a, kv, d = att.num_heads, att.num_kv_heads, att.head_dim
-    width = la.checkpoint_terms[0].bytes_per_token // r  # the hidden size
     attention_terms = (
-        Term("layer input", r * width, "input_norm"),
+        Term("layer input", r * h, "input_norm"),
         Term("input norm rstd (fp32)", FP32, "input_norm"),
-        Term("input norm output (q, k, v input)", c * width, "qkv_input", "linear_input"),
-        Term("q after rotary", c * a * d, "attention"),
-        Term("k after rotary, v", 2 * c * kv * d, "attention"),
-        Term("SDPA logsumexp (fp32)", FP32 * a, "attention"),
+        Term("input norm output (q, k, v input)", c * h, "qkv_input", "linear_input"),
+        Term("q after rotary", c * a * d),
+        Term("k after rotary, v", 2 * c * kv * d),
+        Term("SDPA logsumexp (fp32)", FP32 * a),
         Term("attention output (o_proj input)", c * a * d, "o_input", "linear_input"),
     )
     mlp_terms = (
-        Term("residual after attention", r * width, "post_attention_norm"),
+        Term("residual after attention", r * h, "post_attention_norm"),
         Term("post-attention norm rstd (fp32)", FP32, "post_attention_norm"),
-        Term("post-attention norm output (gate, up input)", c * width, "mlp_input", "linear_input"),
-        Term("gate, up outputs", 2 * c * mlp.intermediate_size, "mlp"),
+        Term("post-attention norm output (gate, up input)", c * h, "mlp_input", "linear_input"),
+        Term("gate, up outputs", 2 * c * mlp.intermediate_size),
         Term("SiLU(gate) x up (down input)", c * mlp.intermediate_size, "down_input", "linear_input"),
     )
     return replace(la, terms=attention_terms + mlp_terms,
@@ -1098,7 +1108,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     tokens = settings.batch * s
     layers = tuple(layer_activations(spec, layer, count, recipe, settings) for layer, count in spec.layer_runs)
     if settings.compile:
-        layers = tuple(compiled_layer(la, p) for la in layers)
+        layers = tuple(compiled_layer(la, h, p) for la in layers)
     emb_dropout = spec.dropout.embedding if settings.dropout is None else settings.dropout
 
     embedding = [Term("input_ids (embedding backward)", INDEX, "embedding", "input_ids")]

@@ -204,18 +204,15 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
     """Why the activations of this LoRA step are not modelled, or None when they are: Llama-style layers (q/k/v
     separate or fused as Phi-3's, a gated MLP, two norms), SDPA, no autocast, no dropout (checked against the
     trace, tests/test_lora.py)."""
-    from .activations import effective_kernel
+    from .activations import effective_kernel, llama_style_layers, runs_dropout
 
-    if (not spec.layer_runs or spec.traits.block != "standard" or spec.projects_embeddings
-            or any(lay.attention.kind == "mla" or lay.moe or lay.mlp is None or not lay.mlp.gated
-                   or lay.parallel_residual or lay.num_norms != 2 for lay, _ in spec.layer_runs)):
+    if not llama_style_layers(spec):
         return f"{spec.model_type}'s layers (LoRA activations are modelled for Llama-style layers)"
     if recipe.autocast:
         return f"the {recipe.name} recipe (LoRA activations are modelled without autocast)"
     if effective_kernel(spec, settings.attention) != "sdpa":
         return f"{settings.attention} attention (LoRA activations are modelled for SDPA)"
-    dropout = spec.dropout.attention if settings.dropout is None else settings.dropout
-    if dropout or (settings.dropout is None and spec.dropout.hidden):
+    if runs_dropout(spec, settings):
         return "dropout (LoRA activations are modelled without dropout)"
     if settings.loss == "chunked":
         return "--loss chunked (Liger's fused loss is not modelled with LoRA)"

@@ -115,12 +115,12 @@ def compiled(function):
     return torch.compile(function, backend=COMPILE_BACKEND)
 
 
-def decoder_layers(model) -> list:
-    """The decoder layers of a transformers causal LM (under peft too): the modules torchtune compiles."""
-    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+def causal_lm(model):
+    """The transformers causal LM itself, also when peft wraps it."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def chunked_output_model(torch, causal_lm, compile_loss: bool = False):
+def chunked_output_model(torch, model, compile_loss: bool = False):
     """The model with torchtune's loss: the decoder's last hidden state is cut into OUTPUT_CHUNKS slices along
     the sequence, the LM head runs on each (all slices' logits kept in a list, torchtune's
     ``TransformerDecoder.chunked_output``), then ``CEWithChunkedOutputLoss`` upcasts one slice at a time to fp32 for
@@ -129,7 +129,7 @@ def chunked_output_model(torch, causal_lm, compile_loss: bool = False):
 
     from .settings import OUTPUT_CHUNKS
 
-    base = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm  # under peft
+    base = causal_lm(model)
     functional = torch.nn.functional
 
     def slice_loss(logits, target):  # CEWithChunkedOutputLoss.compute_cross_entropy
@@ -141,7 +141,7 @@ def chunked_output_model(torch, causal_lm, compile_loss: bool = False):
     class ChunkedOutputLoss(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.model = causal_lm
+            self.model = model
 
         def forward(self, input_ids, labels):
             hidden = base.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
@@ -183,13 +183,13 @@ class TrainingStep:
                           else build_model(config, recipe, kernel, settings.dropout))
         self.recomputing = False
         """True while a checkpointed layer's forward is being recomputed inside backward."""
+        if settings.compile:
+            torch._dynamo.reset()  # a fresh cache per model: dynamo stops compiling a code object after 8 variants
         if settings.checkpointing == "full":
             enable_checkpointing(self.model)
             self._mark_recomputes()
         elif settings.compile:
             self._compile_layers()
-        if settings.compile:
-            torch._dynamo.reset()  # a fresh cache per model: dynamo stops compiling a code object after 8 variants
         if settings.offload_activations:
             self._offload_decoder_activations()
         if settings.loss == "chunked-output":
@@ -233,8 +233,7 @@ class TrainingStep:
         layout is made when backward unpacks it: the device memory of a synchronous offload (torchtune's stream
         version also keeps a tensor in flight each way)."""
         torch = self.torch
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        decoder = base.get_decoder()
+        decoder = causal_lm(self.model).get_decoder()
 
         def pack(tensor):
             nbytes = tensor.numel() * tensor.element_size()
@@ -265,7 +264,9 @@ class TrainingStep:
         ``aot_eager_decomp_partition`` backend: AOTAutograd's min-cut partitioner decides what each layer saves
         for backward, and the partitioned graphs run op by op, so a memory tracker sees the tensors a compiled
         step keeps. (Checkpointed layers are compiled inside their checkpoint, in _mark_recomputes.)"""
-        for layer in decoder_layers(self.model):
+        from .probe import decoder_layers
+
+        for layer in decoder_layers(causal_lm(self.model)):
             layer.compile(backend=COMPILE_BACKEND)
 
     def _mark_recomputes(self) -> None:

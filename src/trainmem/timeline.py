@@ -677,11 +677,13 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
     # (OPT's project_out makes the output a half tensor the head keeps)
     final_hidden = (p.residual * h * tokens if p.autocast and p.residual == FP32 and layers
-                    and not spec.projects_embeddings and settings.loss != "chunked-output" else 0)
-    if finetune is not None and layers and settings.loss != "chunked-output":
+                    and not spec.projects_embeddings else 0)
+    if finetune is not None and layers:
         # A frozen LM head keeps no input, but the CausalLM forward holds the final norm's output (its local)
-        # while it computes the logits and the loss. (torchtune's decoder returns the logits list, its local gone.)
+        # while it computes the logits and the loss.
         final_hidden = p.compute * h * tokens
+    if settings.loss == "chunked-output":
+        final_hidden = 0  # torchtune's decoder returns the list of logits: its hidden-state local is gone
     candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
                            saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache
                            + final_hidden, 0)]
