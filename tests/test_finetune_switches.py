@@ -136,3 +136,10 @@ def test_switches_refuse_what_is_not_modelled_in_one_line(run_cli, args, says):
 def test_measure_refuses_switches_it_does_not_run(run_cli, flag):
     code, _, err = run_cli("measure", "llama-3.2-1b", "--checkpointing", "full", flag)
     assert code == 2 and f"measure does not run {flag}" in err
+
+
+def test_compile_is_said_to_be_unvalidated_in_backward_and_trace_refuses_it_inside_checkpoints(run_cli):
+    code, out, _ = run_cli("estimate", "llama-3.2-1b", "--recipe", "pure-bf16", "--compile", "--json")
+    assert code == 0 and any(n.startswith("not validated: --compile's backward") for n in json.loads(out)["notes"])
+    code, _, err = run_cli("trace", "llama-3.2-1b", "--recipe", "pure-bf16", "--compile", "--checkpointing", "full")
+    assert code == 2 and "--compile with --checkpointing full" in err and len(err.strip().splitlines()) == 1
