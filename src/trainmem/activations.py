@@ -22,7 +22,7 @@ from .kernels import (EAGER, EFFICIENT, EFFICIENT_MASK_MULTIPLE, FLASH, FLASH_MA
                       efficient_lse_per_token, efficient_mask_width, flash_head_dim, sdpa_backend)
 from .models import MLP, Attention, Layer, ModelSpec, MoE
 from .recipes import DTYPE_BYTES, Recipe
-from .settings import OUTPUT_CHUNKS, TrainingSettings
+from .settings import OFFLOAD_MIN_BYTES, OUTPUT_CHUNKS, TrainingSettings
 
 FP32 = 4
 INDEX = 8  # int64 indices (embedding input, routing indices, labels)
@@ -45,7 +45,7 @@ class Term:
     kind: str = ""
     """What it is within that module: a norm's "input_fp32", "rsqrt", "normalised" (RMSNorm) or "input", "stats"
     (LayerNorm); the routed experts' "intermediate" (what their gate_up backward frees); the LM head's
-    "autocast_weight_copy"."""
+    "autocast_weight_copy"; "back_from_host" for the offloaded layer inputs backward has brought back."""
 
 
 @dataclass(frozen=True)
@@ -985,11 +985,20 @@ class ActivationEstimate:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory holding the offloaded layer inputs (all layers') at the end of forward."""
+        """Host memory at the end of forward: every tensor of OFFLOAD_MIN_BYTES or more saved inside the decoder
+        (each checkpointed layer's input, the embedding's indices, the final norm's tensors), each a copy of its
+        own. (The device figures keep the embedding's and final norm's: a few h-wide tensors, traced +0.15-0.8%.)"""
         if not self.offloaded:
             return 0
-        return sum(int(sum(t.bytes_per_token for t in la.checkpoint_terms) * self.tokens) * la.count
-                   for la in self.layers)
+
+        def copied(per_token: float) -> int:
+            size = int(per_token * self.tokens)
+            return size if size >= OFFLOAD_MIN_BYTES else 0
+
+        inputs = sum(copied(sum(t.bytes_per_token for t in la.checkpoint_terms)) * la.count for la in self.layers)
+        inside = [t for t in self.embedding_terms if t.kind != "back_from_host"] + \
+            [t for t in self.head_terms if t.module == "final_norm"]
+        return inputs + sum(copied(t.bytes_per_token) for t in inside)
 
     def layer_saved_bytes(self, layer: LayerActivations) -> int:
         if self.checkpointing == "full" and self.offloaded:
@@ -1116,7 +1125,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         # torchtune's OffloadActivations (training/_activation_offloading.py): each checkpointed layer's input
         # goes to host memory as it is saved; backward brings back the layer it is at and prefetches the next.
         embedding.append(Term("layer inputs back from host (the current layer's and the next one's)",
-                              2 * p.residual * h))
+                              2 * p.residual * h, kind="back_from_host"))
     constant: list[Term] = []
     if spec.traits.position_ids == "per_token":
         embedding.append(Term("position ids", INDEX))

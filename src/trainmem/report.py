@@ -259,7 +259,7 @@ def _render_activations(est: Estimate, unit: str, console, explain: bool) -> Non
     table.add_row("logits returned by the model", "", "", format_bytes(acts.logits_bytes, unit))
     table.add_row("total", "", "", format_bytes(acts.saved_bytes + acts.logits_bytes, unit), style="bold")
     if acts.offloaded:
-        table.add_row("[dim]host memory: the layers' inputs, offloaded[/dim]", "", "",
+        table.add_row("[dim]host memory: what the decoder saved, offloaded[/dim]", "", "",
                       format_bytes(acts.host_bytes, unit))
     console.print(table)
     if not explain:

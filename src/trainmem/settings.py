@@ -17,6 +17,8 @@ from .recipes import get_recipe
 ATTENTION_KERNELS = ("eager", "sdpa", "flash")
 CHECKPOINTING = ("none", "full")
 LOSSES = ("standard", "chunked", "chunked-output")
+OFFLOAD_MIN_BYTES = 1024
+"""torchtune's OffloadActivations min_offload_size: smaller saved tensors stay on the device."""
 OUTPUT_CHUNKS = 8
 """torchtune's CEWithChunkedOutputLoss default (num_output_chunks), which the model's output layer follows."""
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused")

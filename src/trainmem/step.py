@@ -9,12 +9,13 @@ and loss under ``torch.autocast``. Needs torch and transformers.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable
 
 from .errors import ConfigError
 from .optimizers import TRACEABLE_OPTIMIZERS
 from .recipes import get_recipe
-from .settings import TrainingSettings
+from .settings import OFFLOAD_MIN_BYTES, TrainingSettings
 
 
 
@@ -193,6 +194,8 @@ class TrainingStep:
             self._mark_recomputes()
         elif settings.compile:
             self._compile_layers()
+        self.offloaded_bytes = self.offloaded_peak_bytes = 0
+        """--offload-activations: bytes in host memory now, and the most at once."""
         if settings.offload_activations:
             self._offload_decoder_activations()
         if settings.loss == "chunked-output":
@@ -234,25 +237,39 @@ class TrainingStep:
         saved-tensor hook moves each saved tensor of 1 KiB or more that is not a parameter to host memory and
         backward copies it back when it needs it. Here the device copy is dropped and an empty tensor of the same
         layout is made when backward unpacks it: the device memory of a synchronous offload (torchtune's stream
-        version also keeps a tensor in flight each way)."""
+        version also keeps a tensor in flight each way); ``offloaded_peak_bytes`` records the host side."""
         torch = self.torch
         decoder = causal_lm(self.model).get_decoder()
 
+        # Host bytes count each tensor once however often it is saved (an RMSNorm's fp32 input is saved by pow
+        # and by the product; torchtune's hook copies it twice). A tensor is known by its id while it is alive.
+        saved_by_id: dict[int, list] = {}  # id -> [weakref to the tensor, saves not yet brought back, bytes]
+
         def pack(tensor):
             nbytes = tensor.numel() * tensor.element_size()
-            if nbytes < 1024 or isinstance(tensor, torch.nn.Parameter):
+            if nbytes < OFFLOAD_MIN_BYTES or isinstance(tensor, torch.nn.Parameter):
                 return tensor
-            return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+            entry = saved_by_id.get(id(tensor))
+            if entry is None or entry[0]() is not tensor:
+                entry = saved_by_id[id(tensor)] = [weakref.ref(tensor), 0, nbytes]
+                self.offloaded_bytes += nbytes
+                self.offloaded_peak_bytes = max(self.offloaded_peak_bytes, self.offloaded_bytes)
+            entry[1] += 1
+            return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, entry)
 
         def unpack(packed):
             if isinstance(packed, torch.Tensor):
                 return packed
-            shape, stride, dtype, device = packed
+            shape, stride, dtype, device, entry = packed
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.offloaded_bytes -= entry[2]
             return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
         hooks = []
 
         def enter(module, args):
+            saved_by_id.clear()  # a forward's tensors are saved within it
             hooks.append(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             hooks[-1].__enter__()
 

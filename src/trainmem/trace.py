@@ -44,6 +44,8 @@ class TraceResult:
     phases: tuple[Phase, ...]
     seconds: float
     rounded: bool
+    host_bytes: int = 0
+    """--offload-activations: the most bytes the offload hook held in host memory at once."""
 
     @property
     def peak(self) -> Phase:
@@ -323,7 +325,7 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
         step_phase,
         _phase("between_steps", "after zero_grad", between),
     )
-    return TraceResult(phases, time.perf_counter() - started, round_to_cuda)
+    return TraceResult(phases, time.perf_counter() - started, round_to_cuda, run.offloaded_peak_bytes)
 
 
 FSDP_TRACE_RECIPES = {"fp32": None, "amp-bf16": None, "mixed-bf16": "bfloat16", "mixed-fp16": "float16",
