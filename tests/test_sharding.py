@@ -209,6 +209,10 @@ def test_fsdp2_trace_of_one_rank_matches_the_estimate(recipe, checkpointing, wor
     (["--gpus", "8", "--fsdp", "hybrid", "--gpus-per-node", "4"], "full or grad-op"),
     (["--gpus", "8", "--fsdp", "full", "--recipe", "pure-bf16"], "runs the recipes"),
     (["--gpus", "8", "--fsdp", "full", "--grad-accum", "2"], "without gradient accumulation"),
+    (["--gpus", "8", "--fsdp", "full", "--loss", "chunked-output"], "the standard loss"),
+    (["--gpus", "8", "--fsdp", "full", "--optimizer-in-backward", "--recipe", "fp32"], "--optimizer-in-backward"),
+    (["--gpus", "8", "--fsdp", "full", "--compile", "--recipe", "pure-bf16-bf16states"], "--compile"),
+    (["--gpus", "8", "--fsdp", "full", "--checkpointing", "full", "--offload-activations"], "--offload-activations"),
 ])
 def test_trace_refuses_layouts_it_cannot_run_before_importing_torch(run_cli, args, says):
     code, out, err = run_cli("trace", "gpt2", *args)

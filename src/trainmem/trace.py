@@ -357,8 +357,12 @@ def check_fsdp_traceable(settings: TrainingSettings, parallel) -> None:
         raise ConfigError(f"trace --fsdp runs the recipes {', '.join(FSDP_TRACE_RECIPES)}; got {settings.recipe!r}")
     if settings.optimizer not in ("adamw", "adam", "sgd") or settings.grad_accum != 1:
         raise ConfigError("trace --fsdp runs adamw, adam or sgd, without gradient accumulation")
-    if settings.attention == "flash" or settings.loss == "chunked":
+    if settings.attention == "flash" or settings.loss != "standard":
         raise ConfigError("trace --fsdp runs sdpa or eager attention and the standard loss")
+    for flag, on in (("--optimizer-in-backward", settings.optimizer_in_backward), ("--compile", settings.compile),
+                     ("--offload-activations", settings.offload_activations)):
+        if on:
+            raise ConfigError(f"trace --fsdp does not run {flag} yet (the single-GPU trace does)")
 
 
 def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel, spec: ModelSpec | None = None,
