@@ -15,7 +15,7 @@ from typing import Any, Callable
 from .errors import ConfigError
 from .optimizers import TRACEABLE_OPTIMIZERS
 from .recipes import get_recipe
-from .settings import OFFLOAD_MIN_BYTES, TrainingSettings
+from .settings import OFFLOAD_MIN_BYTES, OUTPUT_CHUNKS, TrainingSettings
 
 
 
@@ -113,12 +113,6 @@ def check_runnable(settings: TrainingSettings, device: str = "cpu") -> None:
 COMPILE_BACKEND = "aot_eager_decomp_partition"
 
 
-def compiled(function):
-    import torch
-
-    return torch.compile(function, backend=COMPILE_BACKEND)
-
-
 def causal_lm(model):
     """The transformers causal LM itself, also when peft wraps it."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -131,8 +125,6 @@ def chunked_output_model(torch, model, compile_loss: bool = False):
     ``cross_entropy(reduction="sum")`` and divides the sum by the token count. No KV cache, as in torchtune."""
     from transformers.modeling_outputs import CausalLMOutput
 
-    from .settings import OUTPUT_CHUNKS
-
     base = causal_lm(model)
     functional = torch.nn.functional
 
@@ -140,7 +132,7 @@ def chunked_output_model(torch, model, compile_loss: bool = False):
         return functional.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
 
     if compile_loss:  # torchtune's compile_loss compiles compute_cross_entropy
-        slice_loss = compiled(slice_loss)
+        slice_loss = torch.compile(slice_loss, backend=COMPILE_BACKEND)
 
     class ChunkedOutputLoss(torch.nn.Module):
         def __init__(self):
