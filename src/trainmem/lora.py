@@ -73,12 +73,20 @@ class LoraOptions:
             raise ConfigError(f"unknown adapter dtype {self.adapter_dtype!r}; accepted: {', '.join(ADAPTER_DTYPES)}")
 
 
+QUANTIZED_ROLES = frozenset({"attention_input", "attention_output", "mlp", "mlp_down", "shared_expert",
+                             "shared_expert_gate", "router", "projection"})
+"""The Linear weights bitsandbytes quantizes (transformers' BitsAndBytesConfig: every nn.Linear but the output
+layer); embeddings, norms, biases and the LM head stay in the compute dtype."""
+
+
+def _linear_weight(t: ParamTensor, roles=QUANTIZED_ROLES | {"head"}) -> bool:
+    """A Linear's weight (a 2-D weight with a Linear's role; by default the LM head too)."""
+    return t.role in roles and len(t.shape) == 2 and t.name.endswith("weight")
+
+
 def _linear_weights(spec: ModelSpec) -> list[tuple[int, ParamTensor]]:
-    """(repeat, weight) for every Linear weight of the model: 2-D tensors with a Linear's role."""
-    linear_roles = {"attention_input", "attention_output", "mlp", "mlp_down", "shared_expert", "router",
-                    "shared_expert_gate", "projection", "head"}
-    return [(g.repeat, t) for g in spec.param_groups for t in g.tensors
-            if t.role in linear_roles and len(t.shape) == 2 and t.name.endswith("weight")]
+    """(repeat, weight) for every Linear weight of the model."""
+    return [(g.repeat, t) for g in spec.param_groups for t in g.tensors if _linear_weight(t)]
 
 
 def selected_weights(spec: ModelSpec, options: LoraOptions) -> list[tuple[int, ParamTensor]]:
@@ -124,12 +132,6 @@ def adapter_bytes_per_value(options: LoraOptions, base_weight_bytes: int) -> int
     return {"fp32": 4, "bf16": 2, "fp16": 2}[options.adapter_dtype]
 
 
-QUANTIZED_ROLES = frozenset({"attention_input", "attention_output", "mlp", "mlp_down", "shared_expert",
-                             "shared_expert_gate", "router", "projection"})
-"""The Linear weights bitsandbytes quantizes (transformers' BitsAndBytesConfig: every nn.Linear but the output
-layer); embeddings, norms, biases and the LM head stay in the compute dtype."""
-
-
 @dataclass(frozen=True)
 class FineTune:
     """LoRA on a frozen base, the base optionally quantized (QLoRA: nf4 with double quantization)."""
@@ -155,7 +157,7 @@ class FineTune:
         if self.base_quant not in ("nf4", "fp4"):
             return ()
         largest = max((t.numel for g in spec.param_groups if g.name.startswith("layers") for t in g.tensors
-                       if t.role in QUANTIZED_ROLES and len(t.shape) == 2), default=0)
+                       if _linear_weight(t, QUANTIZED_ROLES)), default=0)
         return (Buffer("a dequantized base weight", p.compute * largest, "temporaries",
                        ("forward:layer", "backward:layer"), "the largest Linear of a layer, while it computes"),)
 
@@ -176,7 +178,7 @@ def base_weight_bytes(spec: ModelSpec, weight_bytes: int, finetune: FineTune) ->
     total = 0
     for group in spec.param_groups:
         for t in group.tensors:
-            if finetune.base_quant and t.role in QUANTIZED_ROLES and len(t.shape) == 2 and t.name.endswith("weight"):
+            if finetune.base_quant and _linear_weight(t, QUANTIZED_ROLES):
                 total += group.repeat * stored_bytes(t.shape, finetune.base_quant, finetune.double_quant)
             else:
                 total += group.repeat * t.numel * weight_bytes
