@@ -105,6 +105,10 @@ class TrainingSettings:
         for name in ("compile", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.activation_k is not None and (self.compile or self.offload_activations or self.loss != "standard"):
+            raise ConfigError("--activation-k replaces the activation model with one number; --compile, "
+                              "--offload-activations and --loss change what that model computes: give one or the "
+                              "other")
         if self.offload_activations and self.checkpointing != "full":
             raise ConfigError("--offload-activations is modelled with --checkpointing full (torchtune: it should be "
                               "used alongside activation checkpointing)")
