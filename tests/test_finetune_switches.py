@@ -131,6 +131,10 @@ def test_offload_moves_the_layer_inputs_to_the_host(run_cli):
     (("llama-3.2-1b", "--compile", "--recipe", "amp-bf16"), "half precision without autocast"),
     (("phi-3-mini-4k", "--compile", "--recipe", "pure-bf16"), "Llama-style"),
     (("llama-3.2-1b", "--loss", "chunked-outputs"), "accepted: standard, chunked, chunked-output"),
+    (("llama-3.2-1b", "--activation-k", "34", "--compile"), "--activation-k replaces the activation model"),
+    (("llama-3.2-1b", "--activation-k", "34", "--checkpointing", "full", "--offload-activations"),
+     "--activation-k replaces the activation model"),
+    (("llama-3.2-1b", "--activation-k", "34", "--loss", "chunked"), "--activation-k replaces the activation model"),
 ])
 def test_switches_refuse_what_is_not_modelled_in_one_line(run_cli, args, says):
     code, _, err = run_cli("estimate", *args)
@@ -148,3 +152,16 @@ def test_compile_is_said_to_be_unvalidated_in_backward_and_trace_refuses_it_insi
     assert code == 0 and any(n.startswith("not validated: --compile's backward") for n in json.loads(out)["notes"])
     code, _, err = run_cli("trace", "llama-3.2-1b", "--recipe", "pure-bf16", "--compile", "--checkpointing", "full")
     assert code == 2 and "--compile with --checkpointing full" in err and len(err.strip().splitlines()) == 1
+
+
+def test_seed_rule_with_the_optimizer_in_backward_holds_no_waiting_gradients(run_cli):
+    """Under --activation-k the backward phase is activations plus the gradients; stepped in backward, no gradient
+    waits (the same rule the architecture timeline follows, traced within 0.01%)."""
+    docs = []
+    for extra in ((), ("--optimizer-in-backward",)):
+        code, out, _ = run_cli("estimate", "llama-3.2-1b", "--recipe", "fp32", "--activation-k", "34", "--json",
+                               *extra)
+        assert code == 0
+        docs.append({p["name"]: p for p in json.loads(out)["phases"]})
+    assert docs[0]["backward"]["gradients_bytes"] > 0 and docs[1]["backward"]["gradients_bytes"] == 0
+    assert docs[1]["backward"]["activations_bytes"] == docs[0]["backward"]["activations_bytes"]

@@ -919,8 +919,9 @@ def seed_rule_candidates(spec: ModelSpec, static: dict[str, int], recipe: Recipe
         (load,),
         (Phase("forward", "end of forward (seed rule)", st.weights, st.grads_in_forward, st.states, activation_bytes,
                0),),
-        (Phase("backward", "activations and gradients (seed rule)", st.weights, st.grads, st.states,
-               activation_bytes, 0),),
+        # (stepped in backward, no gradient waits for the others)
+        (Phase("backward", "activations and gradients (seed rule)", st.weights,
+               st.grads_in_forward if settings.optimizer_in_backward else st.grads, st.states, activation_bytes, 0),),
         (opt,),
         (between,),
     )
