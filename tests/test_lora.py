@@ -1,5 +1,7 @@
 """LoRA: the adapters trainmem counts are the ones peft creates, for every dense model type."""
 
+import json
+
 import pytest
 
 from tiny_configs import TINY_CONFIGS
@@ -216,3 +218,25 @@ def test_qlora_adds_one_dequantized_weight_inside_the_layers_and_says_it_is_not_
     assert backward[1]["layer 3 MLP"].temporaries - backward[0]["layer 3 MLP"].temporaries == 2 * largest
     assert backward[1]["loss gradients"].temporaries == backward[0]["loss gradients"].temporaries
     assert any("not validated" in note for note in step.unchecked)
+
+
+@pytest.mark.slow
+def test_trace_command_runs_lora_and_refuses_a_quantized_base(run_cli, tmp_path):
+    """`trainmem trace --lora` runs peft's step (a 2-layer Llama-shaped config) beside its estimate; a 4-bit base,
+    whose bitsandbytes kernels cannot run on fake tensors, is refused in one line."""
+    pytest.importorskip("peft")
+    jsonschema = pytest.importorskip("jsonschema")
+    from trainmem.report import json_schema
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=1024, tie_word_embeddings=False)))
+    code, out, _ = run_cli("trace", str(config), "--recipe", "pure-bf16-bf16states", "--lora", "8", "--seq", "128",
+                           "--batch", "2", "--dropout", "0", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["lora"]["rank"] == 8 and not list(jsonschema.Draft202012Validator(json_schema())
+                                                                 .iter_errors(doc))
+    assert all(abs(p["relative_error"]) <= 0.01 for p in doc["phases"]), doc["phases"]
+    code, _, err = run_cli("trace", str(config), "--lora", "8", "--qlora")
+    assert code == 2 and "full-precision base" in err and len(err.strip().splitlines()) == 1

@@ -291,8 +291,9 @@ def trace(batch, seq, no_round, **options) -> None:
     from .step import check_runnable
 
     w = _workload(options, batch, seq, need_config="trace")
-    if w.finetune is not None:
-        raise ConfigError("trace does not run LoRA yet (its activations are not modelled yet either)")
+    if w.finetune is not None and w.finetune.base_quant:
+        raise ConfigError("trace runs LoRA on a full-precision base: bitsandbytes' quantized kernels cannot run on "
+                          "fake tensors (the stored bytes are checked against bitsandbytes in the tests)")
     sharded = w.parallel is not None and w.parallel.engine != "single"
     if sharded and w.parallel.engine != "fsdp2":
         raise ConfigError("trace runs one GPU, or one rank of FSDP2 (--gpus N --fsdp full|grad-op); DDP and "
@@ -310,11 +311,11 @@ def trace(batch, seq, no_round, **options) -> None:
 
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
     config = w.config
-    est = estimate_model(spec, settings, w.device, w.parallel)
+    est = estimate_model(spec, settings, w.device, w.parallel, w.finetune)
     if sharded:
         result = trace_fsdp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
     else:
-        result = trace_step(config, settings, spec, round_to_cuda=not no_round)
+        result = trace_step(config, settings, spec, round_to_cuda=not no_round, finetune=w.finetune)
     if as_json:
         _emit_json(trace_to_dict(est, result.phases, result.seconds, result.rounded))
     else:
@@ -771,7 +772,7 @@ def recipes(optimizer: Optional[str], as_json: bool) -> None:
 
 
 OPTIONAL_PACKAGES = {"torch": "trace", "transformers": "trace", "safetensors": "trace", "matplotlib": "plot",
-                     "huggingface_hub": "hub"}
+                     "huggingface_hub": "hub", "peft": "finetune", "bitsandbytes": "finetune"}
 """Packages the optional commands import, and the extra that installs each."""
 
 
