@@ -58,6 +58,7 @@ def test_documents_validate(run_cli, validator, args):
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ("trace", "gpt2", "--seq", "64", "--recipe", "amp-bf16"),
+    ("trace", "llama-3.2-1b", "--gpus", "2", "--fsdp", "full", "--seq", "64", "--recipe", "fp32"),
     ("measure", "gpt2", "--seq", "32", "--device", "cpu", "--steps", "1"),
     ("precision-check", "gpt2", "--layers", "1", "--hidden", "64", "--seq", "16", "--batch", "2", "--steps", "1"),
     ("amp-demo", "--steps", "3", "--runs", "fp32,fp16-autocast+scaler"),
