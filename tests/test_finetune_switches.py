@@ -124,6 +124,27 @@ def test_offload_moves_the_layer_inputs_to_the_host(run_cli):
     assert kept == inputs - 2 * 2 * 1024 * config["hidden_size"] * 2  # two layer inputs stay on the device
 
 
+@pytest.mark.slow
+def test_trace_command_reports_the_offloaded_bytes(run_cli, tmp_path):
+    """`trainmem trace --offload-activations` reports the bytes its step held in host memory beside the estimate's
+    (equal to the byte: the trace's hook and the estimate count the same saved tensors)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from trainmem.report import json_schema
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=1024, tie_word_embeddings=False)))
+    args = ("trace", str(config), "--recipe", "pure-bf16", "--checkpointing", "full", "--offload-activations",
+            "--seq", "128", "--dropout", "0")
+    code, out, _ = run_cli(*args, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["trace"]["host_bytes"] == doc["activations"]["host_bytes"] > 0
+    assert not list(jsonschema.Draft202012Validator(json_schema()).iter_errors(doc))
+    code, out, _ = run_cli(*args)
+    assert code == 0 and "offloaded to host memory: traced" in out and "(+0.00%)" in out
+
+
 @pytest.mark.parametrize("args, says", [
     (("llama-3.2-1b", "--offload-activations"), "--checkpointing full"),
     (("gpt2", "--compile"), "compiled layers are modelled for Llama-style layers"),

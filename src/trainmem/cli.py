@@ -101,6 +101,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
                            offload=options["offload"], ddp_bucket_view=options["ddp_bucket_view"],
                            ds_config=options["ds_config"], lora=options["lora"], lora_alpha=options["lora_alpha"],
                            lora_targets=options["lora_targets"], lora_dropout=options["lora_dropout"],
+                           dora=options["dora"],
                            adapter_dtype=options["adapter_dtype"],
                            base_quant=options["base_quant"], double_quant=options["double_quant"],
                            qlora=options["qlora"], batch=batch, seq=seq,
@@ -195,6 +196,8 @@ def _workload_options(f):
                      help="Dropout on each adapter's input (peft's lora_dropout)."),
         click.option("--lora-targets", default="q,v", show_default=True,
                      help="q,k,v,o,gate,up,down,lm_head, peft module names (q_proj, c_attn, ...) or all-linear."),
+        click.option("--dora", is_flag=True, help="DoRA (peft's use_dora): LoRA plus a trained magnitude per output "
+                     "feature of each adapted Linear."),
         click.option("--adapter-dtype", default="auto", show_default=True,
                      help="auto (fp32 over a half base, as peft does) | fp32 | bf16 | fp16."),
         click.option("--base-quant", default=None, help="Quantize the frozen base: nf4 | fp4 | int8 (bitsandbytes)."),
@@ -317,9 +320,9 @@ def trace(batch, seq, no_round, **options) -> None:
     else:
         result = trace_step(config, settings, spec, round_to_cuda=not no_round, finetune=w.finetune)
     if as_json:
-        _emit_json(trace_to_dict(est, result.phases, result.seconds, result.rounded))
+        _emit_json(trace_to_dict(est, result.phases, result.seconds, result.rounded, result.host_bytes))
     else:
-        render_trace(est, result.phases, result.seconds, unit, _console())
+        render_trace(est, result.phases, result.seconds, unit, _console(), result.host_bytes)
 
 
 @app.command()

@@ -57,6 +57,9 @@ class LoraOptions:
     """auto: fp32 over a half-precision base (peft's autocast_adapter_dtype), else the base's dtype."""
     dropout: float = 0.0
     """peft's ``lora_dropout`` on each adapter's input (its output and bool mask are then what the adapter keeps)."""
+    dora: bool = False
+    """DoRA (peft's ``use_dora``): a trainable magnitude per output feature of each adapted Linear, and the weight
+    norm of base + adapter recomputed in every forward."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= 65536:
@@ -122,8 +125,10 @@ def selected_weights(spec: ModelSpec, options: LoraOptions) -> list[tuple[int, P
 
 
 def adapter_parameters(spec: ModelSpec, options: LoraOptions) -> int:
-    """Parameters the adapters add: r x (in_features + out_features) per adapted Linear."""
-    return sum(repeat * options.rank * (t.shape[0] + t.shape[1]) for repeat, t in selected_weights(spec, options))
+    """Parameters the adapters add: r x (in_features + out_features) per adapted Linear, and with DoRA its
+    out_features magnitudes (peft's ``lora_magnitude_vector``)."""
+    return sum(repeat * (options.rank * (t.shape[0] + t.shape[1]) + options.dora * t.shape[0])
+               for repeat, t in selected_weights(spec, options))
 
 
 def adapter_bytes_per_value(options: LoraOptions, base_weight_bytes: int) -> int:
@@ -148,24 +153,49 @@ class FineTune:
         if self.double_quant and self.base_quant not in ("nf4", "fp4"):
             raise ConfigError("--double-quant applies to a 4-bit base: give --base-quant nf4 or fp4")
 
-    def buffers(self, spec: ModelSpec, p) -> tuple:
-        """What a quantized base adds at the moments inside a layer: bitsandbytes' MatMul4Bit dequantizes the
-        weight to the compute dtype for each matmul, forward and backward (bitsandbytes/autograd/_functions.py),
-        one Linear at a time: the largest of a layer's."""
+    def buffers(self, spec: ModelSpec, p, recompute: bool = False) -> tuple:
+        """What happens at the moments inside a layer beyond its activations.
+
+        A quantized base: bitsandbytes' MatMul4Bit dequantizes the weight to the compute dtype for each matmul,
+        forward and backward (bitsandbytes/autograd/_functions.py), one Linear at a time: the largest of a layer's.
+
+        DoRA: every forward recomputes the norm of base + adapter (peft/tuners/lora/dora.py,
+        ``DoraLinearLayer.forward``): B @ A made by running the adapters on an in x in identity, the base weight
+        cast to the adapter's dtype, the scaled B @ A and the sum, all out x in, alive with the identity and A's
+        output until the norm is taken; the largest adapted Linear of a layer, in forward and again in a
+        checkpointed layer's recompute."""
         from .sharding import Buffer
 
-        if self.base_quant not in ("nf4", "fp4"):
-            return ()
-        largest = max((t.numel for g in spec.param_groups if g.name.startswith("layers") for t in g.tensors
-                       if _linear_weight(t, QUANTIZED_ROLES)), default=0)
-        return (Buffer("a dequantized base weight", p.compute * largest, "temporaries",
-                       ("forward:layer", "backward:layer"), "the largest Linear of a layer, while it computes"),)
+        out = []
+        if self.base_quant in ("nf4", "fp4"):
+            largest = max((t.numel for g in spec.param_groups if g.name.startswith("layers") for t in g.tensors
+                           if _linear_weight(t, QUANTIZED_ROLES)), default=0)
+            out.append(Buffer("a dequantized base weight", p.compute * largest, "temporaries",
+                              ("forward:layer", "backward:layer"), "the largest Linear of a layer, while it computes"))
+        if self.lora.dora:
+            ab = adapter_bytes_per_value(self.lora, p.compute)
+            weights = 3 + (ab != p.compute) + (self.base_quant is not None)  # (the dequantized weight, then its cast)
+
+            def norm(graph: bool) -> int:
+                """With autograd recording, the graph of B @ A holds the identity until the forward returns;
+                without (a checkpointed layer's first forward runs under no_grad), the identity dies once B @ A
+                is made, before the weights are."""
+                sizes = [(t.shape[1], t.numel) for _, t in selected_weights(spec, self.lora)]
+                r = self.lora.rank
+                if graph:
+                    return max((ab * (n * n + r * n + weights * mn) for n, mn in sizes), default=0)
+                return max((ab * max(n * n + r * n + mn, weights * mn) for n, mn in sizes), default=0)
+            note = "the identity, B @ A, the cast base weight and their sum, for the largest adapted Linear"
+            out.append(Buffer("DoRA's weight norm", norm(not recompute), "temporaries", ("forward:layer",), note))
+            if recompute:
+                out.append(Buffer("DoRA's weight norm", norm(True), "temporaries", ("backward:layer",), note))
+        return tuple(out)
 
     def as_dict(self, spec: ModelSpec) -> dict:
         adapters = adapter_parameters(spec, self.lora)
         return {"rank": self.lora.rank, "alpha": self.lora.alpha if self.lora.alpha is not None else 2 * self.lora.rank,
                 "targets": list(self.lora.targets), "adapter_dtype": self.lora.adapter_dtype,
-                "dropout": self.lora.dropout,
+                "dropout": self.lora.dropout, "dora": self.lora.dora,
                 "base_quant": self.base_quant, "double_quant": self.double_quant,
                 "adapter_parameters": adapters, "frozen_parameters": spec.num_parameters}
 
@@ -191,7 +221,8 @@ def adapter_groups(spec: ModelSpec, options: LoraOptions):
 
     return tuple(ParamGroup(t.name.removesuffix(".weight") + " adapter", repeat,
                             (ParamTensor("lora_A", (options.rank, t.shape[1]), "adapter"),
-                             ParamTensor("lora_B", (t.shape[0], options.rank), "adapter")))
+                             ParamTensor("lora_B", (t.shape[0], options.rank), "adapter"))
+                            + ((ParamTensor("magnitude", (t.shape[0],), "adapter"),) if options.dora else ()))
                  for repeat, t in selected_weights(spec, options))
 
 
@@ -221,6 +252,9 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
     if finetune is not None:
         if finetune.base_quant == "int8":
             return "an 8-bit base (LLM.int8()'s matmul buffers are not modelled yet)"
+        if finetune.lora.dora and finetune.lora.dropout > 0:
+            return "DoRA with dropout (peft then reruns the base Linear on the dropped-out input with an fp32 copy " \
+                   "of its weight, which is not modelled)"
         chosen = adapted_names(spec, finetune.lora)
         if not chosen & {"q_proj", "k_proj", "v_proj", "qkv_proj"}:
             return "targets without q, k or v (the first layer's attention then keeps nothing)"
@@ -242,6 +276,7 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
     options = finetune.lora
     chosen = adapted_names(spec, options)
     ab = adapter_bytes_per_value(options, p.compute)
+    out_features = {t.name.removesuffix(".weight"): t.shape[0] for _, t in selected_weights(spec, options)}
 
     def adapted_terms(terms, first_layer=False):
         out, attention_delta = [], 0.0
@@ -268,6 +303,11 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
                         new.append(t)  # the adapters read the tensor itself
                     new.append(Term(f"LoRA A outputs x{len(adapted)}", len(adapted) * ab * options.rank, t.module,
                                     "adapter_output"))
+                    if options.dora:
+                        # (magnitude / norm - 1) x base output and (magnitude / norm) x B output keep both outputs
+                        width_out = sum(out_features[c] for c in adapted)
+                        new.append(Term(f"DoRA's base and adapter outputs x{len(adapted)}",
+                                        (p.compute + ab) * width_out, t.module, "adapter_output"))
             else:
                 new.append(t)
             if t.module in _ATTENTION_SITES or (first_layer and t.module == "input_norm"):

@@ -97,11 +97,13 @@ def build_lora_model(config: dict[str, Any], recipe: Recipe, attention: str, dro
         adapter_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=lora.rank, lora_alpha=lora.alpha or 2 * lora.rank, lora_dropout=lora.dropout,
-            target_modules=peft_target_modules(spec, lora)), autocast_adapter_dtype=lora.adapter_dtype == "auto")
+            target_modules=peft_target_modules(spec, lora), use_dora=lora.dora), autocast_adapter_dtype=lora.adapter_dtype == "auto")
         if adapter_dtype[lora.adapter_dtype] is not None:
             for name, param in model.named_parameters():
                 if "lora_" in name:
                     param.data = param.data.to(adapter_dtype[lora.adapter_dtype])
+    if lora.dora:
+        _dora_weight_without_module_calls(model)
     made: dict[int, Any] = {}
     for module in model.modules():
         for store in (module._parameters, module._buffers):
@@ -117,6 +119,24 @@ def build_lora_model(config: dict[str, Any], recipe: Recipe, attention: str, dro
                 store[name] = made[id(tensor)]
     model.train()
     return model
+
+
+def _dora_weight_without_module_calls(model) -> None:
+    """peft's DoRA computes B @ A each forward by calling the adapter modules on an identity matrix
+    (``DoraLinearLayer.get_lora_weight``) and keeps only a detached norm of it. Under MemTracker, whose module hooks
+    register gradient hooks on every module output, that discarded graph (and its in_features^2 identity) lives on
+    in a reference cycle until the garbage collector runs, where a plain run frees it when the forward returns.
+    The same ops are run here through ``F.linear``, which no module hook sees."""
+    import torch
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    def lora_weight(lora_A, lora_B, adapter_name=None):
+        eye = torch.eye(lora_A.weight.shape[1], device=lora_A.weight.device, dtype=lora_A.weight.dtype)
+        return torch.nn.functional.linear(torch.nn.functional.linear(eye, lora_A.weight), lora_B.weight).T
+
+    for module in model.modules():
+        if isinstance(module, DoraLinearLayer):
+            module.get_lora_weight = lora_weight
 
 
 def saved_tensors(config: dict[str, Any], recipe: str | Recipe = "fp32", batch: int = 2, seq: int = 16,

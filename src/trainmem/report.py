@@ -155,7 +155,7 @@ def _title(est: Estimate) -> str:
         title += f"; per GPU of {_layout_words(est.parallel)}"
     if est.finetune is not None:
         f = est.finetune
-        title += f"; LoRA rank {f.lora.rank} on {','.join(f.lora.targets)}" + (
+        title += f"; {'DoRA' if f.lora.dora else 'LoRA'} rank {f.lora.rank} on {','.join(f.lora.targets)}" + (
             f", {f.base_quant}{' + double quant' if f.double_quant else ''} base" if f.base_quant else "")
     return title
 
@@ -338,8 +338,9 @@ def render_sweep(estimates: list[Estimate], unit: str, console, gpu: GPU | None)
     console.print(table)
 
 
-def trace_to_dict(est: Estimate, phases, seconds: float, rounded: bool) -> dict[str, Any]:
-    """The estimate's document with the traced phases in its place, and the estimate beside them."""
+def trace_to_dict(est: Estimate, phases, seconds: float, rounded: bool, host_bytes: int = 0) -> dict[str, Any]:
+    """The estimate's document with the traced phases in its place, and the estimate beside them; ``host_bytes``:
+    what the traced step offloaded to host memory (--offload-activations)."""
     doc = to_dict(est)
     doc["engine"] = "trace"
     estimated = {p["name"]: p for p in doc["phases"]}
@@ -357,10 +358,12 @@ def trace_to_dict(est: Estimate, phases, seconds: float, rounded: bool) -> dict[
     doc["peak"] = {"phase": top.name, "moment": top.moment, "allocated_bytes": top.allocated_bytes,
                    "estimate_allocated_bytes": est.peak.allocated_bytes if est.peak else None}
     doc["trace"] = {"seconds": round(seconds, 2), "rounded_to_512_bytes": rounded}
+    if est.activations is not None and est.activations.offloaded:
+        doc["trace"]["host_bytes"] = host_bytes
     return doc
 
 
-def render_trace(est: Estimate, phases, seconds: float, unit: str, console) -> None:
+def render_trace(est: Estimate, phases, seconds: float, unit: str, console, host_bytes: int = 0) -> None:
     from rich.table import Table
 
     table = Table(title=f"{_title(est)}: traced step vs estimate ({unit})",
@@ -380,4 +383,9 @@ def render_trace(est: Estimate, phases, seconds: float, unit: str, console) -> N
                       format_bytes(p.allocated_bytes, unit), format_bytes(e.allocated_bytes, unit) if e else "",
                       error)
     console.print(table)
+    if est.activations is not None and est.activations.offloaded:
+        acts = est.activations
+        error = f" ({(acts.host_bytes - host_bytes) / host_bytes:+.2%})" if host_bytes else ""
+        console.print(f"activations offloaded to host memory: traced {format_bytes(host_bytes, unit)}, estimate "
+                      f"{format_bytes(acts.host_bytes, unit)}{error}")
     render_warnings(est, console)

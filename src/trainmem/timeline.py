@@ -848,7 +848,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank, finetune)
     phases = (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
-    buffers = (rank.buffers if rank else ()) + (finetune.buffers(spec, p) if finetune is not None else ())
+    buffers = (rank.buffers if rank else ()) + (finetune.buffers(spec, p, settings.checkpointing == "full")
+                                                 if finetune is not None else ())
     if not buffers:
         return phases
     # Where each moment is: inside a decoder layer (all of forward's but the loss, which is last; backward's layer

@@ -278,30 +278,31 @@ def validate(quick: bool = False, progress=None, full_size: bool = False, jobs: 
 
 LORA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 """The families whose LoRA step is modelled (lora.activations_modelled)."""
-LORA_SET_UPS = ((("q", "v"), 0.0), (("all-linear",), 0.0), (("q", "k", "v", "o"), 0.05))
-"""(targets, lora_dropout) per row."""
+LORA_SET_UPS = ((("q", "v"), 0.0, False), (("all-linear",), 0.0, False), (("q", "k", "v", "o"), 0.05, False),
+                (("all-linear",), 0.0, True))
+"""(targets, lora_dropout, DoRA) per row."""
 
 
 def lora_matrix(quick: bool = False):
-    """The LoRA rows: (label, recipe, checkpointing, targets, lora dropout), rank 16 on scaled-down configs, batch 2
+    """The LoRA rows: (label, recipe, checkpointing, targets, lora dropout, DoRA), rank 16 on scaled-down configs, batch 2
     x 64, AdamW (the adapters' states are small: the peak stays in forward or backward). ``quick``: one row per
     family."""
     recipes = ("pure-bf16-bf16states",) if quick else ("pure-bf16-bf16states", "fp32")
     set_ups = LORA_SET_UPS[:1] if quick else LORA_SET_UPS
     checkpointing = ("full",) if quick else CHECKPOINTING
     for label in LORA_FAMILIES:
-        for recipe, ckpt, (targets, dropout) in itertools.product(recipes, checkpointing, set_ups):
-            yield label, recipe, ckpt, targets, dropout
+        for recipe, ckpt, (targets, dropout, dora) in itertools.product(recipes, checkpointing, set_ups):
+            yield label, recipe, ckpt, targets, dropout, dora
 
 
 def _run_lora(task: tuple) -> Row:
     from .lora import FineTune, LoraOptions
 
-    label, recipe, ckpt, targets, dropout = task
+    label, recipe, ckpt, targets, dropout, dora = task
     settings = make_settings(recipe=recipe, checkpointing=ckpt, batch=2, seq=64, optimizer="adamw", dropout=0.0,
                              optimizer_impl="foreach")
-    finetune = FineTune(LoraOptions(16, targets=targets, dropout=dropout))
-    name = f"{label} LoRA 16 {','.join(targets)}" + (f" drop {dropout:g}" if dropout else "")
+    finetune = FineTune(LoraOptions(16, targets=targets, dropout=dropout, dora=dora))
+    name = f"{label} {'DoRA' if dora else 'LoRA'} 16 {','.join(targets)}" + (f" drop {dropout:g}" if dropout else "")
     return compare(scale_down(matrix_config(label)), settings, name, finetune)
 
 
@@ -316,7 +317,8 @@ def lora_section(rows: list[Row], quick: bool) -> str:
     command = "`trainmem validate" + (" --quick" if quick else "")
     return text.replace(command + "`", command + " --lora`", 1).replace(
         "SGD; dropout 0 at batch 1 x 128, the config's own dropout at batch 2 x 64.",
-        "peft's LoRA, rank 16, on q,v, all-linear and q,k,v,o with lora_dropout 0.05; AdamW; batch 2 x 64; "
+        "peft's LoRA, rank 16, on q,v, all-linear and q,k,v,o with lora_dropout 0.05, and DoRA on all-linear; "
+        "AdamW; batch 2 x 64; "
         "model dropout 0.", 1)
 
 
