@@ -101,7 +101,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
                            offload=options["offload"], ddp_bucket_view=options["ddp_bucket_view"],
                            ds_config=options["ds_config"], lora=options["lora"], lora_alpha=options["lora_alpha"],
                            lora_targets=options["lora_targets"], lora_dropout=options["lora_dropout"],
-                           dora=options["dora"],
+                           dora=options["dora"], train_modules=options["train_modules"],
                            adapter_dtype=options["adapter_dtype"],
                            base_quant=options["base_quant"], double_quant=options["double_quant"],
                            qlora=options["qlora"], batch=batch, seq=seq,
@@ -198,6 +198,8 @@ def _workload_options(f):
                      help="q,k,v,o,gate,up,down,lm_head, peft module names (q_proj, c_attn, ...) or all-linear."),
         click.option("--dora", is_flag=True, help="DoRA (peft's use_dora): LoRA plus a trained magnitude per output "
                      "feature of each adapted Linear."),
+        click.option("--train-modules", default="", help="Modules trained in full beside the adapters (peft's "
+                     "modules_to_save): lm_head, embed_tokens."),
         click.option("--adapter-dtype", default="auto", show_default=True,
                      help="auto (fp32 over a half base, as peft does) | fp32 | bf16 | fp16."),
         click.option("--base-quant", default=None, help="Quantize the frozen base: nf4 | fp4 | int8 (bitsandbytes)."),

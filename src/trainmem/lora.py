@@ -46,6 +46,11 @@ means different modules in different families (``dense``) maps to the one the fa
 
 ADAPTER_DTYPES = ("auto", "fp32", "bf16", "fp16")
 
+TRAIN_MODULES = {"lm_head": "head", "embed_out": "head", "embed_tokens": "embedding", "wte": "embedding",
+                 "embed_in": "embedding", "word_embeddings": "embedding"}
+"""``--train-modules`` names (peft's ``modules_to_save``: the token embedding, the LM head, by transformers' name in
+any family) -> trainmem's role."""
+
 
 @dataclass(frozen=True)
 class LoraOptions:
@@ -60,6 +65,8 @@ class LoraOptions:
     dora: bool = False
     """DoRA (peft's ``use_dora``): a trainable magnitude per output feature of each adapted Linear, and the weight
     norm of base + adapter recomputed in every forward."""
+    train_modules: tuple[str, ...] = ()
+    """Modules trained in full beside the adapters (peft's ``modules_to_save``): ``lm_head``, ``embed_tokens``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= 65536:
@@ -74,6 +81,18 @@ class LoraOptions:
             raise ConfigError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
         if self.adapter_dtype not in ADAPTER_DTYPES:
             raise ConfigError(f"unknown adapter dtype {self.adapter_dtype!r}; accepted: {', '.join(ADAPTER_DTYPES)}")
+        for name in self.train_modules:
+            if name not in TRAIN_MODULES:
+                raise ConfigError(f"--train-modules {name!r} is not supported; accepted: the token embedding and the "
+                                  f"LM head ({', '.join(TRAIN_MODULES)})")
+        if "head" in self.trained_roles and "lm_head" in self.targets:
+            raise ConfigError("the LM head is either adapted (--lora-targets lm_head) or trained in full "
+                              "(--train-modules lm_head), not both")
+
+    @property
+    def trained_roles(self) -> frozenset[str]:
+        """The roles (head, embedding) of the modules trained in full."""
+        return frozenset(TRAIN_MODULES[name] for name in self.train_modules)
 
 
 QUANTIZED_ROLES = frozenset({"attention_input", "attention_output", "mlp", "mlp_down", "shared_expert",
@@ -129,6 +148,69 @@ def adapter_parameters(spec: ModelSpec, options: LoraOptions) -> int:
     out_features magnitudes (peft's ``lora_magnitude_vector``)."""
     return sum(repeat * (options.rank * (t.shape[0] + t.shape[1]) + options.dora * t.shape[0])
                for repeat, t in selected_weights(spec, options))
+
+
+def copy_groups(spec: ModelSpec, options: LoraOptions):
+    """The modules trained in full, as parameter groups: peft's ``ModulesToSaveWrapper`` keeps the frozen original
+    and trains a copy (``copy.deepcopy``, in the base's dtype), so a tied LM head's copy is a head of its own,
+    vocabulary x hidden."""
+    from .models import ParamGroup
+
+    if not options.train_modules:
+        return ()
+    token_embedding = next((t for g in spec.param_groups for t in g.tensors if t.role == "embedding"), None)
+    if token_embedding is None:
+        raise ConfigError(f"--train-modules: {spec.name} has no token embedding")
+    head = tuple(t for g in spec.param_groups for t in g.tensors if t.role == "head")
+    return tuple(ParamGroup(f"{role} (trained copy)", 1, (token_embedding,) if role == "embedding" or not head
+                            else head) for role in sorted(options.trained_roles))
+
+
+def trained_copies(spec: ModelSpec, options: LoraOptions) -> dict[str, int]:
+    """Parameters of each module trained in full (copy_groups), by role (head, embedding)."""
+    return {g.name.split()[0]: sum(t.numel for t in g.tensors) for g in copy_groups(spec, options)}
+
+
+@dataclass(frozen=True)
+class Trainables:
+    """What trains on a frozen base, and the optimizer's memory for it."""
+
+    adapters: int
+    adapter_bytes: int
+    copies: int
+    """Parameters of the modules trained in full (copy_groups), in the base's dtype, copy_bytes each."""
+    copy_bytes: int
+    masters: int
+    """fp32 master copies (bytes)."""
+    states: int
+    """Optimizer states (bytes)."""
+    state_bytes: int
+    """Bytes per state value of the adapters."""
+    stepped_values: int
+    """Sum over what trains of numel x bytes per state value: foreach temporaries scale with it."""
+
+    @property
+    def trainable_bytes(self) -> int:
+        return self.adapters * self.adapter_bytes + self.copies * self.copy_bytes
+
+
+def trainables(spec: ModelSpec, recipe, optimizer, finetune: "FineTune") -> Trainables:
+    """The adapters and the trained copies with their gradients' dtype, and the optimizer's states and masters as
+    the trace's step makes them (step.py): fp32 masters of everything that trains when any of it is half precision
+    and the recipe keeps masters; states in the dtype of what they step (fp32 for fp32 tensors and masters)."""
+    options = finetune.lora
+    adapters, ab = adapter_parameters(spec, options), adapter_bytes_per_value(options, recipe.weight_bytes)
+    groups = copy_groups(spec, options)
+    copies, cb = sum(t.numel for g in groups for t in g.tensors), recipe.weight_bytes
+    masters = 4 * (adapters + copies) if recipe.master_weights and (ab < 4 or (copies and cb < 4)) else 0
+
+    def state_bytes(value_bytes: int) -> int:
+        return 4 if value_bytes == 4 or masters else recipe.state_bytes_for(optimizer.name)
+
+    states = optimizer.state_bytes(adapter_groups(spec, options), state_bytes(ab)) + \
+        (optimizer.state_bytes(groups, state_bytes(cb)) if groups else 0)
+    return Trainables(adapters, ab, copies, cb, masters, states, state_bytes(ab),
+                      adapters * state_bytes(ab) + copies * state_bytes(cb))
 
 
 def adapter_bytes_per_value(options: LoraOptions, base_weight_bytes: int) -> int:
@@ -196,6 +278,8 @@ class FineTune:
         return {"rank": self.lora.rank, "alpha": self.lora.alpha if self.lora.alpha is not None else 2 * self.lora.rank,
                 "targets": list(self.lora.targets), "adapter_dtype": self.lora.adapter_dtype,
                 "dropout": self.lora.dropout, "dora": self.lora.dora,
+                "train_modules": list(self.lora.train_modules),
+                "trained_module_parameters": sum(trained_copies(spec, self.lora).values()),
                 "base_quant": self.base_quant, "double_quant": self.double_quant,
                 "adapter_parameters": adapters, "frozen_parameters": spec.num_parameters}
 
@@ -277,18 +361,22 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
     chosen = adapted_names(spec, options)
     ab = adapter_bytes_per_value(options, p.compute)
     out_features = {t.name.removesuffix(".weight"): t.shape[0] for _, t in selected_weights(spec, options)}
+    # A trained embedding keeps its indices and makes every layer's input take a gradient (no first layer apart);
+    # a trained LM head keeps its input, the final norm's output.
+    embedding_trained, head_trained = "embedding" in options.trained_roles, "head" in options.trained_roles
 
     def adapted_terms(terms, first_layer=False):
         out, attention_delta = [], 0.0
         for t in terms:
             new: list = []
-            if t.kind == "normalised" or t.kind == "input_ids" or (first_layer and t.module == "input_norm"):
+            if t.kind == "normalised" or (t.kind == "input_ids" and not embedding_trained) or \
+                    (first_layer and t.module == "input_norm"):
                 pass  # dropped
             elif t.kind in ("linear_input", "shared_input"):
                 adapted = [c for c in SITE_CONSUMERS.get(t.module, ()) if c in chosen]
                 width = t.bytes_per_token / p.compute
-                if t.kind == "shared_input":
-                    new.append(t)  # kept by attention whatever the Linear does
+                if t.kind == "shared_input" or (t.module == "head_input" and head_trained):
+                    new.append(t)  # kept by attention whatever the Linear does, or by the trained LM head
                 if adapted:
                     if options.dropout > 0:
                         # each adapter keeps its dropped-out input, and the dropout its bool mask where its input
@@ -317,7 +405,8 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
 
     layers = []
     for index, la in enumerate(acts.layers):
-        for first, count in (((True, 1), (False, la.count - 1)) if index == 0 else ((False, la.count),)):
+        for first, count in (((True, 1), (False, la.count - 1)) if index == 0 and not embedding_trained
+                             else ((False, la.count),)):
             if count == 0:
                 continue
             terms, delta = adapted_terms(la.terms, first)

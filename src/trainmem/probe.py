@@ -95,9 +95,13 @@ def build_lora_model(config: dict[str, Any], recipe: Recipe, attention: str, dro
     with unset_fake_temporarily(), torch.device("meta"):
         model = build_model(config, recipe, attention, dropout)
         adapter_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        names = {id(module): name for name, module in model.named_modules()}
+        roles = {"embedding": model.get_input_embeddings(), "head": model.get_output_embeddings()}
+        modules_to_save = [names[id(roles[role])].rsplit(".", 1)[-1] for role in sorted(lora.trained_roles)]
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=lora.rank, lora_alpha=lora.alpha or 2 * lora.rank, lora_dropout=lora.dropout,
-            target_modules=peft_target_modules(spec, lora), use_dora=lora.dora), autocast_adapter_dtype=lora.adapter_dtype == "auto")
+            target_modules=peft_target_modules(spec, lora), use_dora=lora.dora,
+            modules_to_save=modules_to_save or None), autocast_adapter_dtype=lora.adapter_dtype == "auto")
         if adapter_dtype[lora.adapter_dtype] is not None:
             for name, param in model.named_parameters():
                 if "lora_" in name:

@@ -156,7 +156,8 @@ def _title(est: Estimate) -> str:
     if est.finetune is not None:
         f = est.finetune
         title += f"; {'DoRA' if f.lora.dora else 'LoRA'} rank {f.lora.rank} on {','.join(f.lora.targets)}" + (
-            f", {f.base_quant}{' + double quant' if f.double_quant else ''} base" if f.base_quant else "")
+            f", {f.base_quant}{' + double quant' if f.double_quant else ''} base" if f.base_quant else "") + (
+            f", training {','.join(f.lora.train_modules)}" if f.lora.train_modules else "")
     return title
 
 

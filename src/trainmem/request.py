@@ -73,7 +73,7 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
                  gpus: int = 1, gpus_per_node: int = 0, zero: int | None = None, fsdp: str | None = None,
                  offload: str = "none", ddp_bucket_view: bool = False, ds_config: str | os.PathLike | None = None,
                  lora: int | None = None, lora_alpha: float | None = None, lora_targets: Any = ("q", "v"),
-                 lora_dropout: float = 0.0, dora: bool = False,
+                 lora_dropout: float = 0.0, dora: bool = False, train_modules: Any = (),
                  adapter_dtype: str = "auto", base_quant: str | None = None, double_quant: bool = False,
                  qlora: bool = False, **settings: Any) -> Request:
     """Validate a request. ``model`` is a catalog name, a Hub repo id, a path to a config.json or its folder, or a
@@ -82,8 +82,9 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     ``need_config`` names a command that cannot run on ``params`` alone. ``gpus``, ``gpus_per_node``, ``zero``,
     ``fsdp``, ``offload``, ``ddp_bucket_view`` lay the run out on several GPUs (sharding.Parallel); ``ds_config`` is a
     DeepSpeed config whose zero_optimization keys (stage, buckets, offload) apply where the keywords say nothing.
-    ``lora`` (the rank), ``lora_alpha``, ``lora_targets`` (a list or "q,v"), ``dora``, ``adapter_dtype``, ``base_quant``,
-    ``double_quant`` and ``qlora`` (nf4 with double quantization) train adapters on a frozen base (lora.py).
+    ``lora`` (the rank), ``lora_alpha``, ``lora_targets`` (a list or "q,v"), ``dora``, ``train_modules`` (peft's
+    modules_to_save: lm_head, embed_tokens), ``adapter_dtype``, ``base_quant``, ``double_quant`` and ``qlora`` (nf4
+    with double quantization) train adapters on a frozen base (lora.py).
     ``settings`` are TrainingSettings fields. Checks that cost nothing come before the model is read."""
     if need_config and params is not None:
         raise ConfigError(f"{need_config} needs a model config, not --params")
@@ -106,7 +107,7 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     parallel = Parallel(gpus=gpus, gpus_per_node=gpus_per_node, zero=zero, fsdp=fsdp, offload=offload,
                         ddp_bucket_view=ddp_bucket_view)
     finetune = _finetune(lora, lora_alpha, lora_targets, adapter_dtype, base_quant, double_quant, qlora,
-                         lora_dropout, dora)
+                         lora_dropout, dora, train_modules)
     config = None
     if params is not None:
         spec = nominal_spec(parse_params(params))
@@ -132,25 +133,32 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
 
 
 def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlora,
-              dropout=0.0, dora=False) -> FineTune | None:
+              dropout=0.0, dora=False, train_modules=()) -> FineTune | None:
     if qlora:
         if base_quant not in (None, "nf4") or double_quant is False and base_quant is not None:
             raise ConfigError("--qlora is nf4 with double quantization; give it alone or --base-quant instead")
         base_quant, double_quant = "nf4", True
     if rank is None:
-        if base_quant or double_quant or adapter_dtype != "auto" or alpha is not None or dropout or dora:
-            raise ConfigError("--base-quant, --qlora, --double-quant, --lora-alpha, --lora-dropout, --dora and "
-                              "--adapter-dtype need --lora RANK")
+        if base_quant or double_quant or adapter_dtype != "auto" or alpha is not None or dropout or dora or \
+                train_modules:
+            raise ConfigError("--base-quant, --qlora, --double-quant, --lora-alpha, --lora-dropout, --dora, "
+                              "--train-modules and --adapter-dtype need --lora RANK")
         return None
-    if isinstance(targets, str):
-        targets = tuple(t.strip() for t in targets.split(",") if t.strip())
-    elif isinstance(targets, (list, tuple)) and all(isinstance(t, str) for t in targets):
-        targets = tuple(targets)
-    else:
-        raise ConfigError(f"lora targets must be names such as q,v or all-linear, got {targets!r}")
+    targets = _names(targets, "lora targets", "q,v or all-linear")
+    train_modules = _names(train_modules or (), "train modules", "lm_head,embed_tokens")
     if not isinstance(dora, bool):
         raise ConfigError(f"dora must be true or false, got {dora!r}")
-    return FineTune(LoraOptions(rank, alpha, targets, adapter_dtype, dropout, dora), base_quant, double_quant)
+    return FineTune(LoraOptions(rank, alpha, targets, adapter_dtype, dropout, dora, train_modules), base_quant,
+                    double_quant)
+
+
+def _names(value, what: str, example: str) -> tuple[str, ...]:
+    """A comma-separated string or a list of names, as a tuple."""
+    if isinstance(value, str):
+        return tuple(t.strip() for t in value.split(",") if t.strip())
+    if isinstance(value, (list, tuple)) and all(isinstance(t, str) for t in value):
+        return tuple(value)
+    raise ConfigError(f"{what} must be names such as {example}, got {value!r}")
 
 
 def _with_deepspeed_config(parallel: Parallel, path, spec: ModelSpec) -> Parallel:

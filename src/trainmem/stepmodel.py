@@ -33,8 +33,7 @@ from .optimizers import get_optimizer
 from .recipes import get_recipe
 from .settings import TrainingSettings
 from .activations import Precision
-from .lora import (FineTune, activations_modelled, adapter_bytes_per_value, adapter_groups, adapter_parameters,
-                   base_weight_bytes, lora_activations)
+from .lora import FineTune, activations_modelled, base_weight_bytes, lora_activations, trainables
 from .sharding import Parallel, RankLayout, rank_layout
 from .timeline import CATEGORIES, Phase, peak_of, seed_activation_bytes, seed_rule_candidates, step_candidates
 
@@ -242,26 +241,28 @@ def finetune_static_components(spec: ModelSpec, settings: TrainingSettings,
     alone have gradients and optimizer states, in the adapters' dtype (lora.py)."""
     recipe, optimizer = get_recipe(settings.recipe), get_optimizer(settings.optimizer)
     n = spec.num_parameters
-    adapters = adapter_parameters(spec, finetune.lora)
-    adapter_bytes = adapter_bytes_per_value(finetune.lora, recipe.weight_bytes)
+    t = trainables(spec, recipe, optimizer, finetune)
     base = base_weight_bytes(spec, recipe.weight_bytes, finetune)
-    master = 4 * adapters if recipe.master_weights and adapter_bytes < 4 else 0
-    state_bytes = 4 if adapter_bytes == 4 else recipe.state_bytes_for(optimizer.name)
-    states = optimizer.state_bytes(adapter_groups(spec, finetune.lora), state_bytes)
     quant = f"{finetune.base_quant}{' + double quant' if finetune.double_quant else ''}" if finetune.base_quant \
         else recipe.weights
-    adapter_dtype = {4: "fp32", 2: recipe.compute if recipe.compute != "fp32" else "bf16"}[adapter_bytes]
+    adapter_dtype = {4: "fp32", 2: recipe.compute if recipe.compute != "fp32" else "bf16"}[t.adapter_bytes]
+    copies = f" and {t.copies:,} in trained copies of {', '.join(finetune.lora.train_modules)}" if t.copies else ""
+    trained = "the adapters'" + (" and the trained copies'" if t.copies else "")
+    weights = base + t.trainable_bytes
     return (
-        StaticComponent("weights", f"{quant} base + {adapter_dtype} adapters", base + adapters * adapter_bytes,
-                        (base + adapters * adapter_bytes) / n,
-                        f"frozen base ({n:,} parameters) and {adapters:,} adapter parameters"),
-        StaticComponent("gradients", adapter_dtype, adapters * adapter_bytes, adapters * adapter_bytes / n,
-                        "the adapters' only: the base is frozen"),
-        StaticComponent("master_weights", "fp32" if master else "-", master, master / n,
-                        "fp32 copy of half-precision adapters" if master else
+        StaticComponent("weights", f"{quant} base + {adapter_dtype} adapters", weights, weights / n,
+                        f"frozen base ({n:,} parameters), {t.adapters:,} adapter parameters{copies}"),
+        StaticComponent("gradients", adapter_dtype if not t.copies or t.copy_bytes == t.adapter_bytes else
+                        f"{adapter_dtype} + {recipe.weights} copies", t.trainable_bytes,
+                        t.trainable_bytes / n, f"{trained} only: the base is frozen"),
+        StaticComponent("master_weights", "fp32" if t.masters else "-", t.masters, t.masters / n,
+                        "fp32 copy of what trains (its half-precision tensors)" if t.masters else
                         "none: the adapters are updated in place"),
-        StaticComponent("optimizer_states", {4: "fp32", 2: "bf16", 1: "uint8+fp32"}.get(state_bytes, "fp32"), states,
-                        states / n, f"{optimizer.states} of the adapters"),
+        StaticComponent("optimizer_states", {4: "fp32", 2: "bf16", 1: "uint8+fp32"}.get(t.state_bytes, "fp32") +
+                        (" + bf16 (copies)" if t.copies and t.stepped_values != (t.adapters + t.copies) * t.state_bytes
+                         else ""),
+                        t.states, t.states / n,
+                        f"{optimizer.states} of the adapters" + (" and the trained copies" if t.copies else "")),
     )
 
 

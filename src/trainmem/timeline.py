@@ -293,14 +293,11 @@ def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer
     updates that rank's elements, and the engine's own fp32 gradient copy is one of its buffers (sharding.py)."""
     n = spec.num_parameters if rank is None else rank.optimizer_numel
     temp = 0
-    if finetune is not None:  # the optimizer updates the adapters, in their dtype
-        from .lora import adapter_bytes_per_value, adapter_parameters
+    if finetune is not None:  # the optimizer updates the adapters (and trained copies), in their dtype
+        from .lora import trainables
 
-        n = adapter_parameters(spec, finetune.lora)
-        ab = adapter_bytes_per_value(finetune.lora, recipe.weight_bytes)
-        states = 4 if ab == 4 else recipe.state_bytes_for(optimizer.name)
-        return (0 if fused else optimizer.foreach_temporaries * n * states) + \
-            (4 * n if recipe.master_weights and ab < 4 else 0)
+        t = trainables(spec, recipe, optimizer, finetune)
+        return (0 if fused else optimizer.foreach_temporaries * t.stepped_values) + t.masters
     if not fused:
         temp += optimizer.foreach_temporaries * n * recipe.state_bytes_for(optimizer.name)
     if recipe.master_weights and recipe.gradients != recipe.master_weights and (rank is None
@@ -678,9 +675,11 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # (OPT's project_out makes the output a half tensor the head keeps)
     final_hidden = (p.residual * h * tokens if p.autocast and p.residual == FP32 and layers
                     and not spec.projects_embeddings else 0)
-    if finetune is not None and layers:
+    head_trained = finetune is not None and "head" in finetune.lora.trained_roles
+    embedding_trained = finetune is not None and "embedding" in finetune.lora.trained_roles
+    if finetune is not None and layers and not head_trained:
         # A frozen LM head keeps no input, but the CausalLM forward holds the final norm's output (its local)
-        # while it computes the logits and the loss.
+        # while it computes the logits and the loss (a trained head saves that tensor: it is in saved).
         final_hidden = p.compute * h * tokens
     if settings.loss == "chunked-output":
         final_hidden = 0  # torchtune's decoder returns the list of logits: its hidden-state local is gone
@@ -735,12 +734,17 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     head_grad = _param_bytes(_role_numel(spec, "head"), recipe.gradient_bytes) if not spec.tied_embeddings else 0
     if finetune is not None or stepped:
         head_grad = 0  # a frozen LM head (an adapter on it is not modelled), or one stepped at once
+    if head_trained and not stepped:  # peft's trained copy of the head, in the base's dtype
+        from .lora import trained_copies
+
+        head_grad = trained_copies(spec, finetune.lora)["head"] * recipe.weight_bytes
     if rank and rank.head_gradient_sharded:
         head_grad = -(-head_grad // shards)
     candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
     if settings.loss != "chunked":
         candidates += _lm_head_moments(spec, acts, recipe, p, weights, states, grads_in_forward, saved,
-                                       frozen=finetune is not None, slices=slices, compiled_loss=compiled_loss)
+                                       frozen=finetune is not None and not head_trained, slices=slices,
+                                       compiled_loss=compiled_loss)
     if layers and spec.final_norm and spec.norm_vectors:
         # The final norm's backward, right after the head's: what the head kept is freed; an RMSNorm computed in
         # fp32 (LlamaRMSNorm and kin) has five h-wide fp32 gradient temporaries at once (traced), a LayerNorm the
@@ -841,8 +845,12 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         candidates.append(Phase("backward", "embedding (tied weights)", weights,
                                 max(grads_in_forward, finished), states, base_kept,
                                 2 * tied_held + emb_input_grad))
-    elif layers and finetune is None:  # (a frozen embedding runs no backward)
+    elif layers and (finetune is None or embedding_trained):  # (a frozen embedding runs no backward)
         emb_grad = _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
+        if embedding_trained:  # peft's trained copy, in the base's dtype
+            from .lora import trained_copies
+
+            emb_grad = trained_copies(spec, finetune.lora)["embedding"] * recipe.weight_bytes
         finished = 0 if stepped else grads - emb_grad if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, finished), states,
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
