@@ -308,7 +308,8 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         terms += [Term("attention output" + padded, c * a * dv8, "o_input", "shared_input"),
                   Term("softmax logsumexp (fp32)", FP32 * a)]
         if pad or q_by_cat:
-            terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv))
+            terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv, "o_input",
+                              "linear_input"))
             released = c * a * dv
         backward = flash_backward_per_token(c, a, kv_passed, d, dv, s)
     elif kernel == EFFICIENT:
@@ -328,7 +329,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
                            c * (kv_passed if k_cast else kept) * d),
                       Term("v" + repeated, c * kept * dv)]
             k_kept, v_kept = not repeat_copies and qk_bytes == c, not repeat_copies
-        terms += [Term("attention output (o_proj input)", c * a * dv),
+        terms += [Term("attention output (o_proj input)", c * a * dv, "o_input", "shared_input"),
                   Term("softmax logsumexp (fp32, padded to 32 rows)", efficient_lse_per_token(a, s))]
         if mask:
             terms.append(Term("attention mask converted to the compute dtype (padded to 16 columns)",
@@ -340,7 +341,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         if dropout > 0:
             terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
         v_kept = c == FP32 and kv == a
-        terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv))
+        terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv, "o_input", "linear_input"))
         released, backward = math_backward_per_token(c, a, dv, s, dropout)
         matmul_backward = math_matmul_backward_per_token(c, a, dv, s)
         softmax_extra = FP32 * a * s

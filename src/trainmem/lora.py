@@ -268,9 +268,10 @@ class FineTune:
                     return max((ab * (n * n + r * n + weights * mn) for n, mn in sizes), default=0)
                 return max((ab * max(n * n + r * n + mn, weights * mn) for n, mn in sizes), default=0)
             note = "the identity, B @ A, the cast base weight and their sum, for the largest adapted Linear"
-            out.append(Buffer("DoRA's weight norm", norm(not recompute), "temporaries", ("forward:layer",), note))
+            # (made by a forward or a recompute: activations, as a memory tracker counts them)
+            out.append(Buffer("DoRA's weight norm", norm(not recompute), "activations", ("forward:layer",), note))
             if recompute:
-                out.append(Buffer("DoRA's weight norm", norm(True), "temporaries", ("backward:layer",), note))
+                out.append(Buffer("DoRA's weight norm", norm(True), "activations", ("backward:layer",), note))
         return tuple(out)
 
     def as_dict(self, spec: ModelSpec) -> dict:

@@ -273,6 +273,73 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     return int((mlp + 3 * w * h) * tokens + casts[1]), int((attn + w * h) * tokens + casts[0])
 
 
+def _adapter_forward_transients(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
+                                finetune) -> tuple[int, ...]:
+    """A checkpointed layer's forward under LoRA: at each adapted Linear, peft's ``result + lora_B(lora_A(x)) *
+    scaling`` (peft/tuners/lora/layer.py, ``Linear.forward``) holds the base output, the scaled adapter output and
+    their sum (both in the adapter's dtype: the sum is promoted before ``result.to``), and the adapter's copy of the
+    input where its dtype differs (with lora_dropout, the dropped-out input and its mask too), beside what that
+    point of the layer holds: the layer input and the norm output (attention), or the layer input, the residual
+    and the norm output (MLP), the attention output (o), and the outputs made before it (q and k beside v, the
+    activation beside up, the product for down). Nothing is saved, so the gate's output is gone when up runs."""
+    from .lora import adapter_bytes_per_value
+
+    options = finetune.lora
+    ab = adapter_bytes_per_value(options, p.compute)
+    c, w, h = p.compute, p.residual, spec.hidden_size
+    context = {"qkv_input": w * h + c * h, "mlp_input": 3 * w * h, "down_input": 3 * w * h}
+    out = []
+    for name, site, width_in, width_out, before in _adapter_sites(spec, la, p, finetune):
+        alive = (w * h + c * width_in if site == "o_input" else context[site] + c * width_in if site == "down_input"
+                 else context[site] + (before if name != "mlp.up_proj" else c * width_out))
+        copy = (ab * width_in if ab != c else 0) + ((ab + MASK) * width_in if options.dropout > 0 else 0)
+        out.append(int((alive + copy + c * width_out + 2 * ab * width_out) * tokens))
+    return tuple(out)
+
+
+def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune):
+    """Each adapted Linear of a Llama-style layer: (name, its input's site tag, in, out, the outputs made before it
+    in its block that are alive when it runs)."""
+    from .lora import adapted_names
+
+    att, mlp = la.layer.attention, la.layer.mlp
+    if att is None or mlp is None or finetune.lora.dora:
+        return []  # (DoRA's own transients are its weight norm's: FineTune.buffers)
+    c, h = p.compute, spec.hidden_size
+    q, kv, inter = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim, mlp.intermediate_size
+    sites = [("q_proj", "qkv_input", h, q, 0), ("k_proj", "qkv_input", h, kv, c * q),
+             ("v_proj", "qkv_input", h, kv, c * (q + kv)), ("qkv_proj", "qkv_input", h, q + 2 * kv, 0),
+             ("o_proj", "o_input", q, h, 0), ("mlp.gate_proj", "mlp_input", h, inter, 0),
+             ("mlp.up_proj", "mlp_input", h, inter, 2 * c * inter), ("mlp.gate_up_proj", "mlp_input", h, 2 * inter, 0),
+             ("mlp.down_proj", "down_input", inter, h, 0)]
+    chosen = adapted_names(spec, finetune.lora)
+    return [site for site in sites if site[0] in chosen]
+
+
+def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
+                               finetune) -> tuple[tuple[int, int], ...]:
+    """A checkpointed LoRA layer's recompute (in backward, saving for real): at each adapted Linear's adapter sum,
+    the layer's saved tensors up to that Linear's input site (its adapters' input copies and A outputs included),
+    the outputs made before it in its block (q beside k; the gate's output and its activation beside up), and as
+    temporaries its base output and the scaled adapter output and their sum in the adapter's dtype (as in
+    _adapter_forward_transients)."""
+    from .lora import adapter_bytes_per_value
+
+    ab = adapter_bytes_per_value(finetune.lora, p.compute)
+    c, w, h = p.compute, p.residual, spec.hidden_size
+    # unsaved locals of the layer: the norm output (attention), the residual and the norm output (MLP)
+    locals_ = {"qkv_input": c * h, "o_input": 0, "mlp_input": 2 * w * h, "down_input": 2 * w * h}
+    order = [t.module for t in la.terms]
+    out = []
+    for name, site, _, width_out, before in _adapter_sites(spec, la, p, finetune):
+        if site not in order:
+            continue
+        last = len(order) - 1 - order[::-1].index(site)  # the site's last term: its adapters' A outputs
+        saved = sum(t.bytes_per_token for t in la.terms[:last + 1])
+        out.append((int((saved + before + locals_[site]) * tokens), int((c + 2 * ab) * width_out * tokens)))
+    return tuple(out)
+
+
 def _autograd_grad_bytes(recipe: Recipe) -> int:
     """The dtype of the gradients autograd computes: the parameters' (a persistent fp32 main-grad buffer receives
     them afterwards), else the recipe's gradient dtype."""
@@ -328,7 +395,7 @@ class _LayerBytes:
     grads: int
     transient: int
     """Largest gradient temporaries inside its backward."""
-    forward_transient: tuple[int, int]
+    forward_transient: tuple[int, ...]
     """Its forward's own tensors alive at once when nothing is saved (checkpointed forward): in the MLP, and in
     attention."""
     experts_freed: int
@@ -370,6 +437,9 @@ class _LayerBytes:
     fp32 output (its Linears keep half copies instead), is alive too: the caller's frame holds it during the
     call (``self.mlp(self.post_attention_layernorm(x))``). A dropout after the MLP has not run: its mask, part of
     the layer's activations, does not exist yet."""
+    recompute_adapters: tuple[tuple[int, int], ...]
+    """LoRA under full checkpointing: (what the layer holds beyond its kept input, the temporaries) at each adapted
+    Linear's adapter sum during the layer's recompute (_adapter_recompute_moments)."""
     recompute_attention_end: int
     """BLOOM under full checkpointing: what the layer holds when its recomputed attention returns (the attention's
     activations, its kept input, and BloomAttention's unsaved locals, LayerActivations.recompute_locals); 0
@@ -476,7 +546,8 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             grads=_param_bytes(sum(t.numel for t in tensors), gradients_of.gradient_bytes),
             transient=_mlp_transient(spec, la, p, tokens, settings),
             forward_transient=_forward_transient(spec, la, p, tokens,
-                                                 _layer_casts(spec, la, p) if cached else (0, 0)),
+                                                 _layer_casts(spec, la, p) if cached else (0, 0))
+            + (_adapter_forward_transients(spec, la, p, tokens, finetune) if finetune is not None else ()),
             experts_freed=int(_term_bytes(la.terms, "routed_experts", "intermediate") * tokens),
             experts_transient=_experts_transient(spec, la, p, gradients_of, tokens),
             experts_weighting_transient=_experts_weighting_transient(spec, layer, p, tokens),
@@ -492,6 +563,8 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             attention_transient=int((la.attention_backward + p.residual * spec.hidden_size) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens),
+            recompute_adapters=(_adapter_recompute_moments(spec, la, p, tokens, finetune)
+                                if finetune is not None and acts.checkpointing == "full" else ()),
             recompute_attention_end=(kept + int((la.attention_bytes_per_token + la.recompute_locals) * tokens)
                                      + (p.compute * sum(t.numel for t in tensors if len(t.shape) == 2
                                                         and t.role not in MLP_ROLES) if p.autocast else 0)
@@ -781,6 +854,11 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                     base_kept + kept_below[index] + x.recompute_attention_end, tied_held + x.recompute_gradient))
             # The layer's forward has been recomputed (to its last saved tensor) and the gradient of its output
             # is waiting.
+            for held, transient in x.recompute_adapters:  # (what a recompute makes counts as activations)
+                candidates.append(Phase(
+                    "backward", f"layer {index} recomputed adapter", weights,
+                    max(grads_in_forward, head_grad + grads_above), states,
+                    base_kept + kept_below[index] + x.kept + held + transient, tied_held + x.recompute_gradient))
             candidates.append(Phase(
                 "backward", f"layer {index} recomputed", weights, max(grads_in_forward, head_grad + grads_above),
                 states, base_kept + kept_below[index] + x.kept + x.full + x.recompute_end,
