@@ -220,7 +220,9 @@ def _workload_options(f):
 @click.option("--max-seq", is_flag=True, help="Find the longest sequence that fits --gpu, up to the model's position "
               "limit unless RoPE scaling extends it (exit code 1 if none).")
 @click.option("--explain", is_flag=True, help="List every saved tensor of a layer.")
-def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: each phase's bytes by category, with "
+              "the bytes needed and GPU capacities as lines.")
+def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
     """Estimate the memory of training MODEL: a catalog name (trainmem models), a Hub repo id, or a path to a
     config.json or its folder.
 
@@ -229,12 +231,17 @@ def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
              trainmem estimate llama-3-8b --batch 4 --seq 4096 --checkpointing full --gpu H100-80GB
              trainmem estimate llama-2-7b --gpu A100-80GB --max-batch
              trainmem estimate --params 7e9 --recipe pure-bf16 --units GB
+             trainmem estimate llama-3-8b --checkpointing full --plot memory.png
     """
     from dataclasses import replace
 
     from .estimate import estimate_model
     from .report import render_estimate, to_dict
 
+    if plot:
+        from .plots import check_plot_path
+
+        check_plot_path(plot)
     w = _workload(options, batch, seq)
     spec, settings, device, target, unit, as_json = w.spec, w.settings, w.device, w.gpu, w.unit, options["as_json"]
     extra = {}
@@ -259,6 +266,10 @@ def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
                 settings = replace(settings, seq=best)
     est = estimate_model(spec, settings, device, w.parallel, w.finetune)
     nothing_fits = any(extra.get(key) == 0 for key in ("max_batch", "max_seq"))
+    if plot:
+        from .plots import plot_estimate
+
+        plot_estimate(est, plot, unit, target)
     if as_json:
         _emit_json(to_dict(est, target, extra))
     else:
@@ -275,6 +286,8 @@ def estimate(batch, seq, max_batch, max_seq, explain, **options) -> None:
             else:
                 console.print(f"[bold]largest {what} that fits {target.name}: {value:,}[/bold] (shown below)")
         render_estimate(est, unit, console, target, explain)
+        if plot:
+            console.print(f"plot written to {plot}")
     if nothing_fits:
         raise click.exceptions.Exit(1)
 
@@ -331,11 +344,14 @@ def trace(batch, seq, no_round, **options) -> None:
 @_workload_options
 @click.option("--batch", "batches", default="1,2,4,8", show_default=True, help="Micro-batch sizes, comma-separated.")
 @click.option("--seq", "seqs", default="1024,2048,4096", show_default=True, help="Sequence lengths, comma-separated.")
-def sweep(batches, seqs, **options) -> None:
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: the bytes needed against the batch or the "
+              "sequence, with GPU capacities and where each runs out.")
+def sweep(batches, seqs, plot, **options) -> None:
     """Estimate a grid of micro-batch sizes x sequence lengths.
 
     \b
     Example: trainmem sweep llama-2-7b --batch 1,2,4,8 --seq 1024,2048,4096 --gpu A100-80GB
+             trainmem sweep llama-3-8b --batch 1,2,4,8,16,32 --seq 2048 --plot batch.png
     """
     from .planner import sweep as run_sweep
     from .report import render_sweep, to_dict
@@ -343,6 +359,13 @@ def sweep(batches, seqs, **options) -> None:
     from dataclasses import replace
 
     batch_list, seq_list = _int_list(batches, "--batch"), _int_list(seqs, "--seq")
+    if plot:
+        from .plots import check_plot_path
+
+        check_plot_path(plot)
+        if len(set(batch_list)) < 2 and len(set(seq_list)) < 2:
+            raise ConfigError("--plot draws memory against the batch or the sequence: give more than one --batch or "
+                              "--seq value")
     gpu_list = _int_list(options["gpus"], "--gpus")
     zero_list = [None] if options["zero"] is None else _int_list(options["zero"], "--zero", minimum=0)
     sharded = next((g for g in gpu_list if g > 1), None)
@@ -366,10 +389,16 @@ def sweep(batches, seqs, **options) -> None:
         why = ("this LoRA set-up's activations are not modelled yet" if w.finetune
                else "give a model config, not --params")
         raise ConfigError(f"a sweep needs activations: {why}")
+    if plot:
+        from .plots import plot_sweep
+
+        plot_sweep(estimates, plot, unit, target)
     if as_json:
         _emit_json({**_header("sweep"), "sweep": [to_dict(e, target) for e in estimates]})
     else:
         render_sweep(estimates, unit, _console(), target)
+        if plot:
+            _console().print(f"plot written to {plot}")
 
 
 @app.command()

@@ -146,7 +146,7 @@ def _parallel_keys(est: Estimate, doc: dict[str, Any]) -> None:
                    "gpus_per_node": per_node}
 
 
-def _title(est: Estimate) -> str:
+def estimate_title(est: Estimate) -> str:
     m = est.model
     title = f"{m.name} ({m.model_type}): {m.num_parameters:,} parameters"
     if m.num_active_parameters != m.num_parameters:
@@ -177,7 +177,7 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
 
     m, s = est.model, est.settings
     caption = f"recipe {s.recipe}, optimizer {s.optimizer}; unit {unit}"
-    table = Table(title=_title(est), caption=caption)
+    table = Table(title=estimate_title(est), caption=caption)
     table.add_column("component")
     table.add_column("dtype")
     table.add_column("bytes/param", justify="right")
@@ -315,7 +315,7 @@ def render_sweep(estimates: list[Estimate], unit: str, console, gpu: GPU | None)
     from rich.table import Table
 
     layouts = len({(e.parallel.gpus, e.parallel.zero) for e in estimates if e.parallel}) > 1
-    title = _title(estimates[0]).split("; per GPU")[0] if layouts else _title(estimates[0])
+    title = estimate_title(estimates[0]).split("; per GPU")[0] if layouts else estimate_title(estimates[0])
     table = Table(title=f"{title}: peak allocated / required ({unit})" + (", per GPU" if layouts else ""))
     if layouts:
         table.add_column("GPUs", justify="right")
@@ -367,7 +367,7 @@ def trace_to_dict(est: Estimate, phases, seconds: float, rounded: bool, host_byt
 def render_trace(est: Estimate, phases, seconds: float, unit: str, console, host_bytes: int = 0) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{_title(est)}: traced step vs estimate ({unit})",
+    table = Table(title=f"{estimate_title(est)}: traced step vs estimate ({unit})",
                   caption=f"traced in {seconds:.1f} s under FakeTensorMode with CUDA's autocast lists and kernel "
                           "choices; sizes rounded to 512 bytes like CUDA")
     table.add_column("phase")
