@@ -162,6 +162,7 @@ def test_python_dash_m_and_console_script_do_not_import_torch():
     code = (
         "import sys; from trainmem.cli import main; rc = main(['estimate', 'llama-2-7b', '--json']); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'core imported torch'; "
+        "assert not {'fastapi', 'pydantic', 'matplotlib'} & set(sys.modules), 'core imported the web or plot stack'; "
         "sys.exit(rc)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

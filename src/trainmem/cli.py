@@ -32,17 +32,6 @@ def _console():
     return Console(width=max(120, Console().width))
 
 
-def _json_safe(value):
-    """JSON has no NaN or infinity: such floats are written as the strings "NaN", "Infinity", "-Infinity"."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def _header(engine: str) -> dict:
     from .report import header
 
@@ -56,7 +45,9 @@ def _model_dict(spec) -> dict:
 
 
 def _emit_json(document: dict) -> None:
-    sys.stdout.write(json.dumps(_json_safe(document), indent=2, allow_nan=False) + "\n")
+    from .report import json_safe
+
+    sys.stdout.write(json.dumps(json_safe(document), indent=2, allow_nan=False) + "\n")
 
 
 @dataclass
@@ -233,9 +224,7 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
              trainmem estimate --params 7e9 --recipe pure-bf16 --units GB
              trainmem estimate llama-3-8b --checkpointing full --plot memory.png
     """
-    from dataclasses import replace
-
-    from .estimate import estimate_model
+    from .planner import estimate_searched
     from .report import render_estimate, to_dict
 
     if plot:
@@ -243,28 +232,8 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
 
         check_plot_path(plot)
     w = _workload(options, batch, seq)
-    spec, settings, device, target, unit, as_json = w.spec, w.settings, w.device, w.gpu, w.unit, options["as_json"]
-    extra = {}
-    if max_batch or max_seq:
-        from .planner import max_batch as find_batch, max_seq as find_seq, seq_limit
-
-        if target is None:
-            raise ConfigError("--max-batch and --max-seq need --gpu NAME")
-        if w.finetune is not None and estimate_model(spec, settings, device, w.parallel, w.finetune).peak is None:
-            raise ConfigError("--max-batch and --max-seq need the step's activations, which trainmem does not model "
-                              "for this LoRA set-up yet (estimate without them says why)")
-        if max_batch:
-            best = find_batch(spec, settings, target, device, w.parallel, w.finetune)
-            extra["max_batch"] = best
-            if best:
-                settings = replace(settings, batch=best)
-        if max_seq:
-            best = find_seq(spec, settings, target, device, w.parallel, w.finetune)
-            extra["max_seq"] = best
-            extra["max_seq_is_position_limit"] = bool(best) and best == seq_limit(spec)
-            if best:
-                settings = replace(settings, seq=best)
-    est = estimate_model(spec, settings, device, w.parallel, w.finetune)
+    unit, target, as_json = w.unit, w.gpu, options["as_json"]
+    est, extra = estimate_searched(w.spec, w.settings, w.device, target, w.parallel, w.finetune, max_batch, max_seq)
     nothing_fits = any(extra.get(key) == 0 for key in ("max_batch", "max_seq"))
     if plot:
         from .plots import plot_estimate
@@ -773,18 +742,13 @@ def models(as_json: bool) -> None:
     \b
     Example: trainmem models
     """
-    from .catalog import catalog_names, catalog_spec
-    from .report import render_models
+    from .report import models_document, render_models
 
-    rows = []
-    for name in catalog_names():
-        spec = catalog_spec(name)
-        rows.append((name, spec.source, spec.model_type, spec.num_parameters, spec.num_active_parameters))
+    document = models_document()
     if as_json:
-        keys = ("name", "hub_id", "model_type", "parameters", "active_parameters")
-        _emit_json({**_header("models"), "models": [dict(zip(keys, r)) for r in rows]})
+        _emit_json(document)
     else:
-        render_models(rows, _console())
+        render_models([tuple(m.values()) for m in document["models"]], _console())
 
 
 @app.command()
@@ -796,17 +760,33 @@ def recipes(optimizer: Optional[str], as_json: bool) -> None:
     \b
     Example: trainmem recipes --optimizer adamw
     """
-    from .recipes_table import recipes_rows, render_recipes
+    from .recipes_table import recipes_document, render_recipes
 
-    rows = recipes_rows(optimizer)
+    document = recipes_document(optimizer)
     if as_json:
-        _emit_json({**_header("recipes"), "recipes": rows})
+        _emit_json(document)
     else:
-        render_recipes(rows, _console())
+        render_recipes(document["recipes"], _console())
+
+
+@app.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Port to listen on.")
+def serve(host: str, port: int) -> None:
+    """Serve the web calculator and its API (/docs) on HOST:PORT until interrupted (needs the web extra).
+
+    \b
+    Example: trainmem serve              # then open http://127.0.0.1:8000
+    """
+    from .web import serve as run
+
+    _console().print(f"trainmem: http://{host}:{port} (API documentation: /docs); Ctrl-C stops")
+    run(host, port)
 
 
 OPTIONAL_PACKAGES = {"torch": "trace", "transformers": "trace", "safetensors": "trace", "matplotlib": "plot",
-                     "huggingface_hub": "hub", "peft": "finetune", "bitsandbytes": "finetune"}
+                     "huggingface_hub": "hub", "peft": "finetune", "bitsandbytes": "finetune",
+                     "fastapi": "web", "uvicorn": "web", "pydantic": "web"}
 """Packages the optional commands import, and the extra that installs each."""
 
 

@@ -48,6 +48,37 @@ def max_batch(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: De
     return _largest(lambda b: evaluate(step, b, settings.seq).peak.fits(gpu))
 
 
+def estimate_searched(model: ModelSpec, settings: TrainingSettings, device: DeviceOptions, gpu: GPU | None,
+                      parallel: Parallel | None = None, finetune=None, find_batch: bool = False,
+                      find_seq: bool = False) -> tuple[Estimate, dict]:
+    """What ``trainmem estimate`` answers (and the web page's /api/estimate): the estimate, after --max-batch and
+    --max-seq have replaced the batch or the sequence by the largest that fits ``gpu``, and those answers
+    (``max_batch``, ``max_seq``, ``max_seq_is_position_limit``; 0 when nothing fits)."""
+    from dataclasses import replace
+
+    from .estimate import estimate_model
+
+    extra: dict = {}
+    if find_batch or find_seq:
+        if gpu is None:
+            raise ConfigError("--max-batch and --max-seq need --gpu NAME")
+        if finetune is not None and estimate_model(model, settings, device, parallel, finetune).peak is None:
+            raise ConfigError("--max-batch and --max-seq need the step's activations, which trainmem does not model "
+                              "for this LoRA set-up yet (estimate without them says why)")
+        if find_batch:
+            best = max_batch(model, settings, gpu, device, parallel, finetune)
+            extra["max_batch"] = best
+            if best:
+                settings = replace(settings, batch=best)
+        if find_seq:
+            best = max_seq(model, settings, gpu, device, parallel, finetune)
+            extra["max_seq"] = best
+            extra["max_seq_is_position_limit"] = bool(best) and best == seq_limit(model)
+            if best:
+                settings = replace(settings, seq=best)
+    return estimate_model(model, settings, device, parallel, finetune), extra
+
+
 def seq_limit(model: ModelSpec) -> int:
     """The longest sequence worth searching: the model's position limit, unless RoPE scaling extends it."""
     return model.position_limit or MAX_SEARCH

@@ -57,3 +57,10 @@ def render_recipes(rows: list[dict[str, Any]], console) -> None:
         )
         previous = r["recipe"]
     console.print(table)
+
+
+def recipes_document(optimizer: str | None = None) -> dict:
+    """``trainmem recipes --json`` (and GET /api/recipes): every recipe x optimizer's bytes per parameter."""
+    from .report import header
+
+    return {**header("recipes"), "recipes": recipes_rows(optimizer)}

@@ -6,6 +6,8 @@ whatever unit the table uses.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 from . import __version__
@@ -87,6 +89,36 @@ def _activations_dict(est: Estimate) -> dict[str, Any] | None:
         ],
     })
     return out
+
+
+def models_document() -> dict[str, Any]:
+    """The built-in catalog with exact parameter counts (``trainmem models --json``, GET /api/models)."""
+    from .catalog import catalog_names, catalog_spec
+
+    models = []
+    for name in catalog_names():
+        spec = catalog_spec(name)
+        models.append({"name": name, "hub_id": spec.source, "model_type": spec.model_type,
+                       "parameters": spec.num_parameters, "active_parameters": spec.num_active_parameters})
+    return {**header("models"), "models": models}
+
+
+def gpus_document() -> dict[str, Any]:
+    """The GPU table (GET /api/gpus): each GPU's name and the memory its driver reports."""
+    return {**header("gpus"), "gpus": [{"name": g.name, "memory_bytes": g.memory_bytes, "bf16": g.bf16,
+                                        "spec_sheet": g.spec_sheet}
+                                       for g in GPUS.values()]}
+
+
+def json_safe(value):
+    """JSON has no NaN or infinity: such floats are written as the strings "NaN", "Infinity", "-Infinity"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
