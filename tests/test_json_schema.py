@@ -44,6 +44,8 @@ FAST = [
     ("estimate", "llama-3.2-1b", "--recipe", "pure-bf16", "--checkpointing", "full", "--offload-activations",
      "--loss", "chunked-output", "--compile"),
     ("sweep", "llama-2-7b", "--gpus", "1,8", "--zero", "1,3", "--batch", "1", "--seq", "512"),
+    ("plan", "llama-3-8b", "--gpu", "H100-80GB", "--gpus", "16", "--global-batch", "64", "--top", "2"),
+    ("plan", "llama-3.1-405b", "--gpu", "H100-80GB", "--seq", "4096", "--min-gpus", "--top", "1"),
     ("models",),
     ("recipes",),
     ("dtypes",),

@@ -46,6 +46,31 @@ def test_api_estimate_is_the_cli_document(client, run_cli, body, flags):
     assert response.json() == json.loads(out)
 
 
+@pytest.mark.parametrize("body, flags", [
+    ({"model": "llama-3-70b", "gpu": "H100-80GB", "gpus": 8, "seq": 4096, "top": 3},
+     ["llama-3-70b", "--gpu", "H100-80GB", "--gpus", "8", "--seq", "4096", "--top", "3"]),
+    ({"model": "llama-3-8b", "gpu": "A100-80GB", "nodes": 2, "global_batch": 64, "recipe": "pure-bf16", "mfu": 0.5},
+     ["llama-3-8b", "--gpu", "A100-80GB", "--nodes", "2", "--global-batch", "64", "--recipe", "pure-bf16",
+      "--mfu", "0.5"]),
+])
+def test_api_plan_is_the_cli_document(client, run_cli, body, flags):
+    response = client.post("/api/plan", json=body)
+    code, out, err = run_cli("plan", *flags, "--json")
+    assert response.status_code == 200 and code == 0, (response.text, err)
+    api, cli = response.json(), json.loads(out)
+    assert api["search"].pop("seconds") >= 0 and cli["search"].pop("seconds") >= 0  # (the one measured figure)
+    assert api == cli
+
+
+def test_plan_input_errors_name_the_field(client):
+    for body, field in (({"model": "llama-3-8b"}, "gpu"), ({"model": "llama-3-8b", "gpu": "A10G"}, "gpu"),
+                        ({"model": "llama-3-8b", "gpu": "H100-80GB", "gpus": 8, "global_batch": 12}, None)):
+        response = client.post("/api/plan", json=body)
+        assert response.status_code == 422
+        loc = response.json()["detail"][0]["loc"]
+        assert field is None or loc[-1] == field, loc
+
+
 def test_an_uploaded_config_is_estimated_as_the_cli_estimates_its_file(client, run_cli, tmp_path):
     config = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
               "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000,
@@ -105,7 +130,7 @@ def test_the_page_and_the_api_documentation_are_served(client):
     assert page.status_code == 200 and "trainmem" in page.text
     assert "http://" not in page.text.replace("http://127.0.0.1", "") and "https://" not in page.text  # no CDN
     paths = client.get("/openapi.json").json()["paths"]
-    assert set(paths) == {"/api/models", "/api/gpus", "/api/recipes", "/api/estimate"}
+    assert set(paths) == {"/api/models", "/api/gpus", "/api/recipes", "/api/estimate", "/api/plan"}
     assert client.get("/docs").status_code == 200
 
 

@@ -770,6 +770,66 @@ def recipes(optimizer: Optional[str], as_json: bool) -> None:
 
 
 @app.command()
+@click.argument("model")
+@click.option("--gpu", required=True, help="GPU type (trainmem estimate --help lists them).")
+@click.option("--gpus", type=int, default=None, help="How many GPUs (default: --nodes x --gpus-per-node, or 8).")
+@click.option("--nodes", type=int, default=None, help="Nodes; with --gpus-per-node gives --gpus.")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True, help="GPUs per node.")
+@click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
+@click.option("--global-batch", type=int, default=None, help="Sequences per optimizer step (default: one per GPU).")
+@click.option("--recipe", default=None, help="Search only this recipe (default: the bf16 recipes).")
+@click.option("--checkpointing", default=None, help="Search only none or full (default: both).")
+@click.option("--mfu", type=float, default=None, help="Fraction of peak FLOPS the time model assumes (default 0.4).")
+@click.option("--inter-node-gbps", type=float, default=None, help="Node-to-node GB/s per GPU (default 50).")
+@click.option("--host-memory-gib", type=float, default=None, help="Host memory per node for offload (default 2048).")
+@click.option("--min-gpus", is_flag=True, help="Answer the fewest GPUs of this type that can train the model at all.")
+@click.option("--top", type=click.IntRange(1, 1000), default=10, show_default=True, help="Layouts to show.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write the best layout's ds_config.json, "
+              "accelerate.yaml, torchtitan.toml (FSDP2) and launch.sh into this folder.")
+@click.option("--units", default=DEFAULT_UNIT, show_default=True, help="GiB, GB, MiB, ...")
+@click.option("--hub", is_flag=True, help="Allow fetching a config from the Hugging Face Hub.")
+@click.option("--json", "as_json", is_flag=True, help="Print the versioned JSON document (bytes as integers).")
+def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, checkpointing, mfu, inter_node_gbps,
+         host_memory_gib, min_gpus, top, out_dir, units, hub, as_json) -> None:
+    """Search data-parallel layouts of MODEL on GPU (engine, recipe, checkpointing, offload, micro-batch) and rank
+    the ones that fit by a stated time model. Tensor/pipeline/context/expert parallelism are not searched yet.
+
+    \b
+    Example: trainmem plan llama-3-70b --gpu H100-80GB --gpus 8 --seq 4096 --global-batch 64
+             trainmem plan llama-3-8b --gpu A100-80GB --nodes 2 --global-batch 256 --out plan/
+             trainmem plan llama-3.1-405b --gpu H100-80GB --seq 4096 --min-gpus
+    """
+    from .plan import run_plan
+    from .report import plan_document, render_plan
+
+    unit = parse_unit(units)
+    if min_gpus and out_dir:
+        raise ConfigError("--min-gpus answers a GPU count (one sequence per GPU): it takes no --global-batch or --out")
+    options = {key: value for key, value in (("mfu", mfu), ("inter_node_gbps", inter_node_gbps),
+                                             ("host_memory_gib", host_memory_gib)) if value is not None}
+    found, answer = run_plan(model, gpu, gpus, seq, global_batch, gpus_per_node, nodes, recipe, checkpointing,
+                             min_gpus, hub, **options)
+    if out_dir:
+        if not found.plans:
+            raise ConfigError("nothing fits, so --out has no layout to write")
+        from .engine_configs import write_configs
+
+        written = write_configs(found.plans[0].layout, seq, found.plans[0].estimate.model.name, out_dir)
+    if as_json:
+        _emit_json(plan_document(found, top, answer))
+    else:
+        console = _console()
+        if answer is not None:
+            console.print(f"[bold]the fewest {found.gpu.name} that train {model} at {seq:,} tokens: "
+                          f"{answer:,}[/bold] (data parallel; the layouts below)")
+        render_plan(found, top, unit, console, answer)
+        if out_dir:
+            console.print("wrote " + ", ".join(str(p) for p in written))
+    if not found.plans:
+        raise click.exceptions.Exit(1)
+
+
+@app.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Port to listen on.")
 def serve(host: str, port: int) -> None:

@@ -422,3 +422,87 @@ def render_trace(est: Estimate, phases, seconds: float, unit: str, console, host
         console.print(f"activations offloaded to host memory: traced {format_bytes(host_bytes, unit)}, estimate "
                       f"{format_bytes(acts.host_bytes, unit)}{error}")
     render_warnings(est, console)
+
+
+def plan_document(found, top: int, min_gpus: int | None = None) -> dict[str, Any]:
+    """``trainmem plan --json`` (and POST /api/plan): the search, and its ``top`` fastest fitting layouts, each
+    with its time and the estimate document of that layout (the same figures ``trainmem estimate --json`` gives)."""
+    from .hardware import THROUGHPUT
+    from .plan import TIME_MODEL
+
+    tp = THROUGHPUT[found.gpu.name]
+    doc: dict[str, Any] = {
+        **header("plan"),
+        "model": model_dict(found.plans[0].estimate.model) if found.plans else None,
+        "gpu": {"name": found.gpu.name, "memory_bytes": found.gpu.memory_bytes, "dense_tflops": tp.dense_tflops,
+                "link_gbps": tp.link_gbps, "host_gbps": tp.host_gbps, "source": tp.source},
+        "search": {"gpus": found.gpus, "seq": found.seq, "global_batch": found.global_batch,
+                   "candidates": found.candidates, "evaluated": found.evaluated, "fitting": found.fitting,
+                   "seconds": round(found.seconds, 4), "mfu": found.mfu, "inter_node_gbps": found.inter_node_gbps,
+                   "host_memory_bytes_per_node": found.host_memory_bytes, "time_model": TIME_MODEL,
+                   "not_searched": list(found.skipped)},
+        "plans": [{"layout": p.layout.as_dict(), "time": p.time.as_dict(), "host_bytes_per_node": p.host_bytes_per_node,
+                   "estimate": json_safe(to_dict(p.estimate, found.gpu))} for p in found.plans[:top]],
+    }
+    if min_gpus is not None:
+        doc["min_gpus"] = min_gpus
+    return doc
+
+
+def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None) -> None:
+    from rich.table import Table
+
+    if not found.plans:
+        console.print(f"[bold red]no data-parallel layout of {found.gpus} x {found.gpu.name} fits[/bold red] "
+                      f"(searched {found.candidates:,} layouts; try more GPUs, --min-gpus, or a shorter --seq)")
+        return
+    model = found.plans[0].estimate.model
+    table = Table(title=f"{model.name}: {found.gpus} x {found.gpu.name}, {found.global_batch} sequences of "
+                        f"{found.seq:,} tokens a step: the fastest layouts that fit ({unit} per GPU)",
+                  caption=f"{found.candidates:,} layouts searched ({found.evaluated:,} evaluated) in "
+                          f"{found.seconds:.2f} s; {found.fitting:,} fit. Time: {found.mfu:.0%} of peak FLOPS, "
+                          "communication overlapped, offload not (docs/method.md): it ranks, it does not promise "
+                          "seconds.")
+    for col in ("#", "engine", "recipe", "ckpt", "offload", "micro x accum", "needed", "host/node", "step (s)",
+                "tokens/s/GPU", "comm/compute"):
+        table.add_column(col, justify="right" if col not in ("engine", "recipe", "ckpt", "offload") else "left")
+    for i, p in enumerate(found.plans[:top], 1):
+        L, t = p.layout, p.time
+        table.add_row(str(i), L.engine, L.recipe, L.checkpointing, L.offload, f"{L.micro_batch} x {L.grad_accum}",
+                      format_bytes(p.estimate.peak.required_bytes, unit), format_bytes(p.host_bytes_per_node, unit, 0),
+                      f"{t.seconds:.2f}", f"{t.as_dict()['tokens_per_second_per_gpu']:,.0f}",
+                      f"{t.communication_seconds / t.compute_seconds:.2f}")
+    console.print(table)
+    for line in plan_reasons(found):
+        console.print(line)
+
+
+def plan_reasons(found) -> list[str]:
+    """Why the best layouts win, in words: what bounds the best step, and what the runners-up pay."""
+    best = found.plans[0]
+    L, t = best.layout, best.time
+    bound = "compute" if t.compute_seconds >= t.communication_seconds else "communication"
+    lines = [f"best: {L.engine}, {L.recipe}, checkpointing {L.checkpointing}, offload {L.offload}, micro-batch "
+             f"{L.micro_batch} x {L.grad_accum}: {bound}-bound ({t.compute_seconds:.2f} s compute, "
+             f"{t.communication_seconds:.2f} s communication, {t.offload_seconds:.2f} s offload a step)"]
+    same = [p.layout for p in found.plans if (p.layout.engine, p.layout.recipe) == (L.engine, L.recipe)]
+    if L.checkpointing == "full" and not any(x.checkpointing == "none" and x.offload == L.offload for x in same):
+        lines.append(f"  full checkpointing: without it no {L.engine} layout with this recipe and offload fits "
+                     "(it costs a third more compute)")
+    if L.offload != "none" and not any(x.offload == "none" for x in same):
+        lines.append(f"  offload {L.offload}: no {L.engine} layout with this recipe fits without it")
+    for p in found.plans[1:3]:
+        slower = p.time.seconds / t.seconds - 1
+        what = []
+        if p.time.offload_seconds > t.offload_seconds:
+            what.append("more offload traffic")
+        if p.time.communication_seconds > t.communication_seconds and p.time.communication_seconds > \
+                p.time.compute_seconds:
+            what.append("communication-bound")
+        if p.layout.checkpointing == "full" and L.checkpointing == "none":
+            what.append("recomputes the forward")
+        if not what and p.layout.micro_batch < L.micro_batch:
+            what.append("smaller micro-batch")
+        lines.append(f"  then {p.layout.engine} {p.layout.recipe} ({p.layout.checkpointing}, {p.layout.offload}): "
+                     f"{slower:+.1%}" + (f", {', '.join(what)}" if what else ", equal time; more memory needed"))
+    return lines

@@ -1,12 +1,13 @@
 """``trainmem serve``: a local web calculator over the estimator (FastAPI; extra ``web``).
 
 The page (static/index.html: plain HTML, CSS and JavaScript, charts drawn as SVG, nothing fetched from elsewhere)
-is a view of five endpoints, documented on FastAPI's /docs page:
+is a view of these endpoints, documented on FastAPI's /docs page:
 
 - ``GET /api/models``, ``GET /api/gpus``, ``GET /api/recipes``: the catalog, the GPU table and the recipes
   (report.models_document, gpus_document, recipes_table.recipes_document);
 - ``POST /api/estimate``: the document ``trainmem estimate --json`` prints for the same inputs, built by the same
   functions (planner.estimate_searched, report.to_dict);
+- ``POST /api/plan``: the document ``trainmem plan --json`` prints (plan.run_plan, report.plan_document);
 - ``GET /``: the page.
 
 What a request may name is closed: a catalog model or an uploaded config.json sent as JSON in the body (at most
@@ -62,38 +63,77 @@ class EstimateInput(BaseModel):
     max_batch: bool = Field(False, description="Replace batch by the largest that fits gpu.")
 
 
+class PlanInput(BaseModel):
+    """`trainmem plan`'s flags (the defaults are the CLI's)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, description="A catalog model (GET /api/models).")
+    config: dict[str, Any] | None = Field(None, description="An uploaded config.json, instead of model.")
+    gpu: str = Field(..., description="A GPU name (GET /api/gpus) with data-sheet throughput.")
+    gpus: int | None = Field(None, ge=1, le=1 << 20)
+    nodes: int | None = Field(None, ge=1, le=1 << 16)
+    gpus_per_node: int = Field(8, ge=1, le=64)
+    seq: int = Field(2048, ge=1, le=1 << 24)
+    global_batch: int | None = Field(None, ge=1, le=1 << 24)
+    recipe: str | None = None
+    checkpointing: str | None = None
+    mfu: float | None = Field(None, gt=0, le=1)
+    inter_node_gbps: float | None = Field(None, gt=0)
+    host_memory_gib: float | None = Field(None, ge=0)
+    min_gpus: bool = False
+    top: int = Field(10, ge=1, le=1000)
+
+
 SETTINGS_FIELDS = ("recipe", "optimizer", "batch", "seq", "grad_accum", "attention", "checkpointing", "loss")
 REQUEST_FIELDS = ("gpus", "zero", "fsdp", "offload", "lora", "lora_alpha", "lora_targets", "dora", "qlora",
                   "base_quant", "gpu", "headroom")
 
 
-def estimate_document(body) -> dict:
-    """The `trainmem estimate --json` document for one request body (EstimateInput)."""
+def _model_of(body):
+    """A catalog name, or the uploaded config as a ModelSpec: never a path or a Hub id."""
     from .catalog import catalog_names
     from .models import spec_from_config
-    from .planner import estimate_searched
-    from .report import json_safe, to_dict
-    from .request import make_request
 
     if (body.model is None) == (body.config is None):
         raise _FieldError("model", "give a catalog model or an uploaded config, one of them")
     if body.config is not None:
         try:
-            model = spec_from_config(body.config, name="uploaded config", source="upload")
+            return spec_from_config(body.config, name="uploaded config", source="upload")
         except TrainmemError as exc:
             raise _FieldError("config", str(exc)) from None
         except (TypeError, ValueError, KeyError, AttributeError) as exc:  # JSON, but not a config's shapes
             raise _FieldError("config", f"not a usable model config ({type(exc).__name__}: {exc})") from None
-    elif body.model not in catalog_names():
+    if body.model not in catalog_names():
         raise _FieldError("model", f"unknown model {body.model!r}; accepted: the catalog (GET /api/models) or an "
                           "uploaded config")
-    else:
-        model = body.model
+    return body.model
+
+
+def estimate_document(body) -> dict:
+    """The `trainmem estimate --json` document for one request body (EstimateInput)."""
+    from .planner import estimate_searched
+    from .report import json_safe, to_dict
+    from .request import make_request
+
+    model = _model_of(body)
     options = {name: getattr(body, name) for name in SETTINGS_FIELDS + REQUEST_FIELDS}
     req = make_request(model, **options)
     est, extra = estimate_searched(req.model, req.settings, req.device, req.gpu, req.parallel, req.finetune,
                                    find_batch=body.max_batch)
     return json_safe(to_dict(est, req.gpu, extra))
+
+
+def plan_document_for(body: PlanInput) -> dict:
+    """The `trainmem plan --json` document for one request body (plan.run_plan, report.plan_document)."""
+    from .plan import run_plan
+    from .report import json_safe, plan_document
+
+    model = _model_of(body)
+    options = {k: getattr(body, k) for k in ("mfu", "inter_node_gbps", "host_memory_gib")
+               if getattr(body, k) is not None}
+    found, answer = run_plan(model, body.gpu, body.gpus, body.seq, body.global_batch, body.gpus_per_node, body.nodes,
+                             body.recipe, body.checkpointing, body.min_gpus, **options)
+    return json_safe(plan_document(found, body.top, answer))
 
 
 class _FieldError(ConfigError):
@@ -163,12 +203,17 @@ def create_app():
     def estimate(body: EstimateInput) -> JSONResponse:
         return JSONResponse(estimate_document(body))
 
+    @app.post("/api/plan", summary="The document `trainmem plan --json` prints for these inputs.")
+    def plan(body: PlanInput) -> JSONResponse:
+        return JSONResponse(plan_document_for(body))
+
     return app
 
 
 def _too_large():
     return JSONResponse(status_code=413, content={"detail": [
-        {"loc": ["body"], "msg": f"the request body is larger than {MAX_BODY_BYTES // 1024} KiB", "type": "too_large"}]})
+        {"loc": ["body"], "msg": f"the request body is larger than {MAX_BODY_BYTES // 1024} KiB",
+         "type": "too_large"}]})
 
 
 def _version() -> str:

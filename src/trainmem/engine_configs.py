@@ -1,0 +1,152 @@
+"""A planned layout written as the files the engines read: a DeepSpeed JSON, an accelerate config YAML (DeepSpeed or
+FSDP2), a torchtitan TOML where the layout is expressible there (FSDP2 without offload), and a launch script.
+
+Key names follow each engine's own parser: DeepSpeed's config keys (deepspeed/runtime/config.py and
+runtime/zero/config.py: ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
+``zero_optimization.stage``, ``offload_optimizer.device``), accelerate's ``ClusterConfig`` (accelerate/commands/
+config/config_args.py: ``distributed_type``, ``fsdp_config`` with ``fsdp_version: 2``, ``deepspeed_config`` with
+``deepspeed_config_file``), torchtitan's JobConfig sections (torchtitan/config/job_config.py: ``[training]
+local_batch_size``, ``seq_len``, ``[parallelism] data_parallel_shard_degree``, ``[activation_checkpoint] mode``).
+All files are written to a fresh temporary folder and moved into DIR only when every one is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import ConfigError
+from .plan import Layout
+
+MIXED_PRECISION = {"mixed-bf16": "bf16", "pure-bf16": "bf16", "pure-bf16-bf16states": "bf16", "amp-bf16": "bf16",
+                   "mixed-fp16": "fp16", "amp-fp16": "fp16", "mixed-bf16-fp32grads": "bf16", "fp32": "no"}
+
+
+def deepspeed_config(layout: Layout) -> dict:
+    """DeepSpeed's JSON for a DDP (stage 0) or ZeRO layout."""
+    stage = layout.zero or 0
+    zero: dict = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    if layout.offload in ("optimizer", "optimizer+params"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if layout.offload == "optimizer+params":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    precision = MIXED_PRECISION.get(layout.recipe, "bf16")
+    return {
+        "train_batch_size": layout.micro_batch * layout.grad_accum * layout.gpus,
+        "train_micro_batch_size_per_gpu": layout.micro_batch,
+        "gradient_accumulation_steps": layout.grad_accum,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "zero_optimization": zero,
+        "gradient_clipping": 1.0,
+        "wall_clock_breakdown": False,
+    }
+
+
+def accelerate_config(layout: Layout) -> dict:
+    nodes = -(-layout.gpus // layout.gpus_per_node)
+    config = {"compute_environment": "LOCAL_MACHINE", "machine_rank": 0, "main_training_function": "main",
+              "mixed_precision": MIXED_PRECISION.get(layout.recipe, "bf16"), "num_machines": nodes,
+              "num_processes": layout.gpus, "rdzv_backend": "static", "same_network": True, "use_cpu": False,
+              "debug": False, "downcast_bf16": "no", "tpu_env": [], "tpu_use_cluster": False,
+              "tpu_use_sudo": False}
+    if layout.fsdp:
+        config["distributed_type"] = "FSDP"
+        config["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": layout.fsdp in ("full", "hybrid"),
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_offload_params": layout.offload == "optimizer+params",
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_activation_checkpointing": layout.checkpointing == "full",
+        }
+    elif layout.gpus > 1:
+        config["distributed_type"] = "DEEPSPEED"
+        config["deepspeed_config"] = {"deepspeed_config_file": "ds_config.json", "zero3_init_flag": layout.zero == 3}
+    else:
+        config["distributed_type"] = "NO"
+    return config
+
+
+def torchtitan_toml(layout: Layout, seq: int, model_name: str) -> str | None:
+    """torchtitan's job config for an FSDP2 layout without offload (torchtitan shards with FSDP2 and has no
+    DeepSpeed engine); None where the layout is not expressible there."""
+    if not layout.fsdp or layout.offload != "none":
+        return None
+    shard = layout.gpus_per_node if layout.fsdp == "hybrid" else layout.gpus
+    replicate = layout.gpus // shard
+    return "\n".join([
+        f"# trainmem plan: {model_name}, {layout.engine}, {layout.recipe}, checkpointing {layout.checkpointing}",
+        "[training]",
+        f"local_batch_size = {layout.micro_batch}",
+        f"global_batch_size = {layout.micro_batch * layout.grad_accum * layout.gpus}",
+        f"seq_len = {seq}",
+        f'mixed_precision_param = "{"bfloat16" if "bf16" in layout.recipe else "float32"}"',
+        "",
+        "[parallelism]",
+        f"data_parallel_shard_degree = {shard}",
+        f"data_parallel_replicate_degree = {replicate}",
+        f'fsdp_reshard_after_forward = "{"always" if layout.fsdp in ("full", "hybrid") else "never"}"',
+        "tensor_parallel_degree = 1",
+        "pipeline_parallel_degree = 1",
+        "context_parallel_degree = 1",
+        "",
+        "[activation_checkpoint]",
+        f'mode = "{"full" if layout.checkpointing == "full" else "none"}"',
+        "",
+    ])
+
+
+def launch_script(layout: Layout) -> str:
+    nodes = -(-layout.gpus // layout.gpus_per_node)
+    return "\n".join([
+        "#!/usr/bin/env bash",
+        f"# trainmem plan: {layout.gpus} GPUs ({nodes} node{'s' if nodes > 1 else ''} of {layout.gpus_per_node}), "
+        f"{layout.engine}, micro-batch {layout.micro_batch} x {layout.grad_accum} accumulation steps.",
+        "# Run on every node with NODE_RANK and MASTER_ADDR set; TRAIN_SCRIPT is your training script.",
+        "set -euo pipefail",
+        'TRAIN_SCRIPT="${TRAIN_SCRIPT:-train.py}"',
+        f"accelerate launch --config_file accelerate.yaml --num_machines {nodes} --num_processes {layout.gpus} \\",
+        '    --machine_rank "${NODE_RANK:-0}" --main_process_ip "${MASTER_ADDR:-127.0.0.1}" '
+        '--main_process_port "${MASTER_PORT:-29500}" \\',
+        '    "$TRAIN_SCRIPT" "$@"',
+        "# or, without accelerate:",
+        f"# torchrun --nnodes {nodes} --nproc-per-node {layout.gpus_per_node} --node-rank \"$NODE_RANK\" "
+        '--rdzv-endpoint "$MASTER_ADDR:29500" "$TRAIN_SCRIPT"',
+        "",
+    ])
+
+
+def write_configs(layout: Layout, seq: int, model_name: str, out: str | os.PathLike) -> list[Path]:
+    """Write the layout's files into ``out`` (created if missing); returns their paths."""
+    import yaml
+
+    target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file; give a folder")
+    if not target.parent.is_dir():
+        raise ConfigError(f"--out: the folder {str(target.parent)!r} does not exist")
+    files: dict[str, str] = {"accelerate.yaml": yaml.safe_dump(accelerate_config(layout), sort_keys=False),
+                             "launch.sh": launch_script(layout)}
+    if not layout.fsdp and layout.gpus > 1:
+        files["ds_config.json"] = json.dumps(deepspeed_config(layout), indent=2) + "\n"
+    titan = torchtitan_toml(layout, seq, model_name)
+    if titan is not None:
+        files["torchtitan.toml"] = titan
+    target.mkdir(exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".trainmem-plan-", dir=target))
+    try:
+        for name, text in files.items():
+            (staging / name).write_text(text, encoding="utf-8")
+        (staging / "launch.sh").chmod(0o755)
+        written = []
+        for name in files:
+            os.replace(staging / name, target / name)
+            written.append(target / name)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,326 @@
+"""``trainmem plan``: the data-parallel layouts that fit a GPU, ranked by a stated time model.
+
+The search: recipe x engine (DDP, ZeRO 1-3, FSDP2 full / grad-op / hybrid) x activation checkpointing (none, full) x
+offload x micro-batch, for a global batch of sequences split evenly over the GPUs (micro-batch x accumulation =
+global batch / GPUs). Each layout's memory is the estimator's (stepmodel.py: compiled once per recipe, engine,
+checkpointing and offload, then evaluated per micro-batch in microseconds); memory grows with the micro-batch, so
+the largest that fits is found by bisection over the divisors and the larger ones are counted as searched without
+being evaluated. Tensor, pipeline, context and expert parallelism are not searched yet (issue 13): every layout
+here is data parallel.
+
+The time model ranks; it does not promise seconds (docs/method.md, "The plan's time model"):
+
+- compute: model FLOPs per token 6 N (forward and backward; N the active parameters) plus causal attention's
+  q.k and p.v over the keys each query sees (6 L a (d_qk + d_v) s / 2), plus the forward again under full
+  checkpointing (Narayanan et al. 2021, "Efficient large-scale language model training"; Korthikanti et al. 2022),
+  at ``mfu`` (default 0.4) of the GPU's peak dense bf16 FLOPS (hardware.THROUGHPUT);
+- communication, per GPU, ring collectives moving (n - 1) / n of the bytes: DDP and ZeRO-1 all-reduce the gradients
+  once a step (2 x); ZeRO-2 and FSDP2 grad-op reduce-scatter them every micro-batch and all-gather the updated
+  parameters once; ZeRO-3 and FSDP2 full all-gather the parameters in forward and in backward and reduce-scatter the
+  gradients, every micro-batch (3 x); FSDP2 hybrid does that inside a node and all-reduces the gradients across
+  nodes. Inside a node at the GPU's link bandwidth, across nodes at ``inter_node_gbps`` per GPU;
+- communication overlaps compute entirely (a lower bound: time = max(compute, communication)); offloaded states
+  cross the GPU's host link (gradients down and parameters up every step; offloaded parameters every micro-batch
+  in forward and backward), which is added, not overlapped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+from .estimate import DeviceOptions, Estimate
+from .hardware import (DEFAULT_HOST_MEMORY_GIB, DEFAULT_INTER_NODE_GBPS, GPU, THROUGHPUT, Throughput)
+from .models import ModelSpec
+from .recipes import get_recipe
+from .settings import make_settings
+from .sharding import Parallel
+from .stepmodel import compile_step, evaluate
+
+TIME_MODEL = ("step = max(compute, communication) + offload; compute = model FLOPs (6N + causal attention, + the "
+              "forward again under full checkpointing) at mfu x peak dense bf16 FLOPS; communication = ring "
+              "collectives of the engine over the node's link or the inter-node bandwidth; offload = PCIe traffic "
+              "of offloaded states")
+"""The time model in one line, for the JSON document (the module docstring and docs/method.md in full)."""
+
+PLAN_RECIPES = ("mixed-bf16", "pure-bf16", "amp-bf16", "pure-bf16-bf16states")
+"""Searched unless --recipe names one: the bf16 recipes (fp32 and fp16 ones change the numerics, not just memory)."""
+DEFAULT_MFU = 0.4
+"""Fraction of peak FLOPS the model's matmuls reach: 0.4 is typical of well-tuned dense training at scale (Chowdhery
+et al. 2022 report 46% for PaLM 540B; Megatron-LM reports 41-48% on A100/H100)."""
+MAX_MIN_GPUS = 1 << 16
+NOT_SEARCHED = ("tensor, sequence, pipeline, context and expert parallelism (not modelled yet)",
+                "selective activation checkpointing (trainmem models none and full)")
+
+
+@dataclass(frozen=True)
+class Layout:
+    recipe: str
+    engine: str
+    """DDP, ZeRO-1..3, FSDP2 full, FSDP2 grad-op, FSDP2 hybrid, or one GPU."""
+    zero: int | None
+    fsdp: str | None
+    offload: str
+    checkpointing: str
+    micro_batch: int
+    grad_accum: int
+    gpus: int
+    gpus_per_node: int
+
+    @property
+    def parallel(self) -> Parallel:
+        return Parallel(gpus=self.gpus, gpus_per_node=self.gpus_per_node, zero=self.zero, fsdp=self.fsdp,
+                        offload=self.offload)
+
+    def as_dict(self) -> dict:
+        return {"recipe": self.recipe, "engine": self.engine, "zero": self.zero, "fsdp": self.fsdp,
+                "offload": self.offload, "checkpointing": self.checkpointing, "micro_batch": self.micro_batch,
+                "grad_accum": self.grad_accum, "gpus": self.gpus, "gpus_per_node": self.gpus_per_node,
+                "nodes": math.ceil(self.gpus / self.gpus_per_node), "data_parallel": self.gpus,
+                "tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1, "expert_parallel": 1}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_seconds: float
+    communication_seconds: float
+    offload_seconds: float
+    tokens_per_gpu: int
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_seconds, self.communication_seconds) + self.offload_seconds
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "compute_seconds": self.compute_seconds,
+                "communication_seconds": self.communication_seconds, "offload_seconds": self.offload_seconds,
+                "tokens_per_second_per_gpu": self.tokens_per_gpu / self.seconds if self.seconds else None}
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    estimate: Estimate
+    time: StepTime
+    host_bytes_per_node: int
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    plans: tuple[Plan, ...]
+    """Every fitting layout, fastest first."""
+    candidates: int
+    evaluated: int
+    fitting: int
+    seconds: float
+    gpu: GPU
+    gpus: int
+    seq: int
+    global_batch: int
+    mfu: float
+    inter_node_gbps: float
+    host_memory_bytes: int
+    skipped: tuple[str, ...] = field(default=())
+    """Engines left out of this search, and why."""
+
+
+def _engines(gpus: int, gpus_per_node: int):
+    """(label, zero, fsdp, offloads) of every data-parallel engine for ``gpus`` GPUs."""
+    if gpus == 1:
+        return [("one GPU", None, None, ("none",))]
+    engines = [("DDP", None, None, ("none",)), ("ZeRO-1", 1, None, ("none", "optimizer")),
+               ("ZeRO-2", 2, None, ("none", "optimizer")), ("ZeRO-3", 3, None, ("none", "optimizer",
+                                                                                  "optimizer+params")),
+               ("FSDP2 full", None, "full", ("none", "optimizer+params")),
+               ("FSDP2 grad-op", None, "grad-op", ("none",))]
+    if gpus > gpus_per_node and gpus % gpus_per_node == 0:
+        engines.append(("FSDP2 hybrid", None, "hybrid", ("none",)))
+    return engines
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def throughput_of(gpu: GPU) -> Throughput:
+    try:
+        return THROUGHPUT[gpu.name]
+    except KeyError:
+        raise ConfigError(f"--gpu {gpu.name}: trainmem plan needs its peak FLOPS and link bandwidths, which its data "
+                          f"sheet does not give; accepted: {', '.join(THROUGHPUT)}") from None
+
+
+def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = DEFAULT_MFU,
+              inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS) -> StepTime:
+    """The time model of one optimizer step on one GPU (module docstring)."""
+    tp = throughput_of(gpu)
+    recipe = get_recipe(layout.recipe)
+    sequences = layout.micro_batch * layout.grad_accum
+    tokens = sequences * seq
+    n, full = spec.num_active_parameters, layout.checkpointing == "full"
+    # multiply-adds per token of q.k^T and p.v in forward, over the keys a query sees (half the sequence on
+    # average under the causal mask, or the window)
+    attention_macs = 0.0
+    for layer, count in spec.layer_runs:
+        att = layer.attention
+        keys = min(seq / 2, layer.sliding_window or seq)
+        attention_macs += count * att.num_heads * (att.head_dim + att.v_head_dim) * keys
+    # forward 2 FLOPs per multiply-add; backward twice the forward; full checkpointing recomputes the forward
+    forward = 2 * n + 2 * attention_macs
+    flops = tokens * forward * (3 + full)
+    compute = flops / (tp.dense_tflops * 1e12 * mfu)
+
+    p, g, w = spec.num_parameters, recipe.gradient_bytes, recipe.weight_bytes
+    dp, node = layout.gpus, layout.gpus_per_node
+    ring = (dp - 1) / dp if dp > 1 else 0.0
+    bandwidth = (tp.link_gbps if dp <= node else min(tp.link_gbps, inter_node_gbps)) * 1e9
+    micro = layout.grad_accum
+    if dp == 1:
+        volume = 0.0
+    elif layout.engine in ("DDP", "ZeRO-1"):
+        volume = 2 * p * g
+    elif layout.engine in ("ZeRO-2", "FSDP2 grad-op"):
+        volume = micro * p * g + p * w
+    elif layout.engine == "FSDP2 hybrid":
+        inside = micro * (2 * p * w + p * g) * ((node - 1) / node)
+        nodes = dp // node
+        across = 2 * (p / node) * g * ((nodes - 1) / nodes)
+        communication = inside / (tp.link_gbps * 1e9) + across / (inter_node_gbps * 1e9)
+        volume = None
+    else:  # ZeRO-3, FSDP2 full
+        volume = micro * (2 * p * w + p * g)
+    if volume is not None:
+        communication = volume * ring / bandwidth
+    offload = 0.0
+    shard = p / dp
+    if layout.offload != "none":
+        offload += shard * (g + w) / (tp.host_gbps * 1e9)  # gradients down, updated parameters up, every step
+    if layout.offload == "optimizer+params":
+        offload += micro * 2 * shard * w / (tp.host_gbps * 1e9)  # the parameter shards, forward and backward
+    return StepTime(compute, communication, offload, tokens)
+
+
+def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | None = None,
+           gpus_per_node: int = 8, recipes: tuple[str, ...] = PLAN_RECIPES, device: DeviceOptions | None = None,
+           mfu: float = DEFAULT_MFU, inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS,
+           host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB, checkpointing: tuple[str, ...] = ("none", "full"),
+           engines: tuple[str, ...] | None = None) -> PlanSearch:
+    """Every data-parallel layout of ``gpus`` GPUs for ``global_batch`` sequences of ``seq`` tokens (default: one
+    sequence per GPU), the fitting ones ranked by step_time."""
+    if not spec.has_architecture:
+        raise ConfigError("trainmem plan needs the model's architecture: give a model config, not --params")
+    throughput_of(gpu)
+    for name, value, least in (("gpus", gpus, 1), ("seq", seq, 1), ("gpus_per_node", gpus_per_node, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"{name} must be a whole number of at least {least}, got {value!r}")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"mfu must be in (0, 1], got {mfu!r}")
+    if not inter_node_gbps > 0 or not host_memory_gib >= 0:
+        raise ConfigError("inter-node bandwidth must be positive and host memory at least 0")
+    global_batch = gpus if global_batch is None else global_batch
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global batch must be a whole number of sequences, at least 1, got {global_batch!r}")
+    if global_batch % gpus:
+        raise ConfigError(f"the global batch ({global_batch} sequences) must split evenly over {gpus} GPUs: give a "
+                          f"multiple of {gpus}")
+    node = min(gpus_per_node, gpus)
+    device = device or DeviceOptions()
+    host_memory = int(host_memory_gib * 2**30)
+    per_gpu = global_batch // gpus
+    micro_batches = _divisors(per_gpu)
+    started = time.perf_counter()
+    plans: list[Plan] = []
+    candidates = evaluated = 0
+    for recipe in recipes:
+        get_recipe(recipe)
+        for label, zero, fsdp, offloads in _engines(gpus, node):
+            if engines is not None and label not in engines:
+                continue
+            for offload in offloads:
+                parallel = Parallel(gpus=gpus, gpus_per_node=node, zero=zero, fsdp=fsdp, offload=offload) \
+                    if gpus > 1 else None
+                for ckpt in checkpointing:
+                    settings = make_settings(recipe=recipe, checkpointing=ckpt, seq=seq, batch=1)
+                    step = compile_step(spec, settings, device, parallel)
+                    candidates += len(micro_batches)
+                    host = step.rank.host_bytes_per_rank * node if step.rank is not None else 0
+                    if host > host_memory:  # (the offloaded states, whatever the micro-batch)
+                        continue
+                    # memory grows with the micro-batch: bisect for the largest divisor that fits
+                    low, high, best = 0, len(micro_batches) - 1, None
+                    while low <= high:
+                        mid = (low + high) // 2
+                        evaluated += 1
+                        if evaluate(step, micro_batches[mid], seq).peak.fits(gpu):
+                            best, low = micro_batches[mid], mid + 1
+                        else:
+                            high = mid - 1
+                    if best is None:
+                        continue
+                    layout = Layout(recipe, label, zero, fsdp, offload, ckpt, best, per_gpu // best, gpus, node)
+                    plans.append(Plan(layout, step.estimate(best, seq),
+                                      step_time(spec, layout, seq, gpu, mfu, inter_node_gbps), host))
+    # fastest first; on a tie (the time model has no per-kernel efficiency), no offload, the larger micro-batch
+    # (larger matmuls run closer to peak), then the least memory needed
+    plans.sort(key=lambda pl: (round(pl.time.seconds, 9), pl.layout.offload != "none", -pl.layout.micro_batch,
+                               pl.estimate.peak.required_bytes))
+    return PlanSearch(tuple(plans), candidates, evaluated, len(plans), time.perf_counter() - started, gpu, gpus, seq,
+                      global_batch, mfu, inter_node_gbps, host_memory, NOT_SEARCHED)
+
+
+def min_gpus(spec: ModelSpec, gpu: GPU, seq: int, gpus_per_node: int = 8, **options) -> tuple[int, PlanSearch] | None:
+    """The fewest GPUs of this type that can train the model at all (one sequence per GPU, any engine, checkpointing
+    and offload), among 1, 2, 4, then multiples of the node size; None past MAX_MIN_GPUS."""
+    counts = [1, 2, 4] + [gpus_per_node * k for k in range(1, MAX_MIN_GPUS // gpus_per_node + 1)]
+    counts = sorted({c for c in counts if c <= MAX_MIN_GPUS})
+    # more GPUs never need more memory per GPU here (sharded states shrink, activations stay): bisect
+    def works(n: int) -> PlanSearch | None:
+        found = search(spec, gpu, n, seq, None, min(gpus_per_node, n), **options)
+        return found if found.plans else None
+
+    if works(counts[-1]) is None:
+        return None
+    low, high = 0, len(counts) - 1
+    while low < high:
+        mid = (low + high) // 2
+        if works(counts[mid]) is not None:
+            high = mid
+        else:
+            low = mid + 1
+    return counts[low], works(counts[low])
+
+
+def run_plan(model, gpu: str, gpus: int | None = None, seq: int = 2048, global_batch: int | None = None,
+             gpus_per_node: int = 8, nodes: int | None = None, recipe: str | None = None,
+             checkpointing: str | None = None, min_gpus_wanted: bool = False, hub: bool = False,
+             **options) -> tuple[PlanSearch, int | None]:
+    """What ``trainmem plan`` and POST /api/plan answer: the search (or, with ``min_gpus_wanted``, the fewest GPUs
+    and the search at that count). ``model`` as trainmem.estimate takes it; ``options``: mfu, inter_node_gbps,
+    host_memory_gib, device."""
+    from .request import make_request
+
+    if nodes is not None:
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise ConfigError(f"nodes must be a whole number of at least 1, got {nodes!r}")
+        if gpus is not None and gpus != nodes * gpus_per_node:
+            raise ConfigError(f"--gpus {gpus} is not --nodes {nodes} x --gpus-per-node {gpus_per_node}; give one")
+        gpus = nodes * gpus_per_node
+    gpus = 8 if gpus is None else gpus
+    req = make_request(model, gpu=gpu, hub=hub, seq=seq, recipe=recipe or "mixed-bf16",
+                       checkpointing=checkpointing or "none")
+    options.setdefault("device", req.device)
+    options["recipes"] = (recipe,) if recipe else PLAN_RECIPES
+    options["checkpointing"] = (checkpointing,) if checkpointing else ("none", "full")
+    if min_gpus_wanted:
+        if global_batch is not None:
+            raise ConfigError("--min-gpus answers a GPU count (one sequence per GPU): it takes no --global-batch")
+        result = min_gpus(req.model, req.gpu, seq, gpus_per_node, **options)
+        if result is None:
+            raise ConfigError(f"no count of {req.gpu.name} up to {MAX_MIN_GPUS:,} trains {req.model.name} at {seq} "
+                              "tokens with data parallelism alone")
+        answer, found = result
+        return found, answer
+    return search(req.model, req.gpu, gpus, seq, global_batch, gpus_per_node, **options), None

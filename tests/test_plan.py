@@ -1,0 +1,159 @@
+"""trainmem plan: every layout it keeps is the estimator's own estimate of that layout and fits; the largest micro-batch
+is really the largest; --min-gpus is really the fewest; the configs it writes load in the engines' parsers."""
+
+import json
+import subprocess
+import tomllib
+
+import pytest
+
+from trainmem.catalog import catalog_spec
+from trainmem.errors import ConfigError
+from trainmem.hardware import THROUGHPUT, get_gpu
+from trainmem.plan import Layout, search, step_time
+
+H100 = get_gpu("H100-80GB")
+
+
+def _flags(layout: Layout) -> list[str]:
+    flags = ["--recipe", layout.recipe, "--checkpointing", layout.checkpointing, "--batch", str(layout.micro_batch),
+             "--grad-accum", str(layout.grad_accum), "--gpus", str(layout.gpus)]
+    if layout.zero is not None:
+        flags += ["--zero", str(layout.zero)]
+    if layout.fsdp is not None:
+        flags += ["--fsdp", layout.fsdp]
+    if layout.offload != "none":
+        flags += ["--offload", layout.offload]
+    return flags
+
+
+def test_llama_3_70b_on_8_h100_keeps_layouts_that_fit_and_are_the_estimators(run_cli):
+    code, out, err = run_cli("plan", "llama-3-70b", "--gpu", "H100-80GB", "--gpus", "8", "--seq", "4096", "--json",
+                             "--top", "4")
+    doc = json.loads(out)
+    assert code == 0, err
+    assert doc["search"]["fitting"] >= 1 and doc["search"]["candidates"] >= doc["search"]["evaluated"] > 0
+    for plan in doc["plans"]:
+        layout = plan["layout"]
+        assert plan["estimate"]["peak"]["required_bytes"] <= H100.memory_bytes
+        # 70B's states do not fit 8 x 80 GB unsharded: ZeRO-3 or FSDP2 full, with offload
+        assert layout["engine"] in ("ZeRO-3", "FSDP2 full") and layout["offload"] != "none"
+        code, out, _ = run_cli("estimate", "llama-3-70b", "--seq", "4096", "--gpu", "H100-80GB",
+                               *_flags(Layout(**{k: layout[k] for k in Layout.__dataclass_fields__})), "--json")
+        assert code == 0 and json.loads(out) == plan["estimate"]
+
+
+def test_the_micro_batch_is_the_largest_that_fits():
+    spec = catalog_spec("llama-3-8b")
+    found = search(spec, H100, 8, 4096, global_batch=256)
+    assert found.plans
+    for plan in found.plans[:5]:
+        layout = plan.layout
+        per_gpu = layout.micro_batch * layout.grad_accum
+        bigger = [d for d in range(layout.micro_batch + 1, per_gpu + 1) if per_gpu % d == 0]
+        if bigger:
+            import trainmem
+
+            est = trainmem.estimate("llama-3-8b", seq=4096, batch=bigger[0], gpu="H100-80GB", recipe=layout.recipe,
+                                    checkpointing=layout.checkpointing, gpus=8, zero=layout.zero, fsdp=layout.fsdp,
+                                    offload=layout.offload, grad_accum=per_gpu // bigger[0])
+            assert not est.fits(H100), layout
+
+
+def test_min_gpus_for_llama_3_1_405b_on_h100_is_the_fewest(run_cli):
+    code, out, err = run_cli("plan", "llama-3.1-405b", "--gpu", "H100-80GB", "--seq", "4096", "--min-gpus",
+                             "--json", "--top", "1")
+    doc = json.loads(out)
+    assert code == 0, err
+    fewest = doc["min_gpus"]
+    assert fewest == doc["search"]["gpus"] and doc["plans"]
+    # the count before it (the search's grid: 1, 2, 4, then multiples of 8) fits nothing
+    before = {8: 4, 4: 2, 2: 1}.get(fewest, fewest - 8)
+    assert not search(catalog_spec("llama-3.1-405b"), H100, before, 4096, None, min(8, before)).plans
+
+
+def test_time_model_is_palms_flops_at_the_stated_fraction_of_peak():
+    """PaLM's model FLOPs per token (Chowdhery et al. 2022, appendix B): 6N + 12 L h s for full attention, half the
+    attention term under the causal mask; the forward once more (2N + 6 L h s / 3) under full checkpointing."""
+    spec = catalog_spec("llama-2-7b")  # MHA: heads x head_dim = hidden
+    n, layers, h, s = spec.num_parameters, 32, 4096, 4096
+    layout = Layout("mixed-bf16", "one GPU", None, None, "none", "none", 2, 3, 1, 1)
+    t = step_time(spec, layout, s, H100, mfu=0.5)
+    tokens = 2 * 3 * s
+    assert t.compute_seconds == pytest.approx(tokens * (6 * n + 6 * layers * h * s) / (989.4e12 * 0.5), rel=1e-12)
+    assert t.communication_seconds == 0 and t.offload_seconds == 0
+    recompute = step_time(spec, Layout(*(layout.__dict__ | {"checkpointing": "full"}).values()), s, H100, mfu=0.5)
+    assert recompute.compute_seconds == pytest.approx(t.compute_seconds * 4 / 3, rel=1e-12)
+
+
+def test_communication_follows_the_engines_collectives():
+    spec = catalog_spec("llama-3-8b")
+    p = spec.num_parameters
+    link = THROUGHPUT["H100-80GB"].link_gbps * 1e9
+
+    def comm(engine, zero, fsdp, accum):
+        layout = Layout("mixed-bf16", engine, zero, fsdp, "none", "none", 1, accum, 8, 8)
+        return step_time(spec, layout, 2048, H100).communication_seconds
+
+    ring = 7 / 8
+    assert comm("DDP", None, None, 4) == pytest.approx(2 * p * 2 * ring / link)  # bf16 gradients, once a step
+    assert comm("ZeRO-3", 3, None, 4) == pytest.approx(4 * 3 * p * 2 * ring / link)  # every micro-batch
+    assert comm("ZeRO-2", 2, None, 4) == pytest.approx((4 * p * 2 + p * 2) * ring / link)
+
+
+def test_out_writes_configs_the_engines_parsers_load(run_cli, tmp_path):
+    accelerate_args = pytest.importorskip("accelerate.commands.config.config_args")
+    code, _, err = run_cli("plan", "llama-3-8b", "--gpu", "H100-80GB", "--gpus", "16", "--seq", "4096",
+                           "--global-batch", "256", "--out", str(tmp_path / "ds"), "--recipe", "mixed-bf16",
+                           "--checkpointing", "full")
+    assert code == 0, err
+    written = {p.name for p in (tmp_path / "ds").iterdir()}
+    assert {"accelerate.yaml", "launch.sh"} <= written
+    config = accelerate_args.ClusterConfig.from_yaml_file(str(tmp_path / "ds" / "accelerate.yaml"))
+    assert config.num_processes == 16 and config.num_machines == 2
+    if "torchtitan.toml" in written:
+        titan = tomllib.loads((tmp_path / "ds" / "torchtitan.toml").read_text())
+        assert titan["parallelism"]["data_parallel_shard_degree"] * \
+            titan["parallelism"]["data_parallel_replicate_degree"] == 16
+        assert titan["training"]["global_batch_size"] == 256 and titan["activation_checkpoint"]["mode"] == "full"
+    if "ds_config.json" in written:
+        ds = json.loads((tmp_path / "ds" / "ds_config.json").read_text())
+        assert ds["train_batch_size"] == 256 == ds["train_micro_batch_size_per_gpu"] * \
+            ds["gradient_accumulation_steps"] * 16
+    assert subprocess.run(["bash", "-n", str(tmp_path / "ds" / "launch.sh")]).returncode == 0
+    assert not [p for p in (tmp_path / "ds").iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_a_deepspeed_layout_writes_a_config_deepspeed_reads(tmp_path):
+    from trainmem.engine_configs import deepspeed_config, write_configs
+
+    layout = Layout("mixed-bf16", "ZeRO-3", 3, None, "optimizer", "full", 2, 4, 8, 8)
+    written = {p.name for p in write_configs(layout, 4096, "llama-3-70b", tmp_path)}
+    assert written == {"accelerate.yaml", "launch.sh", "ds_config.json"}
+    ds = json.loads((tmp_path / "ds_config.json").read_text())
+    assert ds == deepspeed_config(layout) and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    deepspeed = pytest.importorskip("deepspeed.runtime.config", reason="DeepSpeed is not installed here")
+    parsed = deepspeed.DeepSpeedConfig(str(tmp_path / "ds_config.json"), world_size=8)
+    assert parsed.zero_optimization_stage == 3 and parsed.train_batch_size == 64
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--gpus", "0"], "gpus must be"),
+    (["--gpus", "8", "--global-batch", "12"], "split evenly"),
+    (["--gpu", "A10G"], "does not give"),
+    (["--gpu", "H900"], "unknown GPU"),
+    (["--min-gpus", "--out", "x"], "--min-gpus answers"),
+    (["--nodes", "2", "--gpus", "8"], "is not --nodes"),
+    (["--mfu", "1.5"], "mfu must be"),
+])
+def test_bad_plan_input_is_one_line(run_cli, args, says):
+    gpu = [] if "--gpu" in args else ["--gpu", "H100-80GB"]
+    code, _, err = run_cli("plan", "llama-3-8b", *gpu, *args)
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_search_refuses_a_nominal_model():
+    from trainmem.models import nominal_spec
+
+    with pytest.raises(ConfigError, match="architecture"):
+        search(nominal_spec(7e9), H100, 8, 2048)
