@@ -814,13 +814,13 @@ def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, chec
             raise ConfigError("nothing fits, so --out has no layout to write")
         from .engine_configs import write_configs
 
-        written = write_configs(found.plans[0].layout, seq, found.plans[0].estimate.model.name, out_dir)
+        written = write_configs(found.plans[0].layout, seq, found.model.name, out_dir)
     if as_json:
         _emit_json(plan_document(found, top, answer))
     else:
         console = _console()
         if answer is not None:
-            console.print(f"[bold]the fewest {found.gpu.name} that train {model} at {seq:,} tokens: "
+            console.print(f"[bold]the fewest {found.gpu.name} that train {found.model.name} at {seq:,} tokens: "
                           f"{answer:,}[/bold] (data parallel; the layouts below)")
         render_plan(found, top, unit, console, answer)
         if out_dir:

@@ -109,6 +109,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class PlanSearch:
+    model: ModelSpec
     plans: tuple[Plan, ...]
     """Every fitting layout, fastest first."""
     candidates: int
@@ -267,7 +268,7 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     # (larger matmuls run closer to peak), then the least memory needed
     plans.sort(key=lambda pl: (round(pl.time.seconds, 9), pl.layout.offload != "none", -pl.layout.micro_batch,
                                pl.estimate.peak.required_bytes))
-    return PlanSearch(tuple(plans), candidates, evaluated, len(plans), time.perf_counter() - started, gpu, gpus, seq,
+    return PlanSearch(spec, tuple(plans), candidates, evaluated, len(plans), time.perf_counter() - started, gpu, gpus, seq,
                       global_batch, mfu, inter_node_gbps, host_memory, NOT_SEARCHED)
 
 

@@ -433,7 +433,7 @@ def plan_document(found, top: int, min_gpus: int | None = None) -> dict[str, Any
     tp = THROUGHPUT[found.gpu.name]
     doc: dict[str, Any] = {
         **header("plan"),
-        "model": model_dict(found.plans[0].estimate.model) if found.plans else None,
+        "model": model_dict(found.model),
         "gpu": {"name": found.gpu.name, "memory_bytes": found.gpu.memory_bytes, "dense_tflops": tp.dense_tflops,
                 "link_gbps": tp.link_gbps, "host_gbps": tp.host_gbps, "source": tp.source},
         "search": {"gpus": found.gpus, "seq": found.seq, "global_batch": found.global_batch,
@@ -456,7 +456,7 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
         console.print(f"[bold red]no data-parallel layout of {found.gpus} x {found.gpu.name} fits[/bold red] "
                       f"(searched {found.candidates:,} layouts; try more GPUs, --min-gpus, or a shorter --seq)")
         return
-    model = found.plans[0].estimate.model
+    model = found.model
     table = Table(title=f"{model.name}: {found.gpus} x {found.gpu.name}, {found.global_batch} sequences of "
                         f"{found.seq:,} tokens a step: the fastest layouts that fit ({unit} per GPU)",
                   caption=f"{found.candidates:,} layouts searched ({found.evaluated:,} evaluated) in "
