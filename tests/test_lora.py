@@ -159,6 +159,12 @@ def test_lora_json_records_the_adapters(run_cli):
     (16, ("all-linear",), "pure-bf16-bf16states", "full", 2, 256, "phi-3-mini-4k", 0.0),
     (8, ("q", "v"), "pure-bf16-bf16states", "none", 1, 512, "llama-3.2-1b", 0.05),
     (8, ("q", "k", "v", "o"), "pure-bf16", "full", 2, 256, "llama-3.2-1b", 0.1),
+    (8, ("q", "v"), "amp-bf16", "none", 1, 512, "llama-3.2-1b", 0.0),
+    (16, ("all-linear",), "amp-bf16", "none", 2, 256, "llama-3.2-1b", 0.0),
+    (8, ("q", "v"), "amp-bf16", "full", 1, 512, "llama-3.2-1b", 0.0),
+    (16, ("all-linear",), "amp-bf16", "full", 2, 256, "llama-3.2-1b", 0.0),
+    (8, ("q", "k", "v", "o"), "amp-fp16", "none", 1, 256, "qwen2.5-0.5b", 0.0),
+    (8, ("q", "v"), "amp-bf16", "none", 1, 256, "phi-3-mini-4k", 0.0),
 ])
 def test_lora_step_matches_its_trace(rank, targets, recipe, checkpointing, batch, seq, model, dropout):
     """peft's LoRA on a 2-layer Llama-3.2-1B (and Phi-3-mini, fused projections), traced (trace_step with finetune:
@@ -187,7 +193,8 @@ def test_lora_step_matches_its_trace(rank, targets, recipe, checkpointing, batch
 @pytest.mark.parametrize("recipe, targets, model", [
     ("pure-bf16-bf16states", ("all-linear",), "llama-3.2-1b"), ("fp32", ("all-linear",), "llama-3.2-1b"),
     ("pure-bf16-bf16states", ("q", "k", "v", "o"), "llama-3.2-1b"),
-    ("pure-bf16-bf16states", ("all-linear",), "mistral-7b"),
+    ("pure-bf16-bf16states", ("all-linear",), "mistral-7b"), ("amp-bf16", ("all-linear",), "llama-3.2-1b"),
+    ("amp-bf16", ("q", "v"), "llama-3.2-1b"),
 ])
 def test_lora_peaks_inside_checkpointed_layers_match_the_trace(recipe, targets, model):
     """A small vocabulary and short sequences put a checkpointed LoRA step's peaks inside the layers: the adapters'
@@ -318,7 +325,6 @@ def _bf16(settings):
 @pytest.mark.parametrize("model, kwargs, says", [
     ("llama-3.2-1b", dict(lora=8, dora=True, lora_dropout=0.1), "DoRA with dropout"),
     ("gpt2", dict(lora=8, lora_targets="c_attn"), "gpt2's layers"),
-    ("llama-3.2-1b", dict(lora=8, recipe="amp-bf16"), "amp-bf16 recipe"),
     ("llama-3.2-1b", dict(lora=8, attention="eager"), "eager attention"),
     ("llama-3.2-1b", dict(lora=8, base_quant="int8"), "8-bit base"),
     ("llama-3.2-1b", dict(lora=8, lora_targets="down"), "without q, k or v"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .models import ModelSpec, ParamTensor
+from .models import ModelSpec, ParamTensor, layer_tensors
 
 SHORT_NAMES = {
     "q": ("q_proj", "qkv_proj", "q_a_proj", "q_b_proj"),
@@ -320,14 +320,12 @@ _ATTENTION_SITES = ("input_norm", "qkv_input", "o_input")
 
 def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune | None = None) -> str | None:
     """Why the activations of this LoRA step are not modelled, or None when they are: Llama-style layers (q/k/v
-    separate or fused as Phi-3's, a gated MLP, two norms), SDPA, no autocast, no dropout (checked against the
-    trace, tests/test_lora.py)."""
+    separate or fused as Phi-3's, a gated MLP, two norms), SDPA, no model dropout, with or without autocast
+    (checked against the trace, tests/test_lora.py)."""
     from .activations import effective_kernel, llama_style_layers, runs_dropout
 
     if not llama_style_layers(spec):
         return f"{spec.model_type}'s layers (LoRA activations are modelled for Llama-style layers)"
-    if recipe.autocast:
-        return f"the {recipe.name} recipe (LoRA activations are modelled without autocast)"
     if effective_kernel(spec, settings.attention) != "sdpa":
         return f"{settings.attention} attention (LoRA activations are modelled for SDPA)"
     if runs_dropout(spec, settings):
@@ -337,6 +335,8 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
     if finetune is not None:
         if finetune.base_quant == "int8":
             return "an 8-bit base (LLM.int8()'s matmul buffers are not modelled yet)"
+        if finetune.lora.dora and recipe.autocast:
+            return "DoRA under autocast (its weight norm's dtypes under autocast are not modelled)"
         if finetune.lora.dora and finetune.lora.dropout > 0:
             return "DoRA with dropout (peft then reruns the base Linear on the dropped-out input with an fp32 copy " \
                    "of its weight, which is not modelled)"
@@ -362,6 +362,7 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
     chosen = adapted_names(spec, options)
     ab = adapter_bytes_per_value(options, p.compute)
     out_features = {t.name.removesuffix(".weight"): t.shape[0] for _, t in selected_weights(spec, options)}
+    in_features = {t.name.removesuffix(".weight"): t.shape[1] for _, t in selected_weights(spec, options)}
     # A trained embedding keeps its indices and makes every layer's input take a gradient (no first layer apart);
     # a trained LM head keeps its input, the final norm's output.
     embedding_trained, head_trained = "embedding" in options.trained_roles, "head" in options.trained_roles
@@ -375,11 +376,16 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
                 pass  # dropped
             elif t.kind in ("linear_input", "shared_input"):
                 adapted = [c for c in SITE_CONSUMERS.get(t.module, ()) if c in chosen]
-                width = t.bytes_per_token / p.compute
+                width = in_features[adapted[0]] if adapted else 0
                 if t.kind == "shared_input" or (t.module == "head_input" and head_trained):
                     new.append(t)  # kept by attention whatever the Linear does, or by the trained LM head
                 if adapted:
-                    if options.dropout > 0:
+                    if p.autocast:
+                        # under autocast lora_A casts its input to half itself, one copy per adapter (peft's
+                        # _cast_input_dtype finds it already in the adapter's fp32), and keeps it
+                        new.append(Term(f"{t.name}: adapters' half input copies (autocast) x{len(adapted)}",
+                                        len(adapted) * p.compute * width, t.module, "adapter_input"))
+                    elif options.dropout > 0:
                         # each adapter keeps its dropped-out input, and the dropout its bool mask where its input
                         # takes a gradient (not the first layer's q/k/v input: nothing before it trains)
                         mask = 0 if first_layer and t.module == "qkv_input" else MASK
@@ -390,7 +396,8 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
                                         len(adapted) * ab * width, t.module, "adapter_input"))
                     elif t.kind == "linear_input":
                         new.append(t)  # the adapters read the tensor itself
-                    new.append(Term(f"LoRA A outputs x{len(adapted)}", len(adapted) * ab * options.rank, t.module,
+                    new.append(Term(f"LoRA A outputs x{len(adapted)}",
+                                    len(adapted) * (p.compute if p.autocast else ab) * options.rank, t.module,
                                     "adapter_output"))
                     if options.dora:
                         # (magnitude / norm - 1) x base output and (magnitude / norm) x B output keep both outputs
@@ -411,7 +418,14 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
             if count == 0:
                 continue
             terms, delta = adapted_terms(la.terms, first)
-            layers.append(replace(la, count=count, terms=terms,
+            constant = la.constant_bytes
+            if first and p.autocast:
+                # a frozen weight's half copy (autocast caches none: the weight takes no gradient) is kept by its
+                # matmul only for its input's gradient: the first layer's q, k, v inputs take none
+                constant -= p.compute * sum(t.numel for t in layer_tensors(la.layer, spec.hidden_size,
+                                                                            spec.norm_vectors)
+                                            if t.role == "attention_input" and _linear_weight(t))
+            layers.append(replace(la, count=count, terms=terms, constant_bytes=constant,
                                   attention_bytes_per_token=la.attention_bytes_per_token + delta))
     head, _ = adapted_terms(acts.head_terms)
     embedding, _ = adapted_terms(acts.embedding_terms)

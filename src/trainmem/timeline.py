@@ -277,29 +277,40 @@ def _adapter_forward_transients(spec: ModelSpec, la: LayerActivations, p: Precis
                                 finetune) -> tuple[int, ...]:
     """A checkpointed layer's forward under LoRA: at each adapted Linear, peft's ``result + lora_B(lora_A(x)) *
     scaling`` (peft/tuners/lora/layer.py, ``Linear.forward``) holds the base output, the scaled adapter output and
-    their sum (both in the adapter's dtype: the sum is promoted before ``result.to``), and the adapter's copy of the
-    input where its dtype differs (with lora_dropout, the dropped-out input and its mask too), beside what that
-    point of the layer holds: the layer input and the norm output (attention), or the layer input, the residual
-    and the norm output (MLP), the attention output (o), and the outputs made before it (q and k beside v, the
-    activation beside up, the product for down). Nothing is saved, so the gate's output is gone when up runs."""
+    their sum (in the adapter's dtype: the sum is promoted before ``result.to``; in half under autocast), and the
+    adapter's copy of the input where its dtype differs (with lora_dropout, the dropped-out input and its mask too),
+    beside what that point of the layer holds: the layer input and the norm output (attention), or the layer input,
+    the residual and the norm output (MLP), the attention output (o), and the outputs made before it (q and k beside
+    v, the activation beside up, the product for down). Nothing is saved, so the gate's output is gone when up runs.
+    Under autocast every frozen Linear's matmul also holds its weight's half copy (autocast caches none of a weight
+    that takes no gradient) and the half copy of an fp32 input, beside its output."""
     from .lora import adapter_bytes_per_value
 
     options = finetune.lora
-    ab = adapter_bytes_per_value(options, p.compute)
     c, w, h = p.compute, p.residual, spec.hidden_size
+    ab = c if p.autocast else adapter_bytes_per_value(options, p.compute)
     context = {"qkv_input": w * h + c * h, "mlp_input": 3 * w * h, "down_input": 3 * w * h}
+    half_input = {"qkv_input": p.residual != c, "o_input": False, "mlp_input": p.residual != c, "down_input": False}
     out = []
-    for name, site, width_in, width_out, before in _adapter_sites(spec, la, p, finetune):
+    for name, site, width_in, width_out, before, adapted in _adapter_sites(spec, la, p, finetune, every=p.autocast):
         alive = (w * h + c * width_in if site == "o_input" else context[site] + c * width_in if site == "down_input"
                  else context[site] + (before if name != "mlp.up_proj" else c * width_out))
-        copy = (ab * width_in if ab != c else 0) + ((ab + MASK) * width_in if options.dropout > 0 else 0)
+        if p.autocast:  # the base matmul: its weight's and its input's half copies, and its output
+            out.append(int((alive + c * width_in * half_input[site] + c * width_out) * tokens)
+                       + c * width_in * width_out)
+        if not adapted:
+            continue
+        if p.autocast:
+            copy = c * width_in * half_input[site]
+        else:
+            copy = (ab * width_in if ab != c else 0) + ((ab + MASK) * width_in if options.dropout > 0 else 0)
         out.append(int((alive + copy + c * width_out + 2 * ab * width_out) * tokens))
     return tuple(out)
 
 
-def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune):
-    """Each adapted Linear of a Llama-style layer: (name, its input's site tag, in, out, the outputs made before it
-    in its block that are alive when it runs)."""
+def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune, every: bool = False):
+    """Each adapted Linear of a Llama-style layer (``every``: each Linear): (name, its input's site tag, in, out,
+    the outputs made before it in its block that are alive when it runs, whether it is adapted)."""
     from .lora import adapted_names
 
     att, mlp = la.layer.attention, la.layer.mlp
@@ -313,7 +324,8 @@ def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune
              ("mlp.up_proj", "mlp_input", h, inter, 2 * c * inter), ("mlp.gate_up_proj", "mlp_input", h, 2 * inter, 0),
              ("mlp.down_proj", "down_input", inter, h, 0)]
     chosen = adapted_names(spec, finetune.lora)
-    return [site for site in sites if site[0] in chosen]
+    present = {t.name.removesuffix(".weight") for t in layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors)}
+    return [(*site, site[0] in chosen) for site in sites if site[0] in present and (every or site[0] in chosen)]
 
 
 def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
@@ -331,7 +343,7 @@ def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precisi
     locals_ = {"qkv_input": c * h, "o_input": 0, "mlp_input": 2 * w * h, "down_input": 2 * w * h}
     order = [t.module for t in la.terms]
     out = []
-    for name, site, _, width_out, before in _adapter_sites(spec, la, p, finetune):
+    for name, site, _, width_out, before, _ in _adapter_sites(spec, la, p, finetune):
         if site not in order:
             continue
         last = len(order) - 1 - order[::-1].index(site)  # the site's last term: its adapters' A outputs
@@ -482,7 +494,8 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         return []
     p = Precision.of(recipe)
     tokens = acts.tokens
-    cached = casts_cached(spec, p, settings)
+    # (autocast caches no cast of a frozen LoRA base weight: it takes no gradient; the adapters' casts are small)
+    cached = casts_cached(spec, p, settings) and finetune is None
     gradients_of = recipe
     if finetune is not None:
         # Only the adapters take gradients, in their own dtype: each Linear's tensor stands for its adapter pair.
@@ -659,7 +672,7 @@ def _lm_head_moments(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe, 
     if slices > 1 and d_weight:
         moments.append(Phase("backward", "LM head weight gradient of the second slice", weights,
                              grads_in_forward, states, after_loss, waiting - dlogits + 2 * d_input + 2 * d_weight))
-    if cast:
+    if cast and not frozen:  # (a frozen head makes no weight gradient to cast)
         full = param_bytes * v * emb
         # by the cast, the head's matmuls have released their inputs: the head input and autocast's weight copy
         head_copy = _head_copy(acts)
@@ -741,7 +754,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         layers = [replaced(x, grads=0, down_grad=0, attention_grads_pending=0, experts_weighting_grads=0,
                            norm_moment=(x.norm_moment[0], 0, x.norm_moment[2])) for x in layers]
     checkpointed = acts.checkpointing == "full" and bool(layers)
-    cached = checkpointed and casts_cached(spec, p, settings)
+    cached = checkpointed and casts_cached(spec, p, settings) and finetune is None
     cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if cached else 0
     # The CausalLM forward holds the base model's output (the final norm's) while it computes the logits and the
     # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.

@@ -287,11 +287,13 @@ def lora_matrix(quick: bool = False):
     """The LoRA rows: (label, recipe, checkpointing, targets, lora dropout, DoRA), rank 16 on scaled-down configs, batch 2
     x 64, AdamW (the adapters' states are small: the peak stays in forward or backward). ``quick``: one row per
     family."""
-    recipes = ("pure-bf16-bf16states",) if quick else ("pure-bf16-bf16states", "fp32")
+    recipes = ("pure-bf16-bf16states",) if quick else ("pure-bf16-bf16states", "fp32", "amp-bf16")
     set_ups = LORA_SET_UPS[:1] if quick else LORA_SET_UPS
     checkpointing = ("full",) if quick else CHECKPOINTING
     for label in LORA_FAMILIES:
         for recipe, ckpt, (targets, dropout, dora) in itertools.product(recipes, checkpointing, set_ups):
+            if dora and recipe.startswith("amp"):
+                continue  # (DoRA under autocast: static memory only, lora.activations_modelled)
             yield label, recipe, ckpt, targets, dropout, dora
 
 
@@ -317,7 +319,8 @@ def lora_section(rows: list[Row], quick: bool) -> str:
     command = "`trainmem validate" + (" --quick" if quick else "")
     return text.replace(command + "`", command + " --lora`", 1).replace(
         "SGD; dropout 0 at batch 1 x 128, the config's own dropout at batch 2 x 64.",
-        "peft's LoRA, rank 16, on q,v, all-linear and q,k,v,o with lora_dropout 0.05, and DoRA on all-linear; "
+        "peft's LoRA, rank 16, on q,v, all-linear and q,k,v,o with lora_dropout 0.05, and DoRA on all-linear "
+        "(not under autocast); pure-bf16-bf16states, fp32 and amp-bf16; "
         "AdamW; batch 2 x 64; "
         "model dropout 0.", 1)
 
