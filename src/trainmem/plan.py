@@ -31,13 +31,13 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
-from .estimate import DeviceOptions, Estimate
+from .estimate import DeviceOptions, Estimate, Peak
 from .hardware import (DEFAULT_HOST_MEMORY_GIB, DEFAULT_INTER_NODE_GBPS, GPU, THROUGHPUT, Throughput)
 from .models import ModelSpec
 from .recipes import get_recipe
 from .settings import make_settings
 from .sharding import Parallel
-from .stepmodel import compile_step, evaluate
+from .stepmodel import StepModel, compile_step, evaluate
 
 TIME_MODEL = ("step = max(compute, communication) + offload; compute = model FLOPs (6N + causal attention, + the "
               "forward again under full checkpointing) at mfu x peak dense bf16 FLOPS; communication = ring "
@@ -102,9 +102,17 @@ class StepTime:
 @dataclass(frozen=True)
 class Plan:
     layout: Layout
-    estimate: Estimate
+    peak: Peak
     time: StepTime
     host_bytes_per_node: int
+    step: StepModel = field(repr=False, compare=False)
+    seq: int = 0
+
+    @property
+    def estimate(self) -> Estimate:
+        """The full estimate of this layout (as `trainmem estimate` gives it), built when asked: a search keeps
+        only the peak of every fitting layout."""
+        return self.step.estimate(self.layout.micro_batch, self.seq)
 
 
 @dataclass(frozen=True)
@@ -250,24 +258,31 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
                     host = step.rank.host_bytes_per_rank * node if step.rank is not None else 0
                     if host > host_memory:  # (the offloaded states, whatever the micro-batch)
                         continue
+                    # the step's peak holds at least its static memory: a layout whose model states alone, with
+                    # the CUDA overhead and headroom, exceed the GPU fits at no micro-batch (no timeline needed)
+                    floor = (sum(c.bytes for c in step.static) + device.cuda_overhead_bytes) * device.headroom
+                    if floor > gpu.memory_bytes:
+                        continue
                     # memory grows with the micro-batch: bisect for the largest divisor that fits
                     low, high, best = 0, len(micro_batches) - 1, None
                     while low <= high:
                         mid = (low + high) // 2
                         evaluated += 1
-                        if evaluate(step, micro_batches[mid], seq).peak.fits(gpu):
-                            best, low = micro_batches[mid], mid + 1
+                        peak = evaluate(step, micro_batches[mid], seq).peak
+                        if peak.fits(gpu):
+                            best, low = (micro_batches[mid], peak), mid + 1
                         else:
                             high = mid - 1
                     if best is None:
                         continue
-                    layout = Layout(recipe, label, zero, fsdp, offload, ckpt, best, per_gpu // best, gpus, node)
-                    plans.append(Plan(layout, step.estimate(best, seq),
-                                      step_time(spec, layout, seq, gpu, mfu, inter_node_gbps), host))
+                    b, peak = best
+                    layout = Layout(recipe, label, zero, fsdp, offload, ckpt, b, per_gpu // b, gpus, node)
+                    plans.append(Plan(layout, peak, step_time(spec, layout, seq, gpu, mfu, inter_node_gbps), host,
+                                      step, seq))
     # fastest first; on a tie (the time model has no per-kernel efficiency), no offload, the larger micro-batch
     # (larger matmuls run closer to peak), then the least memory needed
     plans.sort(key=lambda pl: (round(pl.time.seconds, 9), pl.layout.offload != "none", -pl.layout.micro_batch,
-                               pl.estimate.peak.required_bytes))
+                               pl.peak.required_bytes))
     return PlanSearch(spec, tuple(plans), candidates, evaluated, len(plans), time.perf_counter() - started, gpu, gpus, seq,
                       global_batch, mfu, inter_node_gbps, host_memory, NOT_SEARCHED)
 

@@ -469,7 +469,7 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
     for i, p in enumerate(found.plans[:top], 1):
         L, t = p.layout, p.time
         table.add_row(str(i), L.engine, L.recipe, L.checkpointing, L.offload, f"{L.micro_batch} x {L.grad_accum}",
-                      format_bytes(p.estimate.peak.required_bytes, unit), format_bytes(p.host_bytes_per_node, unit, 0),
+                      format_bytes(p.peak.required_bytes, unit), format_bytes(p.host_bytes_per_node, unit, 0),
                       f"{t.seconds:.2f}", f"{t.as_dict()['tokens_per_second_per_gpu']:,.0f}",
                       f"{t.communication_seconds / t.compute_seconds:.2f}")
     console.print(table)
