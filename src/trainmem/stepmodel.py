@@ -35,7 +35,7 @@ from .settings import TrainingSettings
 from .activations import Precision
 from .lora import FineTune, activations_modelled, base_weight_bytes, lora_activations, trainables
 from .sharding import Parallel, RankLayout, rank_layout
-from .timeline import CATEGORIES, Phase, peak_of, seed_activation_bytes, seed_rule_candidates, step_candidates
+from .timeline import Phase, peak_of, seed_activation_bytes, seed_rule_candidates, step_candidates
 
 _SAMPLES = (2, 3)
 """The batches the lines are taken from (batch 1 differs: see the module docstring)."""
@@ -306,8 +306,9 @@ def _compile_seq(step: StepModel, seq: int) -> tuple[_PhaseForm, ...] | None:
     for phase_a, phase_b in zip(cands_a, cands_b):
         moments = []
         for ca, cb in zip(phase_a, phase_b):
-            at_2 = tuple(ca.by_category()[k] for k in CATEGORIES)
-            diff = [cb.by_category()[k] - v for k, v in zip(CATEGORIES, at_2)]
+            at_2 = (ca.parameters, ca.gradients, ca.optimizer_states, ca.activations, ca.temporaries)  # (CATEGORIES)
+            diff = [b - a for a, b in zip(at_2, (cb.parameters, cb.gradients, cb.optimizer_states, cb.activations,
+                                                 cb.temporaries))]
             if any(d % step_b for d in diff):
                 return None
             slope = tuple(d // step_b for d in diff)

@@ -969,25 +969,29 @@ def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers,
     for candidates, where in zip(phases, places):
         name = candidates[0].name
         everywhere = _buffer_sums(buffers, name)
-        extra = {place: _buffer_sums(buffers, f"{name}:{place}") for place in where}
-        out.append(tuple(_plus(ph, everywhere, next((extra[place] for place, positions in where.items()
-                                                     if i in positions), None))
-                         for i, ph in enumerate(candidates)))
+        # each moment's extra: that of the first place listing its position (places do not overlap)
+        added = [everywhere] * len(candidates)
+        for place, positions in reversed(list(where.items())):
+            extra = _buffer_sums(buffers, f"{name}:{place}")
+            if any(extra):
+                total = tuple(a + b for a, b in zip(everywhere, extra))
+                for i in positions:
+                    added[i] = total
+        out.append(tuple(_plus(ph, add) for ph, add in zip(candidates, added)))
     return tuple(out)
 
 
-def _buffer_sums(buffers, when: str) -> dict[str, int]:
-    return {c: sum(b.bytes for b in buffers if when in b.phases and b.category == c) for c in CATEGORIES}
+def _buffer_sums(buffers, when: str) -> tuple[int, ...]:
+    """The bytes of the buffers alive ``when``, per category (CATEGORIES' order)."""
+    return tuple(sum(b.bytes for b in buffers if when in b.phases and b.category == c) for c in CATEGORIES)
 
 
-def _plus(ph: Phase, add: dict[str, int], more: dict[str, int] | None) -> Phase:
-    if more:
-        add = {c: add[c] + more[c] for c in CATEGORIES}
-    if not any(add.values()):
+def _plus(ph: Phase, add: tuple[int, ...]) -> Phase:
+    if not any(add):
         return ph
-    return Phase(ph.name, ph.moment, ph.parameters + add["parameters"], ph.gradients + add["gradients"],
-                 ph.optimizer_states + add["optimizer_states"], ph.activations + add["activations"],
-                 ph.temporaries + add["temporaries"])
+    parameters, gradients, states, activations, temporaries = add
+    return Phase(ph.name, ph.moment, ph.parameters + parameters, ph.gradients + gradients,
+                 ph.optimizer_states + states, ph.activations + activations, ph.temporaries + temporaries)
 
 
 def peak_of(candidates: tuple[Phase, ...]) -> Phase:
