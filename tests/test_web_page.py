@@ -100,7 +100,22 @@ def test_pick_a_model_change_the_batch_upload_a_config_and_share_it(server, brow
                              "checkpointing": "full", "max_batch": True})
     assert page.text_content("#max-batch") == (f"{searched['max_batch']:,}" if searched["max_batch"] else "none")
     assert page.locator("#bar svg rect").count() >= 3 and page.locator("#timeline svg rect").count() >= 5
+    page.fill("#gpus", "8")
+    ready = _settled(page, ready)
+    page.click("#plan-button")
+    page.wait_for_function("document.body.dataset.planned", timeout=60_000)
+    import httpx
+
+    planned = httpx.post(server + "/api/plan", json={"model": "llama-3-8b", "gpu": "H100-80GB", "gpus": 8,
+                                                     "seq": 2048, "global_batch": 32, "top": 5}, timeout=60).json()
+    rows = page.locator("#plan-table tr")
+    assert planned["plans"] and rows.count() == len(planned["plans"]) + 1
+    first = planned["plans"][0]
+    assert _gib({"peak": first["estimate"]["peak"]}) in rows.nth(1).text_content()
+    assert first["layout"]["engine"] in rows.nth(1).text_content()
     page.screenshot(path=str(ARTIFACTS / "web-1280x800.png"), full_page=True)
+    page.fill("#gpus", "1")
+    ready = _settled(page, ready)
 
     config = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
               "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
