@@ -165,7 +165,7 @@ def throughput_of(gpu: GPU) -> Throughput:
 def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = DEFAULT_MFU,
               inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS) -> StepTime:
     """The time model of one optimizer step on one GPU (module docstring)."""
-    tp = throughput_of(gpu)
+    sheet = throughput_of(gpu)
     recipe = get_recipe(layout.recipe)
     sequences = layout.micro_batch * layout.grad_accum
     tokens = sequences * seq
@@ -180,12 +180,12 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
     # forward 2 FLOPs per multiply-add; backward twice the forward; full checkpointing recomputes the forward
     forward = 2 * n + 2 * attention_macs
     flops = tokens * forward * (3 + full)
-    compute = flops / (tp.dense_tflops * 1e12 * mfu)
+    compute = flops / (sheet.dense_tflops * 1e12 * mfu)
 
     p, g, w = spec.num_parameters, recipe.gradient_bytes, recipe.weight_bytes
     dp, node = layout.gpus, layout.gpus_per_node
     ring = (dp - 1) / dp if dp > 1 else 0.0
-    bandwidth = (tp.link_gbps if dp <= node else min(tp.link_gbps, inter_node_gbps)) * 1e9
+    bandwidth = (sheet.link_gbps if dp <= node else min(sheet.link_gbps, inter_node_gbps)) * 1e9
     micro = layout.grad_accum
     if dp == 1:
         volume = 0.0
@@ -197,7 +197,7 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
         inside = micro * (2 * p * w + p * g) * ((node - 1) / node)
         nodes = dp // node
         across = 2 * (p / node) * g * ((nodes - 1) / nodes)
-        communication = inside / (tp.link_gbps * 1e9) + across / (inter_node_gbps * 1e9)
+        communication = inside / (sheet.link_gbps * 1e9) + across / (inter_node_gbps * 1e9)
         volume = None
     else:  # ZeRO-3, FSDP2 full
         volume = micro * (2 * p * w + p * g)
@@ -206,9 +206,9 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
     offload = 0.0
     shard = p / dp
     if layout.offload != "none":
-        offload += shard * (g + w) / (tp.host_gbps * 1e9)  # gradients down, updated parameters up, every step
+        offload += shard * (g + w) / (sheet.host_gbps * 1e9)  # gradients down, updated parameters up, every step
     if layout.offload == "optimizer+params":
-        offload += micro * 2 * shard * w / (tp.host_gbps * 1e9)  # the parameter shards, forward and backward
+        offload += micro * 2 * shard * w / (sheet.host_gbps * 1e9)  # the parameter shards, forward and backward
     return StepTime(compute, communication, offload, tokens)
 
 
@@ -283,8 +283,8 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     # (larger matmuls run closer to peak), then the least memory needed
     plans.sort(key=lambda pl: (round(pl.time.seconds, 9), pl.layout.offload != "none", -pl.layout.micro_batch,
                                pl.peak.required_bytes))
-    return PlanSearch(spec, tuple(plans), candidates, evaluated, len(plans), time.perf_counter() - started, gpu, gpus, seq,
-                      global_batch, mfu, inter_node_gbps, host_memory, NOT_SEARCHED)
+    return PlanSearch(spec, tuple(plans), candidates, evaluated, len(plans), time.perf_counter() - started, gpu,
+                      gpus, seq, global_batch, mfu, inter_node_gbps, host_memory, NOT_SEARCHED)
 
 
 def min_gpus(spec: ModelSpec, gpu: GPU, seq: int, gpus_per_node: int = 8, **options) -> tuple[int, PlanSearch] | None:

@@ -430,12 +430,12 @@ def plan_document(found, top: int, min_gpus: int | None = None) -> dict[str, Any
     from .hardware import THROUGHPUT
     from .plan import TIME_MODEL
 
-    tp = THROUGHPUT[found.gpu.name]
+    sheet = THROUGHPUT[found.gpu.name]
     doc: dict[str, Any] = {
         **header("plan"),
         "model": model_dict(found.model),
-        "gpu": {"name": found.gpu.name, "memory_bytes": found.gpu.memory_bytes, "dense_tflops": tp.dense_tflops,
-                "link_gbps": tp.link_gbps, "host_gbps": tp.host_gbps, "source": tp.source},
+        "gpu": {"name": found.gpu.name, "memory_bytes": found.gpu.memory_bytes, "dense_tflops": sheet.dense_tflops,
+                "link_gbps": sheet.link_gbps, "host_gbps": sheet.host_gbps, "source": sheet.source},
         "search": {"gpus": found.gpus, "seq": found.seq, "global_batch": found.global_batch,
                    "candidates": found.candidates, "evaluated": found.evaluated, "fitting": found.fitting,
                    "seconds": round(found.seconds, 4), "mfu": found.mfu, "inter_node_gbps": found.inter_node_gbps,
