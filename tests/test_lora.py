@@ -61,6 +61,28 @@ def test_short_names_on_fused_projections_select_the_fused_layer():
         adapter_parameters(neox, LoraOptions(8, targets=("q",)))
 
 
+def _assert_traced_within(model: str, options: LoraOptions, tolerance: float, vocab: int | None = None, **settings):
+    """peft's step on a 2-layer ``model`` (``vocab`` tokens if given), traced (trace_step with finetune: peft on the
+    meta device, then fake tensors), against its estimate: every phase within ``tolerance``. Returns the estimate."""
+    pytest.importorskip("peft")
+    from trainmem.catalog import catalog_config
+    from trainmem.estimate import estimate_model
+    from trainmem.lora import FineTune
+    from trainmem.settings import make_settings
+    from trainmem.trace import trace_step
+
+    config = dict(catalog_config(model), num_hidden_layers=2, **({"vocab_size": vocab} if vocab else {}))
+    spec = spec_from_config(config)
+    finetune = FineTune(options)
+    step = make_settings(dropout=0.0, optimizer_impl="foreach", **settings)
+    est = estimate_model(spec, step, finetune=finetune)
+    traced = trace_step(config, step, spec, finetune=finetune)
+    assert est.peak is not None
+    for e, t in zip(est.phases, traced.phases):
+        assert abs(e.allocated_bytes - t.allocated_bytes) <= tolerance * t.allocated_bytes, (e, t)
+    return est
+
+
 @pytest.mark.parametrize("kwargs, says", [
     (dict(rank=0), "rank must be"), (dict(rank=8, targets=("qq",)), "unknown lora target"),
     (dict(rank=8, targets=()), "targets are empty"), (dict(rank=8, adapter_dtype="fp8"), "unknown adapter dtype"),
@@ -169,24 +191,9 @@ def test_lora_json_records_the_adapters(run_cli):
 def test_lora_step_matches_its_trace(rank, targets, recipe, checkpointing, batch, seq, model, dropout):
     """peft's LoRA on a 2-layer Llama-3.2-1B (and Phi-3-mini, fused projections), traced (trace_step with finetune:
     peft on the meta device, then fake tensors): every phase within 1% of the estimate (measured: 0.00% in bf16 for
-    Llama, up to +0.55% over an fp32 base and +0.56% for Phi-3 without checkpointing)."""
-    pytest.importorskip("peft")
-    from trainmem.catalog import catalog_config
-    from trainmem.estimate import estimate_model
-    from trainmem.lora import FineTune
-    from trainmem.settings import make_settings
-    from trainmem.trace import trace_step
-
-    config = dict(catalog_config(model), num_hidden_layers=2)
-    spec = spec_from_config(config)
-    finetune = FineTune(LoraOptions(rank, targets=targets, dropout=dropout))
-    settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=batch, seq=seq, dropout=0.0,
-                             optimizer_impl="foreach")
-    est = estimate_model(spec, settings, finetune=finetune)
-    traced = trace_step(config, settings, spec, finetune=finetune)
-    assert est.peak is not None
-    for e, t in zip(est.phases, traced.phases):
-        assert abs(e.allocated_bytes - t.allocated_bytes) <= 0.01 * t.allocated_bytes, (e, t)
+    Llama, up to +0.11% over an fp32 base)."""
+    _assert_traced_within(model, LoraOptions(rank, targets=targets, dropout=dropout), 0.01, recipe=recipe,
+                          checkpointing=checkpointing, batch=batch, seq=seq)
 
 
 @pytest.mark.slow
@@ -200,23 +207,9 @@ def test_lora_peaks_inside_checkpointed_layers_match_the_trace(recipe, targets, 
     """A small vocabulary and short sequences put a checkpointed LoRA step's peaks inside the layers: the adapters'
     sums in the no-save forward and in the recompute (an fp32 scaled B output and sum beside the base output).
     Measured on Llama-3.2-1B: forward 0.00-0.01%, backward -0.90% (bf16 all-linear), -0.20% (fp32)."""
-    pytest.importorskip("peft")
-    from trainmem.catalog import catalog_config
-    from trainmem.estimate import estimate_model
-    from trainmem.lora import FineTune
-    from trainmem.settings import make_settings
-    from trainmem.trace import trace_step
-
-    config = dict(catalog_config(model), num_hidden_layers=2, vocab_size=512)
-    spec = spec_from_config(config)
-    finetune = FineTune(LoraOptions(16, targets=targets))
-    settings = make_settings(recipe=recipe, checkpointing="full", batch=2, seq=64, dropout=0.0,
-                             optimizer_impl="foreach")
-    est = estimate_model(spec, settings, finetune=finetune)
-    traced = trace_step(config, settings, spec, finetune=finetune)
+    est = _assert_traced_within(model, LoraOptions(16, targets=targets), 0.015, vocab=512, recipe=recipe,
+                                checkpointing="full", batch=2, seq=64)
     assert est.phases[1].moment == "inside the last layer"
-    for e, t in zip(est.phases, traced.phases):
-        assert abs(e.allocated_bytes - t.allocated_bytes) <= 0.015 * t.allocated_bytes, (e, t)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -246,22 +239,8 @@ def test_trained_modules_add_what_peft_trains(tied, modules):
 def test_trained_modules_step_matches_its_trace(model, recipe, checkpointing, rank, targets, modules, vocab):
     """--train-modules (peft's modules_to_save) on a 2-layer model, traced: the copies' gradients and states, the
     head's kept input and weight gradient, the embedding's backward (measured: every phase within 0.01%)."""
-    pytest.importorskip("peft")
-    from trainmem.catalog import catalog_config
-    from trainmem.estimate import estimate_model
-    from trainmem.lora import FineTune
-    from trainmem.settings import make_settings
-    from trainmem.trace import trace_step
-
-    config = dict(catalog_config(model), num_hidden_layers=2, **({"vocab_size": vocab} if vocab else {}))
-    spec = spec_from_config(config)
-    finetune = FineTune(LoraOptions(rank, targets=targets, train_modules=modules))
-    settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=1, seq=256, dropout=0.0,
-                             optimizer_impl="foreach")
-    est = estimate_model(spec, settings, finetune=finetune)
-    traced = trace_step(config, settings, spec, finetune=finetune)
-    for e, t in zip(est.phases, traced.phases):
-        assert abs(e.allocated_bytes - t.allocated_bytes) <= 0.001 * t.allocated_bytes, (e, t)
+    _assert_traced_within(model, LoraOptions(rank, targets=targets, train_modules=modules), 0.001, vocab=vocab,
+                          recipe=recipe, checkpointing=checkpointing, batch=1, seq=256)
 
 
 @pytest.mark.slow
@@ -276,23 +255,8 @@ def test_dora_step_matches_its_trace(rank, targets, recipe, checkpointing, seq, 
     """peft's DoRA (use_dora) on a 2-layer model, traced: the outputs its layers keep, and the weight norm each
     forward recomputes (an in x in identity and four out x in weights at the short sequences, where it is the
     peak); every phase within 2% (measured: up to 0.44%, +1.18% in Phi-3's checkpointed backward)."""
-    pytest.importorskip("peft")
-    from trainmem.catalog import catalog_config
-    from trainmem.estimate import estimate_model
-    from trainmem.lora import FineTune
-    from trainmem.settings import make_settings
-    from trainmem.trace import trace_step
-
-    config = dict(catalog_config(model), num_hidden_layers=2)
-    spec = spec_from_config(config)
-    finetune = FineTune(LoraOptions(rank, targets=targets, dora=True))
-    settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=1, seq=seq, dropout=0.0,
-                             optimizer_impl="foreach")
-    est = estimate_model(spec, settings, finetune=finetune)
-    traced = trace_step(config, settings, spec, finetune=finetune)
-    assert est.peak is not None
-    for e, t in zip(est.phases, traced.phases):
-        assert abs(e.allocated_bytes - t.allocated_bytes) <= 0.02 * t.allocated_bytes, (e, t)
+    _assert_traced_within(model, LoraOptions(rank, targets=targets, dora=True), 0.02, recipe=recipe,
+                          checkpointing=checkpointing, batch=1, seq=seq)
 
 
 def test_dora_adds_its_magnitudes_and_a_weight_norm_inside_each_layer():
