@@ -187,6 +187,10 @@ def test_lora_json_records_the_adapters(run_cli):
     (16, ("all-linear",), "amp-bf16", "full", 2, 256, "llama-3.2-1b", 0.0),
     (8, ("q", "k", "v", "o"), "amp-fp16", "none", 1, 256, "qwen2.5-0.5b", 0.0),
     (8, ("q", "v"), "amp-bf16", "none", 1, 256, "phi-3-mini-4k", 0.0),
+    (8, ("c_attn",), "pure-bf16-bf16states", "none", 1, 256, "gpt2", 0.0),
+    (16, ("all-linear",), "fp32", "full", 1, 256, "gpt2", 0.0),
+    (8, ("c_attn",), "amp-bf16", "none", 1, 256, "gpt2", 0.0),
+    (8, ("q", "v"), "pure-bf16-bf16states", "none", 1, 256, "opt-1.3b", 0.0),
 ])
 def test_lora_step_matches_its_trace(rank, targets, recipe, checkpointing, batch, seq, model, dropout):
     """peft's LoRA on a 2-layer Llama-3.2-1B (and Phi-3-mini, fused projections), traced (trace_step with finetune:
@@ -288,7 +292,9 @@ def _bf16(settings):
 
 @pytest.mark.parametrize("model, kwargs, says", [
     ("llama-3.2-1b", dict(lora=8, dora=True, lora_dropout=0.1), "DoRA with dropout"),
-    ("gpt2", dict(lora=8, lora_targets="c_attn"), "gpt2's layers"),
+    ("pythia-1b", dict(lora=8), "gpt_neox's layers"),
+    ("gpt2", dict(lora=8, lora_targets="c_proj", dropout=0.0), "without q, k or v"),
+    ("gpt2", dict(lora=8, lora_targets="c_attn"), "dropout"),  # GPT-2's config drops out 10%
     ("llama-3.2-1b", dict(lora=8, attention="eager"), "eager attention"),
     ("llama-3.2-1b", dict(lora=8, base_quant="int8"), "8-bit base"),
     ("llama-3.2-1b", dict(lora=8, lora_targets="down"), "without q, k or v"),

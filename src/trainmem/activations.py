@@ -790,7 +790,8 @@ def _mlp_terms(mlp: MLP, p: Precision, fc1_bytes: int | None = None) -> list[Ter
                 Term("gate*up (down_proj input)", c * i, "down_input", "linear_input")]
     if act == "relu":
         # relu keeps its output only, which is also fc2's input (OPT); under autocast fc2 casts an fp32 one.
-        return [Term("relu output (fc2 input)", f * i)] + ([Term("fc2 input cast", c * i)] if f != c else [])
+        return [Term("relu output (fc2 input)", f * i, "down_input", "shared_input")] + (
+            [Term("fc2 input cast", c * i, "down_input", "linear_input")] if f != c else [])
     if act == "gelu_new":
         # NewGELUActivation is Python: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3)))). pow keeps x,
         # tanh its output, the last product 0.5*x and 1+tanh. On CUDA pow is on autocast's fp32 list, so under
@@ -798,8 +799,8 @@ def _mlp_terms(mlp: MLP, p: Precision, fc1_bytes: int | None = None) -> list[Ter
         w = FP32 if p.autocast else c
         return [Term("fc1 output (pow's input)" + (" upcast to fp32" if p.autocast else ""), w * i),
                 Term("tanh output, 1 + tanh", 2 * w * i), Term("0.5 * x", c * i),
-                Term("gelu output (fc2 input)", c * i)]
-    return [Term("fc1 output", f * i), Term(f"{act} output (fc2 input)", c * i)]
+                Term("gelu output (fc2 input)", c * i, "down_input", "linear_input")]
+    return [Term("fc1 output", f * i), Term(f"{act} output (fc2 input)", c * i, "down_input", "linear_input")]
 
 
 def _moe_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
@@ -1049,6 +1050,14 @@ def llama_style_layers(spec: ModelSpec) -> bool:
     return bool(spec.layer_runs) and spec.traits.block == "standard" and not spec.projects_embeddings and not any(
         lay.attention.kind == "mla" or lay.moe or lay.mlp is None or not lay.mlp.gated or lay.parallel_residual
         or lay.num_norms != 2 for lay, _ in spec.layer_runs)
+
+
+def lora_layers_modelled(spec: ModelSpec) -> bool:
+    """Layers whose LoRA step is modelled: Llama-style, or the same with a plain two-Linear MLP (GPT-2, OPT without
+    projected embeddings): attention (no MLA), a dense MLP, two norms, sequential residuals."""
+    return bool(spec.layer_runs) and spec.traits.block == "standard" and not spec.projects_embeddings and not any(
+        lay.attention.kind == "mla" or lay.moe or lay.mlp is None or lay.parallel_residual or lay.num_norms != 2
+        for lay, _ in spec.layer_runs)
 
 
 def runs_dropout(spec: ModelSpec, settings: TrainingSettings) -> bool:

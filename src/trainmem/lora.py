@@ -312,8 +312,8 @@ def adapter_groups(spec: ModelSpec, options: LoraOptions):
 
 
 SITE_CONSUMERS = {"qkv_input": ("q_proj", "k_proj", "v_proj", "qkv_proj"), "o_input": ("o_proj",),
-                  "mlp_input": ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj"), "down_input": ("mlp.down_proj",),
-                  "head_input": ("lm_head",)}
+                  "mlp_input": ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj", "mlp.fc1"),
+                  "down_input": ("mlp.down_proj", "mlp.fc2"), "head_input": ("lm_head",)}
 """The Linears reading each input activations.py tags (Term.module), for Llama-style layers."""
 _ATTENTION_SITES = ("input_norm", "qkv_input", "o_input")
 
@@ -322,10 +322,11 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
     """Why the activations of this LoRA step are not modelled, or None when they are: Llama-style layers (q/k/v
     separate or fused as Phi-3's, a gated MLP, two norms), SDPA, no model dropout, with or without autocast
     (checked against the trace, tests/test_lora.py)."""
-    from .activations import effective_kernel, llama_style_layers, runs_dropout
+    from .activations import effective_kernel, lora_layers_modelled, runs_dropout
 
-    if not llama_style_layers(spec):
-        return f"{spec.model_type}'s layers (LoRA activations are modelled for Llama-style layers)"
+    if not lora_layers_modelled(spec):
+        return (f"{spec.model_type}'s layers (LoRA activations are modelled for Llama-style layers and plain "
+                "two-Linear MLPs, sequential residuals)")
     if effective_kernel(spec, settings.attention) != "sdpa":
         return f"{settings.attention} attention (LoRA activations are modelled for SDPA)"
     if runs_dropout(spec, settings):

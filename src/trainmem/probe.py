@@ -12,6 +12,7 @@ Needs torch and transformers (the ``trace`` extra).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -71,12 +72,26 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
     return model
 
 
+FAMILY_MODULE_PATHS = {
+    "gpt2": {"qkv_proj": r"attn\.c_attn", "o_proj": r"attn\.c_proj", "mlp.fc1": r"mlp\.c_fc",
+             "mlp.fc2": r"mlp\.c_proj"},
+    "opt": {"o_proj": r"self_attn\.out_proj", "mlp.fc1": r"fc1", "mlp.fc2": r"fc2"},
+}
+"""Where a family's modules differ from trainmem's names (lora.MODULE_NAMES read the other way): the path inside a
+decoder layer, for a peft target regex (GPT-2's c_proj names both attention's output and the MLP's)."""
+
+
 def peft_target_modules(spec, lora) -> list[str] | str:
-    """peft's ``target_modules`` for trainmem's targets: the module names of the Linears lora.py selects."""
+    """peft's ``target_modules`` for trainmem's targets: the module names of the Linears lora.py selects (a regex
+    over full module paths for the families whose module names differ from trainmem's)."""
     from .lora import adapted_names
 
     if tuple(lora.targets) == ("all-linear",):
         return "all-linear"
+    paths = FAMILY_MODULE_PATHS.get(spec.model_type)
+    if paths:
+        alternatives = sorted(paths.get(name, re.escape(name.rsplit(".", 1)[-1])) for name in adapted_names(spec, lora))
+        return r".*\.(?:" + "|".join(alternatives) + ")$"
     return sorted({name.rsplit(".", 1)[-1] for name in adapted_names(spec, lora)})
 
 

@@ -322,7 +322,8 @@ def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune
              ("v_proj", "qkv_input", h, kv, c * (q + kv)), ("qkv_proj", "qkv_input", h, q + 2 * kv, 0),
              ("o_proj", "o_input", q, h, 0), ("mlp.gate_proj", "mlp_input", h, inter, 0),
              ("mlp.up_proj", "mlp_input", h, inter, 2 * c * inter), ("mlp.gate_up_proj", "mlp_input", h, 2 * inter, 0),
-             ("mlp.down_proj", "down_input", inter, h, 0)]
+             ("mlp.down_proj", "down_input", inter, h, 0), ("mlp.fc1", "mlp_input", h, inter, 0),
+             ("mlp.fc2", "down_input", inter, h, 0)]
     chosen = adapted_names(spec, finetune.lora)
     present = {t.name.removesuffix(".weight") for t in layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors)}
     return [(*site, site[0] in chosen) for site in sites if site[0] in present and (every or site[0] in chosen)]
