@@ -276,7 +276,7 @@ def validate(quick: bool = False, progress=None, full_size: bool = False, jobs: 
     return _map(functools.partial(_run, full_size=full_size), list(matrix(quick, full_size)), jobs, progress)
 
 
-LORA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+LORA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "opt")
 """The families whose LoRA step is modelled (lora.activations_modelled)."""
 LORA_SET_UPS = ((("q", "v"), 0.0, False), (("all-linear",), 0.0, False), (("q", "k", "v", "o"), 0.05, False),
                 (("all-linear",), 0.0, True))
