@@ -181,7 +181,8 @@ def _workload_options(f):
         click.option("--ds-config", type=click.Path(dir_okay=False),
                      help="A DeepSpeed config: its zero_optimization keys (stage, buckets, offload) apply."),
         click.option("--lora", type=int, default=None, help="Train LoRA adapters of this rank on a frozen base "
-                     "(the step is modelled for Llama-style models with SDPA; elsewhere the static memory)."),
+                     "(the step is modelled for Llama-style, GPT-2 and OPT layers with SDPA; elsewhere the static "
+                     "memory)."),
         click.option("--lora-alpha", type=float, default=None, help="LoRA alpha (scales the adapters; no bytes)."),
         click.option("--lora-dropout", type=float, default=0.0, show_default=True,
                      help="Dropout on each adapter's input (peft's lora_dropout)."),
