@@ -124,7 +124,7 @@ def test_out_writes_configs_the_engines_parsers_load(run_cli, tmp_path):
     assert not [p for p in (tmp_path / "ds").iterdir() if p.name.startswith(".")]  # no staging folder left
 
 
-def test_a_deepspeed_layout_writes_a_config_deepspeed_reads(tmp_path):
+def test_a_deepspeed_layout_writes_a_config_deepspeed_reads(tmp_path, monkeypatch):
     from trainmem.engine_configs import deepspeed_config, write_configs
 
     layout = Layout("mixed-bf16", "ZeRO-3", 3, None, "optimizer", "full", 2, 4, 8, 8)
@@ -133,8 +133,13 @@ def test_a_deepspeed_layout_writes_a_config_deepspeed_reads(tmp_path):
     ds = json.loads((tmp_path / "ds_config.json").read_text())
     assert ds == deepspeed_config(layout) and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     deepspeed = pytest.importorskip("deepspeed.runtime.config", reason="DeepSpeed is not installed here")
-    parsed = deepspeed.DeepSpeedConfig(str(tmp_path / "ds_config.json"), world_size=8)
+    # DeepSpeed reads the data-parallel world size from its communication layer: 8 ranks, without starting any
+    monkeypatch.setattr(deepspeed.dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(deepspeed.dist, "get_world_size", lambda *a, **k: 8)
+    parsed = deepspeed.DeepSpeedConfig(str(tmp_path / "ds_config.json"))
     assert parsed.zero_optimization_stage == 3 and parsed.train_batch_size == 64
+    assert (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (2, 4)
+    assert parsed.zero_config.offload_optimizer.device == "cpu" and parsed.bfloat16_config.enabled
 
 
 @pytest.mark.parametrize("args, says", [
