@@ -1046,10 +1046,8 @@ def effective_kernel(spec: ModelSpec, kernel: str) -> str:
 
 def llama_style_layers(spec: ModelSpec) -> bool:
     """Every layer shaped as Llama's: attention (no MLA) then a gated dense MLP, two norms, sequential residuals,
-    no projected embeddings: the ground the LoRA and compiled-layer models are built on."""
-    return bool(spec.layer_runs) and spec.traits.block == "standard" and not spec.projects_embeddings and not any(
-        lay.attention.kind == "mla" or lay.moe or lay.mlp is None or not lay.mlp.gated or lay.parallel_residual
-        or lay.num_norms != 2 for lay, _ in spec.layer_runs)
+    no projected embeddings: the ground the compiled-layer model is built on."""
+    return lora_layers_modelled(spec) and all(lay.mlp.gated for lay, _ in spec.layer_runs)
 
 
 def lora_layers_modelled(spec: ModelSpec) -> bool:

@@ -21,8 +21,11 @@ from pathlib import Path
 from .errors import ConfigError
 from .plan import Layout
 
-MIXED_PRECISION = {"mixed-bf16": "bf16", "pure-bf16": "bf16", "pure-bf16-bf16states": "bf16", "amp-bf16": "bf16",
-                   "mixed-fp16": "fp16", "amp-fp16": "fp16", "mixed-bf16-fp32grads": "bf16", "fp32": "no"}
+def mixed_precision(recipe: str) -> str:
+    """accelerate's and DeepSpeed's name for the recipe's compute dtype: bf16, fp16, or no."""
+    from .recipes import get_recipe
+
+    return {"bf16": "bf16", "fp16": "fp16"}.get(get_recipe(recipe).compute, "no")
 
 
 def deepspeed_config(layout: Layout) -> dict:
@@ -33,7 +36,7 @@ def deepspeed_config(layout: Layout) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if layout.offload == "optimizer+params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    precision = MIXED_PRECISION.get(layout.recipe, "bf16")
+    precision = mixed_precision(layout.recipe)
     return {
         "train_batch_size": layout.micro_batch * layout.grad_accum * layout.gpus,
         "train_micro_batch_size_per_gpu": layout.micro_batch,
@@ -49,7 +52,7 @@ def deepspeed_config(layout: Layout) -> dict:
 def accelerate_config(layout: Layout) -> dict:
     nodes = -(-layout.gpus // layout.gpus_per_node)
     config = {"compute_environment": "LOCAL_MACHINE", "machine_rank": 0, "main_training_function": "main",
-              "mixed_precision": MIXED_PRECISION.get(layout.recipe, "bf16"), "num_machines": nodes,
+              "mixed_precision": mixed_precision(layout.recipe), "num_machines": nodes,
               "num_processes": layout.gpus, "rdzv_backend": "static", "same_network": True, "use_cpu": False,
               "debug": False, "downcast_bf16": "no", "tpu_env": [], "tpu_use_cluster": False,
               "tpu_use_sudo": False}
@@ -85,7 +88,7 @@ def torchtitan_toml(layout: Layout, seq: int, model_name: str) -> str | None:
         f"local_batch_size = {layout.micro_batch}",
         f"global_batch_size = {layout.micro_batch * layout.grad_accum * layout.gpus}",
         f"seq_len = {seq}",
-        f'mixed_precision_param = "{"bfloat16" if "bf16" in layout.recipe else "float32"}"',
+        f'mixed_precision_param = "{"bfloat16" if mixed_precision(layout.recipe) == "bf16" else "float32"}"',
         "",
         "[parallelism]",
         f"data_parallel_shard_degree = {shard}",

@@ -320,8 +320,8 @@ _ATTENTION_SITES = ("input_norm", "qkv_input", "o_input")
 
 def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune | None = None) -> str | None:
     """Why the activations of this LoRA step are not modelled, or None when they are: Llama-style layers (q/k/v
-    separate or fused as Phi-3's, a gated MLP, two norms), SDPA, no model dropout, with or without autocast
-    (checked against the trace, tests/test_lora.py)."""
+    separate or fused as Phi-3's) or GPT-2/OPT-style ones (activations.lora_layers_modelled), SDPA, no model
+    dropout, with or without autocast (checked against the trace, tests/test_lora.py)."""
     from .activations import effective_kernel, lora_layers_modelled, runs_dropout
 
     if not lora_layers_modelled(spec):

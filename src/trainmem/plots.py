@@ -41,10 +41,7 @@ def capacity_gpus(required: int, gpu: GPU | None) -> list[GPU]:
     """The GPU asked about, or the nearest distinct memory sizes around ``required`` (two below, two above)."""
     if gpu is not None:
         return [gpu]
-    sizes: dict[int, GPU] = {}
-    for g in sorted(GPUS.values(), key=lambda g: g.memory_mib):
-        sizes.setdefault(round(g.memory_mib / 1024), g)  # one GPU per size, to the nearest GiB
-    ordered = sorted(sizes.values(), key=lambda g: g.memory_mib)
+    ordered = _one_per_size(GPUS.values())
     below = [g for g in ordered if g.memory_bytes < required][-(CAPACITY_LINES // 2):]
     above = [g for g in ordered if g.memory_bytes >= required][:CAPACITY_LINES - len(below)]
     return below + above
@@ -167,12 +164,16 @@ def _sweep_gpus(curves: dict[str, list[tuple[int, int]]]) -> list[GPU]:
     """The distinct GPU sizes the curves cross, or the nearest ones around them."""
     low = min(b for points in curves.values() for _, b in points)
     high = max(b for points in curves.values() for _, b in points)
-    crossed: dict[int, GPU] = {}
-    for g in sorted(GPUS.values(), key=lambda g: g.memory_mib):
-        if low <= g.memory_bytes <= high:
-            crossed.setdefault(round(g.memory_mib / 1024), g)
-    gpus = sorted(crossed.values(), key=lambda g: g.memory_mib)
+    gpus = _one_per_size(g for g in GPUS.values() if low <= g.memory_bytes <= high)
     return gpus[:CAPACITY_LINES] if gpus else capacity_gpus(high, None)
+
+
+def _one_per_size(gpus) -> list[GPU]:
+    """One GPU per memory size (to the nearest GiB), smallest first."""
+    sizes: dict[int, GPU] = {}
+    for g in sorted(gpus, key=lambda g: g.memory_mib):
+        sizes.setdefault(round(g.memory_mib / 1024), g)
+    return list(sizes.values())
 
 
 def _pyplot():

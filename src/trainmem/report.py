@@ -427,10 +427,9 @@ def render_trace(est: Estimate, phases, seconds: float, unit: str, console, host
 def plan_document(found, top: int, min_gpus: int | None = None) -> dict[str, Any]:
     """``trainmem plan --json`` (and POST /api/plan): the search, and its ``top`` fastest fitting layouts, each
     with its time and the estimate document of that layout (the same figures ``trainmem estimate --json`` gives)."""
-    from .hardware import THROUGHPUT
-    from .plan import TIME_MODEL
+    from .plan import TIME_MODEL, throughput_of
 
-    sheet = THROUGHPUT[found.gpu.name]
+    sheet = throughput_of(found.gpu)
     doc: dict[str, Any] = {
         **header("plan"),
         "model": model_dict(found.model),
