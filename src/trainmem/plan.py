@@ -293,9 +293,12 @@ def min_gpus(spec: ModelSpec, gpu: GPU, seq: int, gpus_per_node: int = 8, **opti
     counts = [1, 2, 4] + [gpus_per_node * k for k in range(1, MAX_MIN_GPUS // gpus_per_node + 1)]
     counts = sorted({c for c in counts if c <= MAX_MIN_GPUS})
     # more GPUs never need more memory per GPU here (sharded states shrink, activations stay): bisect
+    searched: dict[int, PlanSearch] = {}
+
     def works(n: int) -> PlanSearch | None:
-        found = search(spec, gpu, n, seq, None, min(gpus_per_node, n), **options)
-        return found if found.plans else None
+        if n not in searched:  # (the answer's search is the bisection's last, not run again)
+            searched[n] = search(spec, gpu, n, seq, None, min(gpus_per_node, n), **options)
+        return searched[n] if searched[n].plans else None
 
     if works(counts[-1]) is None:
         return None
