@@ -867,6 +867,18 @@ def _hidden_dropout_sites(spec: ModelSpec, layer: Layer) -> int:
     return 2 if spec.traits.hidden_dropout == "per_block" else 0
 
 
+def _sequence_sharded(terms: list[Term], shards: int) -> list[Term]:
+    """Terms in a sequence-parallel region (norms, residual dropouts, the layer input): 1/T of the tokens on each
+    tensor-parallel rank (Korthikanti et al. 2022, arXiv:2205.05198 section 4.2.2). The Linear inputs are not among
+    them: DTensor's ColwiseParallel all-gathers its input and autograd keeps the gathered tensor (Megatron instead
+    keeps the shard and gathers it again in backward: docs/accuracy.md)."""
+    if shards == 1:
+        return terms
+    from dataclasses import replace
+
+    return [replace(t, bytes_per_token=t.bytes_per_token / shards) for t in terms]
+
+
 def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
                       settings: TrainingSettings) -> LayerActivations:
     p = Precision.of(recipe)
@@ -877,9 +889,13 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     hidden_dropout = spec.dropout.hidden if settings.dropout is None else settings.dropout
     kernel = settings.attention
     terms: list[Term] = []
+    sp = spec.sequence_shards
+
+    def norm_terms(label: str, input_bytes: int, module: str) -> list[Term]:
+        return _sequence_sharded(_norm_terms(spec, h, p, label, input_bytes, module), sp)
 
     # --- attention block: pre-norm, its output read by the q/k/v projections -----------------------------
-    terms += _norm_terms(spec, h, p, "input norm", r, "input_norm")
+    terms += norm_terms("input norm", r, "input_norm")
     # Linears reading the input norm's output: one fused qkv; q/k/v; MLA's q_a_proj and kv_a_proj_with_mqa.
     qkv_consumers = 1 if att.fused_qkv else 2 if att.kind == "mla" else 3
     terms += _linear_inputs(p, h, qkv_consumers, "input norm output (q/k/v projections' input)", r, "qkv_input")
@@ -901,17 +917,17 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     if gemma and layer.num_norms == 4:
         # Gemma 2/3 sandwich norms: post_attention_layernorm on the attention output (before the residual
         # add), pre_feedforward_layernorm, and post_feedforward_layernorm on the MLP output.
-        terms += _norm_terms(spec, h, p, "post-attention norm", p.compute, "post_attention_norm")
-        terms += _norm_terms(spec, h, p, "pre-feedforward norm", r, "pre_feedforward_norm")
-        terms += _norm_terms(spec, h, p, "post-feedforward norm", p.compute, "post_feedforward_norm")
+        terms += norm_terms("post-attention norm", p.compute, "post_attention_norm")
+        terms += norm_terms("pre-feedforward norm", r, "pre_feedforward_norm")
+        terms += norm_terms("post-feedforward norm", p.compute, "post_feedforward_norm")
     elif layer.parallel_residual and layer.num_norms == 1:
         pass  # Falcon-7B: the MLP reads the same norm output as attention
     elif layer.parallel_residual:
         # GPT-NeoX's post_attention_layernorm and Falcon's ln_mlp read the layer input, which the first norm
         # already keeps: only their statistics are new.
-        terms += _norm_terms(spec, h, p, "MLP norm", r, "mlp_norm")[1:]
+        terms += norm_terms("MLP norm", r, "mlp_norm")[1:]
     else:
-        terms += _norm_terms(spec, h, p, "post-attention norm", r, "post_attention_norm")
+        terms += norm_terms("post-attention norm", r, "post_attention_norm")
     if layer.parallel_residual and layer.num_norms == 1:
         if p.autocast:  # the shared fp32 norm output is cast again by each MLP Linear
             terms += _linear_inputs(p, h, mlp_consumers, "input norm output (MLP input)", r)
@@ -924,7 +940,15 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         terms += _moe_terms(layer.moe, h, p)  # type: ignore[arg-type]
     sites = _hidden_dropout_sites(spec, layer)
     if hidden_dropout > 0 and sites:
-        terms.append(Term(f"residual dropout masks x{sites}", sites * MASK * h))
+        terms += _sequence_sharded([Term(f"residual dropout masks x{sites}", sites * MASK * h)], sp)
+    if spec.context_shards > 1:
+        # Context parallelism as Megatron's all-gather variant and Llama 3 (arXiv:2407.21783 section 3.3.2) run
+        # it: each rank's queries attend to the keys and values all-gathered from the other C - 1 ranks, and the
+        # kernel keeps them for backward (ring attention, TransformerEngine's p2p, keeps only its own).
+        kv_width = att.num_kv_heads * (att.head_dim + att.v_head_dim) if att.kind == "mha" else \
+            att.num_heads * (att.head_dim + att.v_head_dim)
+        terms.append(Term(f"keys and values gathered from the other {spec.context_shards - 1} context-parallel "
+                          "ranks", (spec.context_shards - 1) * p.compute * kv_width))
 
     constant = 0
     if p.autocast:
@@ -936,7 +960,7 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         constant += FP32 * h * layer.num_norms
         if att.qk_norm:
             constant += FP32 * 2 * att.head_dim
-    checkpoint = (Term("layer input (checkpoint)", r * h),)
+    checkpoint = tuple(_sequence_sharded([Term("layer input (checkpoint)", r * h)], sp))
     return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention.kernel, attention.cache_extra,
                             attention.returned_extra, attention_bytes, attention.released, attention.backward,
                             max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout),
@@ -1128,27 +1152,27 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         layers = tuple(compiled_layer(la, h, p) for la in layers)
     emb_dropout = spec.dropout.embedding if settings.dropout is None else settings.dropout
 
-    embedding = [Term("input_ids (embedding backward)", INDEX, "embedding", "input_ids")]
+    embedding = [Term("input_ids (embedding backward)", INDEX, "embedding", "input_ids")] if spec.has_embedding else []
     if settings.offload_activations:
         # torchtune's OffloadActivations (training/_activation_offloading.py): each checkpointed layer's input
         # goes to host memory as it is saved; backward brings back the layer it is at and prefetches the next.
         embedding.append(Term("layer inputs back from host (the current layer's and the next one's)",
                               2 * p.residual * h, kind="back_from_host"))
     constant: list[Term] = []
-    if spec.traits.position_ids == "per_token":
+    if spec.traits.position_ids == "per_token" and spec.has_embedding:
         embedding.append(Term("position ids", INDEX))
-    projected = spec.projects_embeddings  # OPT-350m
+    projected = spec.projects_embeddings and spec.has_embedding and spec.has_head  # OPT-350m (not split by stages)
     if projected:
         # project_in (E -> h) keeps its input, the embeddings (cast to half under autocast); autocast's copy of its
         # weight lives until its backward, the step's last
         embedding.append(Term("project_in input (the embeddings)", p.compute * spec.embedding_dim))
         if p.autocast:
             constant.append(Term("autocast copy of the project_in weight", p.compute * spec.embedding_dim * h))
-    if spec.traits.position_ids == "per_sequence":
+    if spec.traits.position_ids == "per_sequence" and spec.has_embedding:
         constant.append(Term("position ids", INDEX * s))
-    if spec.embedding_norm:
+    if spec.embedding_norm and spec.has_embedding:
         embedding += _norm_terms(spec, h, p, "embedding norm", p.residual, "embedding_norm")
-    if emb_dropout > 0 and spec.traits.embedding_dropout:
+    if emb_dropout > 0 and spec.traits.embedding_dropout and spec.has_embedding:
         embedding.append(Term("embedding dropout mask", MASK * h))
     rotary_dims = {layer.attention.rotary_dim for layer, _ in spec.layer_runs if layer.attention.rotary_dim}
     if rotary_dims:
@@ -1169,8 +1193,12 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         constant.append(Term("ALiBi mask kept by the memory-efficient kernel", masks_used))
         masks_built -= masks_used
 
-    head = (_norm_terms(spec, h, p, "final norm", p.residual, "final_norm") if spec.final_norm and spec.norm_vectors
-            else [])
+    head = (_sequence_sharded(_norm_terms(spec, h, p, "final norm", p.residual, "final_norm"), spec.sequence_shards)
+            if spec.final_norm and spec.norm_vectors else [])
+    if not spec.has_head:
+        # A pipeline stage before the last: its output is sent to the next stage, nothing of the head is here.
+        return _activation_estimate(spec, settings, layers, tokens, embedding, [], constant, 0, 0, p, emb_dropout,
+                                    masks_built, masks_used)
     if spec.traits.rms_norm_fp32_plus_one:
         constant.append(Term("final norm (1 + weight) in fp32", FP32 * h))
     if projected:
@@ -1216,6 +1244,13 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         head_weight = spec.vocab_size * (spec.embedding_dim or h) + (h * spec.embedding_dim if projected else 0)
         constant.append(Term("autocast copy of the LM head weight", p.compute * head_weight, "lm_head",
                              "autocast_weight_copy"))
+    return _activation_estimate(spec, settings, layers, tokens, embedding, head, constant, logits_bytes,
+                                loss_transient, p, emb_dropout, masks_built, masks_used)
+
+
+def _activation_estimate(spec: ModelSpec, settings: TrainingSettings, layers, tokens: int, embedding, head, constant,
+                         logits_bytes: int, loss_transient: int, p: Precision, emb_dropout: float, masks_built: int,
+                         masks_used: int) -> ActivationEstimate:
     # DynamicLayer.update torch.cat's each layer's keys and values into the cache the model returns; what attention
     # does not keep itself (fp32 rotated keys under autocast, k and v a kernel copies) is alive until the output is
     # dropped.
@@ -1225,7 +1260,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         constant_terms=tuple(constant), logits_bytes=logits_bytes, loss_transient_bytes=loss_transient,
         checkpointing=settings.checkpointing, kv_cache_bytes=kv_cache,
         mask_bytes=masks_built if settings.checkpointing != "full" else masks_built - masks_used,
-        decoder_locals_bytes=_decoder_locals(spec, p, emb_dropout) * tokens,
+        decoder_locals_bytes=_decoder_locals(spec, p, emb_dropout) * tokens if spec.has_embedding else 0,
         offloaded=settings.offload_activations,
     )
 

@@ -67,8 +67,10 @@ class _Workload:
 
 SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attention", "checkpointing", "dropout",
                  "loss", "activation_k", "optimizer_in_backward", "compile", "offload_activations")
+LAYOUT_FLAGS = ("tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep")
+"""Model-parallel flags (modelparallel.py), passed to the request as they are."""
 _FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "zero", "fsdp", "offload",
-               "gpus_per_node")
+               "gpus_per_node", "tp", "pp", "cp", "ep", "pp-schedule", "virtual-stages", "micro-batches", "sp")
 """Request fields whose messages name a flag: the CLI prints them as --flag."""
 
 
@@ -96,7 +98,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
                            adapter_dtype=options["adapter_dtype"],
                            base_quant=options["base_quant"], double_quant=options["double_quant"],
                            qlora=options["qlora"], batch=batch, seq=seq,
-                           **{k: options[k] for k in SETTING_FLAGS})
+                           **{k: options[k] for k in SETTING_FLAGS}, **{k: options[k] for k in LAYOUT_FLAGS})
     except ConfigError as exc:
         message = str(exc)
         if message.startswith(_FLAG_WORDS):
@@ -127,8 +129,9 @@ def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
 
 
 def _one_process(w: _Workload, command: str) -> None:
-    if w.parallel is not None and w.parallel.engine != "single":
-        raise ConfigError(f"{command} runs one process: --gpus above 1, --zero and --fsdp are for estimate and sweep")
+    if w.parallel is not None and (w.parallel.engine != "single" or w.parallel.is_model_parallel):
+        raise ConfigError(f"{command} runs one process: --gpus above 1, --zero, --fsdp, --tp, --pp, --cp and --ep "
+                          "are for estimate and sweep")
 
 
 def _workload_options(f):
@@ -180,6 +183,17 @@ def _workload_options(f):
                      help="DDP with gradient_as_bucket_view=True (no second copy of the gradients)."),
         click.option("--ds-config", type=click.Path(dir_okay=False),
                      help="A DeepSpeed config: its zero_optimization keys (stage, buckets, offload) apply."),
+        click.option("--tp", type=int, default=1, show_default=True,
+                     help="Tensor parallel: heads, MLP width and vocabulary split across TP GPUs."),
+        click.option("--sp", is_flag=True, help="Sequence parallel on the tensor-parallel GPUs (needs --tp)."),
+        click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages."),
+        click.option("--pp-schedule", default="1f1b", show_default=True, help="1f1b | interleaved."),
+        click.option("--virtual-stages", type=int, default=1, show_default=True,
+                     help="Model chunks per GPU with --pp-schedule interleaved."),
+        click.option("--micro-batches", type=int, default=0,
+                     help="Micro-batches per step through the pipeline (default: --pp)."),
+        click.option("--cp", type=int, default=1, show_default=True, help="Context parallel: the sequence split."),
+        click.option("--ep", type=int, default=1, show_default=True, help="Expert parallel: routed experts split."),
         click.option("--lora", type=int, default=None, help="Train LoRA adapters of this rank on a frozen base "
                      "(the step is modelled for Llama-style, GPT-2 and OPT layers with SDPA; elsewhere the static "
                      "memory)."),
@@ -270,11 +284,12 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
 def trace(batch, seq, no_round, **options) -> None:
     """Run one real training step of MODEL's transformers implementation under FakeTensorMode on the CPU
     (no GPU, no memory), count every allocation, and compare with the estimate. With --gpus N --fsdp full, one rank
-    of FSDP2 on a fake process group.
+    of FSDP2 on a fake process group; with --gpus N --tp N [--sp], one rank of DTensor tensor parallelism.
 
     \b
     Example: trainmem trace llama-2-7b --batch 1 --seq 2048 --recipe mixed-bf16
              trainmem trace llama-3-8b --gpus 8 --fsdp full --recipe mixed-bf16
+             trainmem trace llama-3-8b --gpus 2 --tp 2 --sp --recipe pure-bf16-bf16states
     """
     from .step import check_runnable
 
@@ -282,11 +297,16 @@ def trace(batch, seq, no_round, **options) -> None:
     if w.finetune is not None and w.finetune.base_quant:
         raise ConfigError("trace runs LoRA on a full-precision base: bitsandbytes' quantized kernels cannot run on "
                           "fake tensors (the stored bytes are checked against bitsandbytes in the tests)")
-    sharded = w.parallel is not None and w.parallel.engine != "single"
+    tensor_parallel = w.parallel is not None and w.parallel.is_model_parallel
+    sharded = w.parallel is not None and w.parallel.engine != "single" and not tensor_parallel
     if sharded and w.parallel.engine != "fsdp2":
-        raise ConfigError("trace runs one GPU, or one rank of FSDP2 (--gpus N --fsdp full|grad-op); DDP and "
-                          "DeepSpeed are estimated only")
-    if sharded:
+        raise ConfigError("trace runs one GPU, one rank of FSDP2 (--gpus N --fsdp full|grad-op) or of tensor "
+                          "parallelism (--gpus N --tp N [--sp]); DDP and DeepSpeed are estimated only")
+    if tensor_parallel:
+        from .trace import check_tp_traceable
+
+        check_tp_traceable(w.settings, w.parallel, w.spec)
+    elif sharded:
         from .trace import check_fsdp_traceable
 
         check_fsdp_traceable(w.settings, w.parallel)
@@ -300,7 +320,11 @@ def trace(batch, seq, no_round, **options) -> None:
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
     config = w.config
     est = estimate_model(spec, settings, w.device, w.parallel, w.finetune)
-    if sharded:
+    if tensor_parallel:
+        from .trace import trace_tp_step
+
+        result = trace_tp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
+    elif sharded:
         result = trace_fsdp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
     else:
         result = trace_step(config, settings, spec, round_to_cuda=not no_round, finetune=w.finetune)

@@ -96,10 +96,17 @@ class Estimate:
     """sharding.RankLayout of one GPU under a data-parallel engine (its buffers, host memory), None on one GPU."""
     finetune: Any = None
     """lora.FineTune when adapters train on a frozen (possibly quantized) base."""
+    per_rank: tuple = ()
+    """modelparallel.RankRole of each kind of rank of a model-parallel layout; the figures above are the most
+    loaded one's."""
+    rank_model: ModelSpec | None = None
+    """The part of the model that most loaded rank holds (its heads, layers, experts), when model parallel."""
+    in_flight_bytes: int = 0
+    """Activations of the other micro-batches a pipeline stage keeps while it computes one."""
 
     @property
     def per_gpu(self) -> bool:
-        return self.rank is not None
+        return self.rank is not None or bool(self.per_rank)
 
     @property
     def static_bytes(self) -> int:
@@ -118,7 +125,7 @@ class Estimate:
             return self.activation_k_bytes
         if self.activations is None:
             return None
-        return self.activations.saved_bytes + self.activations.logits_bytes
+        return self.activations.saved_bytes + self.activations.logits_bytes + self.in_flight_bytes
 
     def fits(self, gpu: GPU | None = None) -> bool | None:
         """Whether the step's required memory fits ``gpu`` (default: the one asked about); None when no peak could

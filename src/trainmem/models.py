@@ -99,6 +99,13 @@ class MoE:
     shared_always_built: bool = False
     """DeepSeek-V3 builds its shared-expert MLP whatever ``n_shared_experts`` is: with 0 it is zero wide, yet under
     autocast its gate and up projections still cast their input to half."""
+    expert_shards: int = 1
+    """Expert parallelism: the routed experts are split across this many ranks (each holds num_experts / shards);
+    the router stays whole (modelparallel.py)."""
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.expert_shards
 
 
 @dataclass(frozen=True)
@@ -249,6 +256,16 @@ class ModelSpec:
     """Parameter tensors given directly instead of derived from layer_runs: a model counted by building it
     with transformers (unknown model_type) or a nominal size (``--params 7e9``). Such a spec has no
     architecture, so activations cannot be derived from it."""
+    # One rank's share of a model-parallel layout (modelparallel.py builds these; a whole model has the defaults).
+    has_embedding: bool = True
+    """False on a pipeline stage after the first: no token embedding, its input is the previous stage's output."""
+    has_head: bool = True
+    """False on a pipeline stage before the last: no final norm, LM head, logits or loss; its output is sent on."""
+    sequence_shards: int = 1
+    """Sequence parallelism (Korthikanti et al. 2022) over this many tensor-parallel ranks: the norms, residual
+    dropouts and layer inputs keep 1/T of the sequence."""
+    context_shards: int = 1
+    """Context parallelism: each rank holds 1/C of the sequence and gathers the others' keys and values."""
 
     @property
     def projects_embeddings(self) -> bool:
@@ -369,10 +386,10 @@ def _expert_numel(moe: MoE, hidden: int) -> int:
 
 
 def _moe_tensors(moe: MoE, hidden: int) -> list[ParamTensor]:
-    h, e, i = hidden, moe.num_experts, moe.expert_intermediate_size
+    h, e, i = hidden, moe.local_experts, moe.expert_intermediate_size
     # transformers 5 stores the routed experts as two 3-D tensors (MixtralExperts and friends).
     out = [
-        ParamTensor("mlp.gate.weight", (e, h), "router"),
+        ParamTensor("mlp.gate.weight", (moe.num_experts, h), "router"),
         ParamTensor("mlp.experts.gate_up_proj", (e, 2 * i, h), "expert"),
         ParamTensor("mlp.experts.down_proj", (e, h, i), "expert_down"),
     ]
@@ -405,16 +422,18 @@ def parameter_groups(spec: ModelSpec) -> tuple[ParamGroup, ...]:
     if emb_dim != h:  # OPT-350m style projections between embedding width and model width
         embed += _linear("project_in", emb_dim, h, False, "projection") + _linear("project_out", h, emb_dim, False,
                                                                                   "projection")
-    groups = [ParamGroup("embedding", 1, tuple(embed))]
+    groups = [ParamGroup("embedding", 1, tuple(embed))] if spec.has_embedding else []
     first = 0
     for layer, count in spec.layer_runs:
         kind = "moe" if layer.moe else "dense"
         label = f"layers[{first}:{first + count}] ({kind})"
         groups.append(ParamGroup(label, count, tuple(layer_tensors(layer, h, spec.norm_vectors))))
         first += count
+    if not spec.has_head:
+        return tuple(groups)
     if spec.final_norm and spec.norm_vectors:
         groups.append(ParamGroup("final_norm", 1, tuple(_norm("norm", h, spec.norm_vectors))))
-    if not spec.tied_embeddings:
+    if not spec.tied_embeddings or not spec.has_embedding:  # (a last pipeline stage holds its own copy)
         groups.append(ParamGroup("lm_head", 1, (ParamTensor("lm_head.weight", (spec.vocab_size, emb_dim), "head"),)))
     return tuple(groups)
 

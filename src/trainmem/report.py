@@ -170,12 +170,15 @@ def _parallel_keys(est: Estimate, doc: dict[str, Any]) -> None:
     the host memory of one node."""
     rank, parallel = est.rank, est.parallel
     doc["parallel"] = parallel.as_dict()
+    buffers = rank.buffers if rank else ()
     doc["static"]["buffers"] = [{"name": b.name, "bytes": b.bytes, "category": b.category, "phases": list(b.phases),
-                                 "note": b.note} for b in rank.buffers]
+                                 "note": b.note} for b in buffers]
     per_node = min(parallel.node_size, parallel.gpus)
-    doc["host"] = {"bytes_per_node": rank.host_bytes_per_rank * per_node,
-                   "pinned_bytes_per_node": rank.host_pinned_bytes_per_rank * per_node,
+    doc["host"] = {"bytes_per_node": (rank.host_bytes_per_rank if rank else 0) * per_node,
+                   "pinned_bytes_per_node": (rank.host_pinned_bytes_per_rank if rank else 0) * per_node,
                    "gpus_per_node": per_node}
+    if est.per_rank:
+        doc["per_rank"] = [role.as_dict() for role in est.per_rank]
 
 
 def estimate_title(est: Estimate) -> str:
@@ -194,13 +197,22 @@ def estimate_title(est: Estimate) -> str:
 
 
 def _engine_words(parallel) -> str:
-    engine = {"ddp": "DDP", "deepspeed": f"DeepSpeed ZeRO-{parallel.zero}",
+    engine = {"single": "no data-parallel engine", "ddp": "DDP", "deepspeed": f"DeepSpeed ZeRO-{parallel.zero}",
               "fsdp2": f"FSDP2 ({parallel.fsdp})"}[parallel.engine]
     return engine + (f", offload {parallel.offload}" if parallel.offload != "none" else "")
 
 
 def _layout_words(parallel) -> str:
-    return f"{parallel.gpus} ({_engine_words(parallel)})"
+    if not parallel.is_model_parallel:
+        return f"{parallel.gpus} ({_engine_words(parallel)})"
+    axes = [f"TP {parallel.tp}" + (" with SP" if parallel.sp else "")] if parallel.tp > 1 else []
+    if parallel.pp > 1:
+        axes.append(f"PP {parallel.pp}" + (f" interleaved x{parallel.virtual_stages}" if parallel.virtual_stages > 1
+                                           else "") + f", {parallel.in_flight_micro_batches} micro-batches")
+    axes += [f"{name} {getattr(parallel, name.lower())}" for name in ("CP", "EP") if getattr(parallel, name.lower()) > 1]
+    axes.append(f"DP {parallel.data_parallel}")
+    engine = f", {_engine_words(parallel)}" if parallel.engine != "single" else ""
+    return f"{parallel.gpus} ({' x '.join(axes)}{engine})"
 
 
 def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, explain: bool = False) -> None:
@@ -217,9 +229,11 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
     table.add_column("what", style="dim")
     for c in est.static:
         table.add_row(c.name, c.dtype, f"{c.bytes_per_param:.2f}", format_bytes(c.bytes, unit), c.note)
-    per_param = est.static_bytes / m.num_parameters
-    table.add_row("static total", "", f"{per_param:.2f}", format_bytes(est.static_bytes, unit), "", style="bold")
-    if est.per_gpu:
+    held = est.rank_model or m  # (a model-parallel rank holds a part of the model)
+    per_param = est.static_bytes / held.num_parameters
+    table.add_row("static total", "", f"{per_param:.2f}", format_bytes(est.static_bytes, unit),
+                  f"{held.num_parameters:,} parameters on this GPU" if est.rank_model else "", style="bold")
+    if est.rank is not None:
         for b in est.rank.buffers:
             table.add_row(f"[dim]+ {b.name}[/dim]", "", "", format_bytes(b.bytes, unit),
                           f"in {', '.join(b.phases)}" + (f"; {b.note}" if b.note else ""))
@@ -247,11 +261,33 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
             phases.add_row(p.name, p.moment, *(format_bytes(v, unit) for v in p.by_category().values()),
                            format_bytes(p.allocated_bytes, unit), style=style)
         console.print(phases)
+    if est.per_rank:
+        _render_per_rank(est, unit, console)
     if est.peak is not None:
         _render_peak(est, unit, console, gpu)
     for note in est.notes:
         console.print(f"[dim]note: {note}[/dim]")
     render_warnings(est, console)
+
+
+def _render_per_rank(est: Estimate, unit: str, console) -> None:
+    from rich.table import Table
+
+    table = Table(title="Each kind of GPU in the layout (the figures above are the most loaded one's)")
+    for col in ("role", "stages", "layers", "parameters", "static", "activations", "peak (allocated)", "required"):
+        table.add_column(col, justify="left" if col in ("role", "stages") else "right")
+    top = max(est.per_rank, key=lambda r: r.estimate.peak.allocated_bytes if r.estimate.peak else 0)
+    for role in est.per_rank:
+        e = role.estimate
+        stages = ",".join(str(x) for x in role.stages) if len(role.stages) < 4 else \
+            f"{role.stages[0]}..{role.stages[-1]}"
+        table.add_row(role.name, stages, str(e.rank_model.num_layers if e.rank_model else e.model.num_layers),
+                      f"{(e.rank_model or e.model).num_parameters:,}", format_bytes(e.static_bytes, unit),
+                      format_bytes(e.activation_bytes or 0, unit),
+                      format_bytes(e.peak.allocated_bytes, unit) if e.peak else "-",
+                      format_bytes(e.peak.required_bytes, unit) if e.peak else "-",
+                      style="bold" if role is top else None)
+    console.print(table)
 
 
 def render_warnings(est: Estimate, console) -> None:

@@ -75,7 +75,9 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
                  lora: int | None = None, lora_alpha: float | None = None, lora_targets: Any = ("q", "v"),
                  lora_dropout: float = 0.0, dora: bool = False, train_modules: Any = (),
                  adapter_dtype: str = "auto", base_quant: str | None = None, double_quant: bool = False,
-                 qlora: bool = False, **settings: Any) -> Request:
+                 qlora: bool = False, tp: int = 1, sp: bool = False, pp: int = 1, pp_schedule: str = "1f1b",
+                 virtual_stages: int = 1, micro_batches: int = 0, cp: int = 1, ep: int = 1,
+                 **settings: Any) -> Request:
     """Validate a request. ``model`` is a catalog name, a Hub repo id, a path to a config.json or its folder, or a
     ModelSpec; ``params`` a nominal size instead (``7e9``, ``"7B"``). ``cuda_overhead`` is in MiB. ``hub`` allows
     fetching a config from the Hugging Face Hub (never otherwise: a Hub id must be in the local cache).
@@ -84,7 +86,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     DeepSpeed config whose zero_optimization keys (stage, buckets, offload) apply where the keywords say nothing.
     ``lora`` (the rank), ``lora_alpha``, ``lora_targets`` (a list or "q,v"), ``dora``, ``train_modules`` (peft's
     modules_to_save: lm_head, embed_tokens), ``adapter_dtype``, ``base_quant``, ``double_quant`` and ``qlora`` (nf4
-    with double quantization) train adapters on a frozen base (lora.py).
+    with double quantization) train adapters on a frozen base (lora.py). ``tp``, ``sp``, ``pp``, ``pp_schedule``,
+    ``virtual_stages``, ``micro_batches``, ``cp`` and ``ep`` split the model across the GPUs (modelparallel.py).
     ``settings`` are TrainingSettings fields. Checks that cost nothing come before the model is read."""
     if need_config and params is not None:
         raise ConfigError(f"{need_config} needs a model config, not --params")
@@ -105,7 +108,11 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
         raise ConfigError(f"gpu must be a GPU name, got {type(gpu).__name__}")
     target = get_gpu(gpu) if isinstance(gpu, str) else gpu
     parallel = Parallel(gpus=gpus, gpus_per_node=gpus_per_node, zero=zero, fsdp=fsdp, offload=offload,
-                        ddp_bucket_view=ddp_bucket_view)
+                        ddp_bucket_view=ddp_bucket_view, tp=tp, sp=sp, pp=pp, pp_schedule=pp_schedule,
+                        virtual_stages=virtual_stages, micro_batches=micro_batches, cp=cp, ep=ep)
+    if parallel.pp > 1 and training.grad_accum > 1 and training.grad_accum != parallel.in_flight_micro_batches:
+        raise ConfigError(f"with --pp the pipeline's --micro-batches ({parallel.in_flight_micro_batches}) are the "
+                          f"gradient accumulation: --grad-accum {training.grad_accum} disagrees; give one")
     finetune = _finetune(lora, lora_alpha, lora_targets, adapter_dtype, base_quant, double_quant, qlora,
                          lora_dropout, dora, train_modules)
     config = None
@@ -123,11 +130,15 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
         parallel = _with_deepspeed_config(parallel, ds_config, spec)
     if parallel.engine != "single" and spec.is_nominal and (parallel.zero == 3 or parallel.fsdp):
         raise ConfigError("ZeRO-3 and FSDP2 shard each tensor: give a model instead of --params")
+    if parallel.is_model_parallel:
+        from .modelparallel import check_layout
+
+        check_layout(spec, parallel, training.seq)
     if finetune is not None:
         if spec.is_nominal:
             raise ConfigError("LoRA needs the model's layers: give a model config, not --params")
         finetune.as_dict(spec)  # the targets are checked against the model's modules here
-        if parallel.engine != "single":
+        if parallel.engine != "single" or parallel.is_model_parallel:
             raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
     return Request(spec, config, training, device, target, parallel, finetune)
 

@@ -29,7 +29,7 @@ engines' code (../shared/reference/scale.md cites the commits):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,13 +130,33 @@ class Parallel:
     ddp_bucket_view: bool = False
     """DDP's ``gradient_as_bucket_view=True``: the gradients live in the buckets, not beside them."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    # Model parallelism (modelparallel.py): gpus = data parallel x tp x pp x cp; ep is carved out of dp x cp.
+    tp: int = 1
+    """Tensor parallel degree: attention heads, MLP width and the vocabulary split across tp ranks."""
+    sp: bool = False
+    """Sequence parallelism on the tensor-parallel ranks."""
+    pp: int = 1
+    """Pipeline stages."""
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    """Model chunks per rank with the interleaved schedule."""
+    micro_batches: int = 0
+    """Micro-batches per step through the pipeline (0: pp, the fewest that fill it)."""
+    cp: int = 1
+    """Context parallel degree: the sequence split across cp ranks."""
+    ep: int = 1
+    """Expert parallel degree: the routed experts split across ep ranks."""
 
     def __post_init__(self) -> None:
-        for name, least in (("gpus", 1), ("gpus_per_node", 0)):
+        for name, least in (("gpus", 1), ("gpus_per_node", 0), ("tp", 1), ("pp", 1), ("virtual_stages", 1),
+                            ("micro_batches", 0), ("cp", 1), ("ep", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_GPUS:
-                raise ConfigError(f"{name} must be a whole number from {least} to {MAX_GPUS:,}"
-                                  + (" (0: 8, or gpus if fewer)" if least == 0 else "") + f", got {value!r}")
+                raise ConfigError(f"{name.replace('_', '-')} must be a whole number from {least} to {MAX_GPUS:,}"
+                                  + (" (0: 8, or gpus if fewer)" if name == "gpus_per_node" else
+                                     " (0: the pipeline's stages)" if name == "micro_batches" else "")
+                                  + f", got {value!r}")
+        _check_model_parallel(self)
         if self.zero is not None and self.fsdp is not None:
             raise ConfigError("--zero (DeepSpeed) and --fsdp (PyTorch FSDP2) are two engines; give one")
         if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in ZERO_STAGES):
@@ -145,8 +165,9 @@ class Parallel:
             raise ConfigError(f"unknown fsdp {self.fsdp!r}; accepted: {', '.join(FSDP_MODES)}")
         if self.offload not in OFFLOADS:
             raise ConfigError(f"unknown offload {self.offload!r}; accepted: {', '.join(OFFLOADS)}")
-        if self.gpus == 1 and (self.zero or self.fsdp not in (None, "no-shard")):
-            raise ConfigError("sharding needs more than one GPU: give --gpus N (N > 1) with --zero or --fsdp")
+        if self.data_parallel * self.cp == 1 and (self.zero or self.fsdp not in (None, "no-shard")):
+            raise ConfigError("sharding needs more than one GPU to shard across: give --gpus N larger than "
+                              f"tp x pp (here {self.tp * self.pp}) with --zero or --fsdp")
         if self.gpus_per_node and self.gpus_per_node > self.gpus:
             raise ConfigError(f"gpus_per_node ({self.gpus_per_node}) is more than gpus ({self.gpus})")
         if self.fsdp == "hybrid" and self.gpus % self.node_size:
@@ -163,6 +184,32 @@ class Parallel:
                                   "together: give --offload optimizer+params")
 
     @property
+    def model_parallel(self) -> int:
+        """GPUs that hold one copy of the model between them: tp x pp x cp."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def data_parallel(self) -> int:
+        return self.gpus // self.model_parallel
+
+    @property
+    def is_model_parallel(self) -> bool:
+        return self.model_parallel > 1 or self.ep > 1
+
+    @property
+    def in_flight_micro_batches(self) -> int:
+        return self.micro_batches or self.pp
+
+    def data_parallel_view(self) -> "Parallel":
+        """The data-parallel engine as one model-parallel rank sees it: its gradients are reduced, and its states
+        sharded, across the dp x cp ranks that hold the same part of the model (Megatron's data-parallel group with
+        context parallel; torchtitan's dp_shard_cp mesh)."""
+        group = self.data_parallel * self.cp
+        per_node = max(1, self.node_size // self.model_parallel) if self.gpus_per_node else 0
+        return replace(self, gpus=group, gpus_per_node=min(per_node, group), tp=1, sp=False, pp=1,
+                       pp_schedule="1f1b", virtual_stages=1, micro_batches=0, cp=1, ep=1)
+
+    @property
     def node_size(self) -> int:
         return self.gpus_per_node or min(8, self.gpus)
 
@@ -176,7 +223,7 @@ class Parallel:
             return "deepspeed"
         if self.fsdp is not None:
             return "fsdp2"
-        return "ddp" if self.gpus > 1 else "single"
+        return "ddp" if self.gpus // self.model_parallel * self.cp > 1 else "single"
 
     @property
     def shard_size(self) -> int:
@@ -190,11 +237,46 @@ class Parallel:
         return 1
 
     def as_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "deepspeed"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _MODEL_PARALLEL_FIELDS
+               and f.name != "deepspeed"}
         out.update(gpus_per_node=self.node_size, nodes=self.nodes, engine=self.engine, shard_size=self.shard_size)
+        if self.is_model_parallel:  # (keys added to schema 2 by issue 13: present only for such a layout)
+            out.update({name: getattr(self, name) for name in _MODEL_PARALLEL_FIELDS},
+                       micro_batches=self.in_flight_micro_batches if self.pp > 1 else 0,
+                       data_parallel=self.data_parallel, shard_size=self.data_parallel_view().shard_size)
         if self.zero is not None:
             out["deepspeed"] = {f.name: getattr(self.deepspeed, f.name) for f in fields(self.deepspeed)}
         return out
+
+
+PP_SCHEDULES = ("1f1b", "interleaved")
+_MODEL_PARALLEL_FIELDS = ("tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep")
+
+
+def _check_model_parallel(p: Parallel) -> None:
+    """What a layout must satisfy whatever the model (modelparallel.check_layout checks it against the model)."""
+    if p.gpus % p.model_parallel:
+        raise ConfigError(f"--gpus {p.gpus} is not a multiple of tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = "
+                          f"{p.model_parallel}: the world size is data parallel x tp x pp x cp")
+    if not isinstance(p.sp, bool):
+        raise ConfigError(f"sp must be true or false, got {p.sp!r}")
+    if p.sp and p.tp == 1:
+        raise ConfigError("--sp splits the sequence across the tensor-parallel ranks: it needs --tp 2 or more")
+    if p.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(f"unknown pp-schedule {p.pp_schedule!r}; accepted: {', '.join(PP_SCHEDULES)}")
+    if p.pp == 1 and (p.pp_schedule != "1f1b" or p.virtual_stages > 1 or p.micro_batches):
+        raise ConfigError("--pp-schedule, --virtual-stages and --micro-batches describe a pipeline: give --pp 2 "
+                          "or more")
+    if (p.pp_schedule == "interleaved") != (p.virtual_stages > 1):
+        raise ConfigError("the interleaved schedule runs --virtual-stages V >= 2 model chunks per rank; 1f1b runs one:"
+                          " give both or neither")
+    if p.pp_schedule == "interleaved" and p.in_flight_micro_batches % p.pp:
+        raise ConfigError(f"the interleaved schedule needs --micro-batches a multiple of --pp {p.pp} (Megatron's "
+                          f"rule), got {p.in_flight_micro_batches}")
+    group = (p.gpus // p.model_parallel) * p.cp
+    if group % p.ep:
+        raise ConfigError(f"--ep {p.ep} must divide data parallel x cp = {group}: the expert-parallel ranks are "
+                          "taken from the data-parallel ones (Megatron, torchtitan)")
 
 
 @dataclass(frozen=True)

@@ -355,7 +355,12 @@ def compile_step(spec: ModelSpec, settings: TrainingSettings | None = None,
                  device: DeviceOptions | None = None, parallel: Parallel | None = None,
                  finetune: FineTune | None = None) -> StepModel:
     """Compile ``spec`` trained with ``settings`` (whose batch and seq are ignored) on ``parallel``'s GPUs, fully or
-    with ``finetune``'s adapters, for :func:`evaluate`."""
+    with ``finetune``'s adapters, for :func:`evaluate`. A model-parallel layout compiles each rank role
+    (modelparallel.LayoutStep)."""
+    if parallel is not None and parallel.is_model_parallel:
+        from .modelparallel import LayoutStep
+
+        return LayoutStep(spec, settings or TrainingSettings(), device, parallel, finetune)  # type: ignore[return-value]
     return StepModel(spec, settings or TrainingSettings(), device, parallel, finetune)
 
 

@@ -111,7 +111,7 @@ def _experts_transient(spec: ModelSpec, la: LayerActivations, p: Precision, reci
     if moe is None:
         return 0
     w, k, i, h = p.experts, moe.top_k, moe.expert_intermediate_size, spec.hidden_size
-    weight_grad = _param_bytes(moe.num_experts * 2 * i * h, _autograd_grad_bytes(recipe))
+    weight_grad = _param_bytes(moe.local_experts * 2 * i * h, _autograd_grad_bytes(recipe))
     return (k * (2 * w * i + w * h + FP32) + p.residual * h) * tokens + weight_grad
 
 
@@ -161,7 +161,7 @@ def _norm_moment(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Re
     o_proj = _numel(tensors, "attention_output")
     live += p.compute * o_proj if p.autocast else 0  # o_proj's backward has not run: its half weight copy is alive
     mlp_grads = _param_bytes(_numel(tensors, *MLP_ROLES), recipe.gradient_bytes)
-    temps = (5 * FP32 + p.residual) * spec.hidden_size * tokens
+    temps = (5 * FP32 + p.residual) * spec.hidden_size * (tokens // spec.sequence_shards)  # (sequence parallel: 1/T)
     return live, mlp_grads, temps
 
 
@@ -737,7 +737,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     st = _static(static, recipe, settings, rank)
     weights, grads, states, grads_in_forward = st.weights, st.grads, st.states, st.grads_in_forward
     p = Precision.of(recipe)
-    tokens, v, h = acts.tokens, spec.vocab_size, spec.hidden_size
+    # (a pipeline stage before the last has no head: nothing vocabulary-wide, modelparallel.py)
+    tokens, v, h = acts.tokens, spec.vocab_size if spec.has_head else 0, spec.hidden_size
     # The LM head's autocast weight copy exists from the head's forward until its backward has run.
     head_copy = _head_copy(acts)
 
@@ -761,7 +762,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
     # (OPT's project_out makes the output a half tensor the head keeps)
     final_hidden = (p.residual * h * tokens if p.autocast and p.residual == FP32 and layers
-                    and not spec.projects_embeddings else 0)
+                    and not spec.projects_embeddings and spec.has_head else 0)
     head_trained = finetune is not None and "head" in finetune.lora.trained_roles
     embedding_trained = finetune is not None and "embedding" in finetune.lora.trained_roles
     if finetune is not None and layers and not head_trained:
@@ -801,6 +802,22 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
                                    + p.compute * h * tokens, 0))
+    if (layers and spec.has_head and spec.final_norm and spec.norm == "rms" and not spec.traits.rms_norm_fp32_plus_one
+            and not spec.projects_embeddings and finetune is None):
+        # The final RMSNorm's forward (LlamaRMSNorm): beside what everything before it saved and what it keeps, the
+        # last layer's output (its input, held by the base model's variable; under autocast it is the fp32 input it
+        # keeps) and its fp32 normalised product (a local until it returns), while it writes its output. Wins over
+        # the loss where the vocabulary is small against the hidden size (a tensor-parallel rank's V / T; traced).
+        head_part = acts.head_bytes - int(_term_bytes(acts.head_terms, "final_norm") * tokens) \
+            - int(_term_bytes(acts.head_terms, "head_input") * tokens)
+        # In half precision the embedding's output is a tensor of its own too (the first norm keeps an fp32 copy),
+        # held by LlamaModel.forward's ``inputs_embeds`` until it returns.
+        # (with sequence parallelism the norm and the residual stream hold 1/T of the tokens)
+        local = tokens // spec.sequence_shards
+        layer_output = 2 * p.residual * h * local if p.residual != FP32 else 0
+        candidates_fw.append(Phase("forward", "final norm", weights, grads_in_forward, states,
+                                   saved - head_part - head_copy + acts.kv_cache_bytes + cast_cache
+                                   + acts.decoder_locals_bytes + layer_output + FP32 * h * local, 0))
     candidates_fw.append(candidates_fw.pop(0))  # the loss comes last: on a tie the earlier moment is the peak
     starts = int(bool(rank and any("forward:start" in b.phases for b in rank.buffers)))
     if starts:
@@ -828,18 +845,18 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     if rank and rank.head_gradient_sharded:
         head_grad = -(-head_grad // shards)
     candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
-    if settings.loss != "chunked":
+    if settings.loss != "chunked" and spec.has_head:
         candidates += _lm_head_moments(spec, acts, recipe, p, weights, states, grads_in_forward, saved,
                                        frozen=finetune is not None and not head_trained, slices=slices,
                                        compiled_loss=compiled_loss)
-    if layers and spec.final_norm and spec.norm_vectors:
+    if layers and spec.final_norm and spec.norm_vectors and spec.has_head:
         # The final norm's backward, right after the head's: what the head kept is freed; an RMSNorm computed in
         # fp32 (LlamaRMSNorm and kin) has five h-wide fp32 gradient temporaries at once (traced), a LayerNorm the
         # gradients of its input and output. Wins for narrow MLPs and small vocabularies.
         # (the RMSNorm's weight product, which kept the normalised value, has already run its backward)
         final_norm_terms = _term_bytes(acts.head_terms, "final_norm", exclude=("normalised",))
         at_norm = saved - acts.head_bytes + int(final_norm_terms * tokens) - head_copy
-        norm_temps = (5 * FP32 if spec.norm == "rms" else 2 * p.residual) * h * tokens
+        norm_temps = (5 * FP32 if spec.norm == "rms" else 2 * p.residual) * h * (tokens // spec.sequence_shards)
         candidates.append(Phase("backward", "final norm", weights, max(grads_in_forward, head_grad), states,
                                 at_norm, norm_temps + (tied_held_for(spec, recipe) if finetune is None else 0)))
     # Then layer by layer, last to first. Each layer's worst moment is its MLP backward: down_proj's backward has
@@ -930,7 +947,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # (input_buffer.cpp; the trace does the same, see trace._gradient_sum). Only a large vocabulary with
     # small activations (checkpointing, short sequences) makes this the peak, e.g. Llama-3-8B (traced).
     layer_moments = range(first_layer_moment, len(candidates))
-    emb_input_grad = p.residual * h * tokens if layers else 0
+    emb_input_grad = p.residual * h * (tokens // spec.sequence_shards) if layers else 0
     if tied_held:
         # (on a rank, the finished gradients are the reduced shards of the head and the layers)
         finished = 0 if stepped else grads - tied_held if shards == 1 else head_grad + grads_above

@@ -447,3 +447,172 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
               _fsdp_phase("backward", "peak of backward", backward), step,
               _phase("between_steps", "after zero_grad", after))
     return TraceResult(phases, time.perf_counter() - started, round_to_cuda)
+
+
+TP_TRACE_RECIPES = ("fp32", "pure-bf16-bf16states")
+"""The recipes a tensor-parallel trace runs: one dtype throughout (DTensor and CPU autocast do not mix here)."""
+
+
+def check_tp_traceable(settings: TrainingSettings, parallel, spec: ModelSpec | None) -> None:
+    """Refuse, before torch is imported, what the tensor-parallel trace does not run."""
+    if parallel.pp > 1 or parallel.cp > 1 or parallel.ep > 1 or parallel.gpus != parallel.tp:
+        raise ConfigError("trace runs tensor parallelism alone: give --gpus equal to --tp, without --pp, --cp, --ep")
+    if parallel.zero is not None or parallel.fsdp is not None:
+        raise ConfigError("trace --tp runs without --zero or --fsdp")
+    if settings.recipe not in TP_TRACE_RECIPES:
+        raise ConfigError(f"trace --tp runs the recipes {', '.join(TP_TRACE_RECIPES)}; got {settings.recipe!r}")
+    if settings.optimizer not in ("adamw", "adam", "sgd") or settings.grad_accum != 1:
+        raise ConfigError("trace --tp runs adamw, adam or sgd, without gradient accumulation")
+    if settings.attention == "flash" or settings.loss != "standard" or settings.checkpointing != "none":
+        raise ConfigError("trace --tp runs sdpa or eager attention, the standard loss, no checkpointing")
+    for flag, on in (("--optimizer-in-backward", settings.optimizer_in_backward), ("--compile", settings.compile),
+                     ("--offload-activations", settings.offload_activations)):
+        if on:
+            raise ConfigError(f"trace --tp does not run {flag}")
+    if spec is not None and (spec.traits.block != "standard" or spec.is_moe or not spec.layer_runs
+                             or any(layer.attention.fused_qkv or layer.attention.kind != "mha"
+                                    or (layer.mlp and not layer.mlp.gated) for layer, _ in spec.layer_runs)):
+        raise ConfigError("trace --tp runs Llama-style models (separate q/k/v, gated MLP, no MoE): "
+                          "llama, mistral, qwen2, qwen3, gemma families")
+
+
+def _tp_plan(sp: bool) -> tuple[dict, dict]:
+    """torchtitan's Llama plan (torchtitan/models/llama3/infra/parallelize.py, apply_tp) on transformers' module
+    names: the root's (vocabulary-parallel embedding and LM head, sequence-parallel final norm) and each layer's."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    seq = Shard(1) if sp else Replicate()
+    root = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+    layer = {f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+    layer |= {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+              "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+              "mlp.down_proj": RowwiseParallel(output_layouts=seq)}
+    if sp:
+        root["model.norm"] = SequenceParallel()
+        layer |= {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+                  "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                  desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                  "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
+    return root, layer
+
+
+@contextlib.contextmanager
+def _sharding_propagation_untracked():
+    """DTensor works out each op's global output shape by running the op on fake global-shape tensors
+    (ShardingPropagator._propagate_tensor_meta_non_cached); a GPU run does that on fake tensors too, so it holds no
+    memory, but under the trace's FakeTensorMode MemTracker would count those tensors. Yields a flag the trace's
+    tracker reads to let them pass untracked."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    flag = [False]
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def untracked(self, op_schema):
+        flag[0] = True
+        try:
+            return original(self, op_schema)
+        finally:
+            flag[0] = False
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked
+    try:
+        yield flag
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+def _tp_tracker(mem_tracker, propagating):
+    class ShardingAwareTracker(mem_tracker.MemTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if propagating[0]:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return ShardingAwareTracker()
+
+
+def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel, spec: ModelSpec | None = None,
+                  round_to_cuda: bool = True) -> TraceResult:
+    """One rank of a tensor-parallel (and sequence-parallel with ``parallel.sp``) run: the transformers model split
+    with PyTorch's DTensor plans as torchtitan splits Llama (``_tp_plan``), under FakeTensorMode and the fake
+    process group, the loss computed on the vocabulary-sharded logits under ``loss_parallel`` (transformers' loss
+    cannot take a DTensor). MemTracker follows rank 0's local tensors; a warm-up step creates the states."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed._tools import mem_tracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .probe import build_model
+
+    check_tp_traceable(settings, parallel, spec)
+    started = time.perf_counter()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=parallel.tp, store=FakeStore())
+    mesh = init_device_mesh("cpu", (parallel.tp,))
+    try:
+        with _cuda_block_sizes(round_to_cuda), fake_gpu(), _sharding_propagation_untracked() as propagating:
+            model = build_model(config, get_recipe(settings.recipe), settings.attention, settings.dropout)
+            root, layer_plan = _tp_plan(parallel.sp)
+            for layer in model.model.layers:
+                parallelize_module(layer, mesh, layer_plan)
+            parallelize_module(model, mesh, root)
+            optimizer_class = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+            fused = settings.fused_optimizer
+            # foreach kernels take DTensors or plain tensors, not both: the replicated norms (plain tensors without
+            # sequence parallelism) are a second parameter group, stepped after the split weights
+            split = [p for p in model.parameters() if isinstance(p, DTensor)]
+            whole = [p for p in model.parameters() if not isinstance(p, DTensor)]
+            optimizer = optimizer_class[settings.optimizer](
+                [g for g in ({"params": split}, {"params": whole}) if g["params"]], lr=1e-4, foreach=not fused,
+                fused=fused or None)
+            ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq))
+            labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+            # (with sequence parallelism the layers see 1/T of the sequence: the positions are given whole)
+            positions = torch.arange(settings.seq).unsqueeze(0)
+
+            def micro_batch():
+                logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+                with loss_parallel():
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=-100)
+                    del logits
+                    loss.backward()
+
+            micro_batch()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tracker = _tp_tracker(mem_tracker, propagating)
+            tracker.track_external(model, optimizer)
+            with tracker:
+                load = _device_snapshot(tracker.get_tracker_snapshot("current"))
+                micro_batch()
+                stats = tracker.memory_tracking[model].snapshots
+                forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
+                backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
+            step_tracker = _tp_tracker(mem_tracker, propagating)
+            step_tracker.track_external(model, optimizer)
+            with step_tracker:
+                before = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
+                optimizer.step()
+                peak = _device_snapshot(step_tracker.get_tracker_snapshot("peak"))
+                optimizer.zero_grad(set_to_none=True)
+                after = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
+    finally:
+        dist.destroy_process_group()
+    load_phase = _phase("load", "static state", load)
+    step = _phase("optimizer", "step()", peak)
+    states = after.get("Optstate", 0)
+    step = Phase("optimizer", "step()", step.parameters, before.get("Gradient", 0), states, 0,
+                 step.allocated_bytes - step.parameters - before.get("Gradient", 0) - states)
+    phases = (load_phase, _phase("forward", "peak of forward", forward),
+              _phase("backward", "peak of backward", backward), step,
+              _phase("between_steps", "after zero_grad", after))
+    return TraceResult(phases, time.perf_counter() - started, round_to_cuda)

@@ -52,6 +52,15 @@ class EstimateInput(BaseModel):
     zero: int | None = Field(None, ge=0, le=3)
     fsdp: str | None = None
     offload: str = "none"
+    tp: int = Field(1, ge=1, le=1 << 20, description="Tensor parallel degree.")
+    sp: bool = Field(False, description="Sequence parallel on the tensor-parallel GPUs.")
+    pp: int = Field(1, ge=1, le=1 << 20, description="Pipeline stages.")
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = Field(1, ge=1, le=1 << 20)
+    micro_batches: int = Field(0, ge=0, le=1 << 20, description="Micro-batches per step through the pipeline "
+                               "(0: pp).")
+    cp: int = Field(1, ge=1, le=1 << 20, description="Context parallel degree.")
+    ep: int = Field(1, ge=1, le=1 << 20, description="Expert parallel degree.")
     lora: int | None = Field(None, ge=1, le=65536)
     lora_alpha: float | None = None
     lora_targets: str = "q,v"
@@ -86,7 +95,8 @@ class PlanInput(BaseModel):
 
 SETTINGS_FIELDS = ("recipe", "optimizer", "batch", "seq", "grad_accum", "attention", "checkpointing", "loss")
 REQUEST_FIELDS = ("gpus", "zero", "fsdp", "offload", "lora", "lora_alpha", "lora_targets", "dora", "qlora",
-                  "base_quant", "gpu", "headroom")
+                  "base_quant", "gpu", "headroom", "tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches",
+                  "cp", "ep")
 
 
 def _model_of(body):

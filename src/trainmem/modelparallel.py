@@ -1,0 +1,285 @@
+"""Model parallelism: the memory of one GPU when tensor (TP), sequence (SP), pipeline (PP), context (CP) and expert
+(EP) parallelism split the model, combined with the data-parallel engines of sharding.py.
+
+Each distinct rank role (the first pipeline stage, the most loaded middle one, the last) is estimated as the model
+that rank holds, a :class:`~trainmem.models.ModelSpec` of its own, run through the same step model as one GPU:
+- TP (Megatron-LM's ColumnParallelLinear/RowParallelLinear, PyTorch's ColwiseParallel/RowwiseParallel): q/k/v,
+  gate/up and the experts' first matmul split their outputs, o/down their inputs, so a rank holds heads / T, kv
+  heads / T and MLP width / T; norms and the row-parallel biases are replicated; the embedding and the LM head are
+  split over the vocabulary (VocabParallelEmbedding; ``loss_parallel``), ceil(V / T) rows each. Activations follow
+  from the rank's shapes: the split tensors are 1/T, the replicated ones (norms, residual, the Linear inputs) whole.
+- SP (Korthikanti et al. 2022, arXiv:2205.05198): the norms, the residual dropouts and the layer input hold 1/T of
+  the sequence (activations._sequence_sharded).
+- PP: the layers are split into P stages (V chunks per rank interleaved); the first stage holds the embedding,
+  the last the final norm, the LM head and the loss (with tied embeddings it holds its own copy of the embedding
+  as the head, as Megatron does). A stage keeps the activations of the micro-batches in flight: min(P - s, M) on
+  stage s with 1F1B; with the interleaved schedule, (P - s - 1) x 2 + (V - 1) x P + 1 model chunks' worth, at
+  most M x V (megatron/core/pipeline_parallel/schedules.py, forward_backward_pipelining_with_interleaving's
+  num_warmup_microbatches): on the first stage L x (1 + (P - 1) / (P V)) layers' worth, Megatron's factor.
+- CP: each rank holds seq / C tokens and the keys/values gathered from the others (activations.py).
+- EP: each rank holds num_experts / E routed experts, the router whole; the all-to-all dispatch and combine
+  buffers (every routed copy of the rank's tokens, sent and received) exist while a MoE layer runs.
+The data-parallel engine (DDP, ZeRO, FSDP2) then shards what each rank holds across the dp x cp ranks that hold
+the same part (sharding.Parallel.data_parallel_view).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .errors import ConfigError
+from .estimate import DeviceOptions, Estimate, peak_of_phases
+from .models import Layer, ModelSpec
+from .settings import TrainingSettings
+from .sharding import Parallel
+from .timeline import Phase
+
+_STEP_PHASES = ("forward", "backward")
+
+
+def check_layout(spec: ModelSpec, parallel: Parallel, seq: int | None = None) -> None:
+    """One line for a layout the model cannot be split into (exit 2 in the CLI)."""
+    tp, pp, v, cp, ep = parallel.tp, parallel.pp, parallel.virtual_stages, parallel.cp, parallel.ep
+    if not parallel.is_model_parallel:
+        return
+    if not spec.has_architecture:
+        raise ConfigError("--tp, --pp, --cp and --ep split the model's layers: give a model config, not --params")
+    for layer, _ in spec.layer_runs:
+        att = layer.attention
+        if att.num_heads % tp:
+            raise ConfigError(f"--tp {tp} must divide the attention heads ({att.num_heads})")
+        if att.kind == "mha" and att.num_kv_heads % tp:
+            raise ConfigError(f"--tp {tp} must divide the key/value heads ({att.num_kv_heads}); accepted: "
+                              + ", ".join(str(t) for t in _divisors(math.gcd(att.num_heads, att.num_kv_heads))))
+        widths = [("MLP width (intermediate_size)", layer.mlp.intermediate_size)] if layer.mlp else [
+            ("expert width", layer.moe.expert_intermediate_size),  # type: ignore[union-attr]
+            ("shared expert width", layer.moe.shared_intermediate_size)]  # type: ignore[union-attr]
+        for what, width in widths:
+            if width % tp:
+                raise ConfigError(f"--tp {tp} must divide the {what} ({width})")
+        if ep > 1 and layer.moe is None and spec.is_moe is False:
+            raise ConfigError(f"--ep {ep} splits routed experts; {spec.name or spec.model_type} has none")
+        if layer.moe is not None and layer.moe.num_experts % ep:
+            raise ConfigError(f"--ep {ep} must divide the routed experts ({layer.moe.num_experts})")
+    chunks = pp * v
+    if spec.num_layers % chunks or spec.num_layers < chunks:
+        raise ConfigError(f"the {spec.num_layers} layers must split evenly into pp x virtual stages = {pp} x {v} = "
+                          f"{chunks} chunks")
+    if seq is not None:
+        if seq % cp:
+            raise ConfigError(f"--cp {cp} must divide the sequence length ({seq:,})")
+        if parallel.sp and (seq // cp) % tp:
+            raise ConfigError(f"--sp splits each rank's {seq // cp:,} tokens across --tp {tp}: give a sequence "
+                              f"length that is a multiple of {tp * cp}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tensor_parallel_spec(spec: ModelSpec, parallel: Parallel) -> ModelSpec:
+    """The model as one tensor/sequence/context/expert-parallel rank holds it (module docstring)."""
+    tp, ep = parallel.tp, parallel.ep
+
+    def split(layer: Layer) -> Layer:
+        att = layer.attention
+        att = replace(att, num_heads=att.num_heads // tp,
+                      num_kv_heads=att.num_kv_heads // tp if att.kind == "mha" else att.num_kv_heads // tp or 1)
+        mlp = replace(layer.mlp, intermediate_size=layer.mlp.intermediate_size // tp) if layer.mlp else None
+        moe = replace(layer.moe, expert_intermediate_size=layer.moe.expert_intermediate_size // tp,
+                      shared_intermediate_size=layer.moe.shared_intermediate_size // tp,
+                      expert_shards=ep) if layer.moe else None
+        return replace(layer, attention=att, mlp=mlp, moe=moe)
+
+    return replace(spec, layer_runs=tuple((split(layer), count) for layer, count in spec.layer_runs),
+                   vocab_size=-(-spec.vocab_size // tp), sequence_shards=tp if parallel.sp else 1,
+                   context_shards=parallel.cp)
+
+
+def _layers(spec: ModelSpec) -> list[Layer]:
+    return [layer for layer, count in spec.layer_runs for _ in range(count)]
+
+
+def _runs(layers: list[Layer]) -> tuple[tuple[Layer, int], ...]:
+    runs: list[tuple[Layer, int]] = []
+    for layer in layers:
+        if runs and runs[-1][0] == layer:
+            runs[-1] = (layer, runs[-1][1] + 1)
+        else:
+            runs.append((layer, 1))
+    return tuple(runs)
+
+
+def in_flight_chunks(parallel: Parallel, stage: int) -> int:
+    """Model chunks' worth of one micro-batch's activations stage ``stage`` keeps at its fullest (module docstring):
+    with 1F1B a chunk is the stage, with the interleaved schedule one of its V chunks."""
+    p, v, m = parallel.pp, parallel.virtual_stages, parallel.in_flight_micro_batches
+    if v == 1:
+        return min(p - stage, m)
+    return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """One kind of rank: which pipeline stages it stands for, and its estimate (every figure per GPU)."""
+
+    name: str
+    stages: tuple[int, ...]
+    in_flight: int
+    """Model chunks' worth of micro-batch activations held (in_flight_chunks)."""
+    estimate: Estimate
+
+    def as_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {"role": self.name, "stages": list(self.stages), "in_flight_chunks": self.in_flight,
+                "num_parameters": e.model.num_parameters, "static_bytes": e.static_bytes,
+                "activation_bytes": e.activation_bytes,
+                "peak": None if e.peak is None else {"phase": e.peak.phase, "allocated_bytes": e.peak.allocated_bytes,
+                                                     "required_bytes": e.peak.required_bytes}}
+
+
+def stage_spec(rank: ModelSpec, parallel: Parallel, stage: int) -> ModelSpec:
+    """The layers pipeline stage ``stage`` holds (its V chunks), with the embedding on the first and the head on the
+    last; a tied embedding becomes two tensors, one on each end."""
+    if parallel.pp == 1:
+        return rank
+    layers = _layers(rank)
+    p, v = parallel.pp, parallel.virtual_stages
+    size = len(layers) // (p * v)
+    held = [layer for chunk in range(v) for layer in layers[(chunk * p + stage) * size:(chunk * p + stage + 1) * size]]
+    first, last = stage == 0, stage == p - 1
+    return replace(rank, layer_runs=_runs(held), has_embedding=first, has_head=last,
+                   tied_embeddings=rank.tied_embeddings and not (first or last))
+
+
+def _role_stages(parallel: Parallel) -> list[tuple[str, tuple[int, ...]]]:
+    p = parallel.pp
+    if p == 1:
+        return [("every rank", (0,))]
+    roles = [("first stage", (0,))]
+    if p > 2:
+        roles.append(("middle stages", tuple(range(1, p - 1))))
+    return roles + [("last stage", (p - 1,))]
+
+
+class LayoutStep:
+    """A model-parallel layout compiled for searches: quacks like stepmodel.StepModel (``spec``, ``device``,
+    ``phases``, ``estimate``) and answers for the most loaded rank."""
+
+    def __init__(self, spec: ModelSpec, settings: TrainingSettings, device: DeviceOptions | None,
+                 parallel: Parallel, finetune=None):
+        from .stepmodel import compile_step
+
+        if finetune is not None:
+            raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
+        check_layout(spec, parallel)
+        self.spec, self.settings, self.parallel = spec, settings, parallel
+        self.device = device or DeviceOptions()
+        rank = tensor_parallel_spec(spec, parallel)
+        view = parallel.data_parallel_view()
+        micro = parallel.in_flight_micro_batches if parallel.pp > 1 else 1
+        # a pipeline's micro-batches accumulate their gradients as --grad-accum does
+        stage_settings = replace(settings, grad_accum=max(settings.grad_accum, micro))
+        self._stages: list[tuple[str, int, int, Any, ModelSpec]] = []
+        compiled: dict[ModelSpec, Any] = {}
+        for name, stages in _role_stages(parallel):
+            for stage in stages:
+                s = stage_spec(rank, parallel, stage)
+                if s not in compiled:
+                    compiled[s] = compile_step(s, stage_settings, self.device, view)
+                self._stages.append((name, stage, in_flight_chunks(parallel, stage) if parallel.pp > 1 else 1,
+                                     compiled[s], s))
+
+    def _local_seq(self, seq: int) -> int:
+        return -(-seq // self.parallel.cp)
+
+    def _stage_phases(self, entry, batch: int, seq: int) -> tuple[Phase, ...]:
+        _, _, in_flight, step, s = entry
+        local = self._local_seq(seq)
+        phases = step.phases(batch, local)
+        held = self._held_extra(step, s, in_flight, batch, local) + self._all_to_all(s, batch, local)
+        if not held[0] and not held[1]:
+            return phases
+        return tuple(replace(ph, activations=ph.activations + held[0], temporaries=ph.temporaries + held[1])
+                     if ph.name in _STEP_PHASES else ph for ph in phases)
+
+    def _held_extra(self, step, s: ModelSpec, in_flight: int, batch: int, seq: int) -> tuple[int, int]:
+        """Activations of the other micro-batches in flight on this stage: (in_flight - V) chunks' worth."""
+        chunks = self.parallel.virtual_stages
+        if in_flight <= chunks:
+            return (0, 0)
+        acts = step.activations(replace(step.settings, batch=batch, seq=seq))
+        per_micro = acts.layers_bytes + acts.embedding_bytes  # (the head's is in flight once: 1F1B's last stage)
+        return (per_micro * (in_flight - chunks) // chunks, 0)
+
+    def _all_to_all(self, s: ModelSpec, batch: int, seq: int) -> tuple[int, int]:
+        """EP's dispatch and combine buffers: each routed copy of the rank's tokens, sent and received, in the
+        compute dtype, while a MoE layer runs (Megatron's MoEAlltoAllTokenDispatcher; torchtitan's all_to_all)."""
+        if self.parallel.ep == 1:
+            return (0, 0)
+        from .activations import Precision
+        from .recipes import get_recipe
+
+        k = max((layer.moe.top_k for layer, _ in s.layer_runs if layer.moe), default=0)
+        compute = Precision.of(get_recipe(self.settings.recipe)).compute
+        return (0, 2 * k * batch * seq * s.hidden_size * compute)
+
+    def _loaded(self, batch: int, seq: int) -> tuple[tuple[Phase, ...], list[tuple[str, tuple[Phase, ...]]]]:
+        per_stage = [(entry, self._stage_phases(entry, batch, seq)) for entry in self._stages]
+        top = max(per_stage, key=lambda x: max(ph.allocated_bytes for ph in x[1]))
+        return top[1], per_stage
+
+    def phases(self, batch: int, seq: int) -> tuple[Phase, ...]:
+        return self._loaded(batch, seq)[0]
+
+    def estimate(self, batch: int, seq: int) -> Estimate:
+        check_layout(self.spec, self.parallel, seq)
+        settings = replace(self.settings, batch=batch, seq=seq)
+        local = self._local_seq(seq)
+        roles: list[RankRole] = []
+        by_role: dict[str, tuple[int, Any, tuple[Phase, ...], int]] = {}
+        for entry in self._stages:
+            name, stage, in_flight, step, s = entry
+            phases = self._stage_phases(entry, batch, seq)
+            load = max(ph.allocated_bytes for ph in phases)
+            if name not in by_role or load > by_role[name][0]:
+                by_role[name] = (load, entry, phases, stage)
+        for name, stages in _role_stages(self.parallel):
+            _, entry, phases, stage = by_role[name]
+            _, _, in_flight, step, s = entry
+            base = step.estimate(batch, local)
+            held = self._held_extra(step, s, in_flight, batch, local)[0]
+            acts_note = (f"{name}: the activations of {in_flight} micro-batches in flight"
+                         if self.parallel.virtual_stages == 1 else
+                         f"{name}: the activations of {in_flight} model chunks x micro-batches in flight") \
+                if in_flight > self.parallel.virtual_stages else ""
+            e = replace(base, settings=settings, phases=phases, peak=peak_of_phases(phases, self.device),
+                        in_flight_bytes=held, parallel=self.parallel, rank_model=s,
+                        notes=base.notes + ((acts_note,) if acts_note else ()))
+            roles.append(RankRole(name, stages if name != "middle stages" else (stage,), in_flight, e))
+        top = max(roles, key=lambda r: r.estimate.peak.allocated_bytes if r.estimate.peak else 0)
+        notes = top.estimate.notes + layout_notes(self.parallel)
+        return replace(top.estimate, model=self.spec, per_rank=tuple(roles), notes=notes)
+
+
+def layout_notes(parallel: Parallel) -> tuple[str, ...]:
+    notes = []
+    if parallel.tp > 1:
+        notes.append("tensor parallel traced with DTensor (ColwiseParallel/RowwiseParallel"
+                     + (", SequenceParallel" if parallel.sp else "") + ") under the fake process group: "
+                     "docs/accuracy.md")
+    if parallel.sp:
+        notes.append("sequence parallel as PyTorch's DTensor keeps it: the all-gathered input of each column-"
+                     "parallel Linear is saved whole (Megatron-LM saves the 1/T shard and gathers it again)")
+    if parallel.pp > 1:
+        notes.append("not validated: pipeline stages are estimated as the sub-model each holds with the in-flight "
+                     "micro-batches added; the p2p send/receive buffers (one micro-batch's hidden states) are not "
+                     "counted")
+    if parallel.cp > 1:
+        notes.append("not validated: context parallel (no trace; the all-gather variant, which keeps the gathered "
+                     "keys and values)")
+    if parallel.ep > 1:
+        notes.append("not validated: expert parallel (no trace; tokens assumed evenly routed)")
+    return tuple(notes)
