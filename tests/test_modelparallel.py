@@ -18,25 +18,26 @@ TOLERANCE = 0.03
 """The issue's bar: each traced phase within 3% of the estimate."""
 
 
-def _tiny_llama(layers: int = 2) -> dict:
-    """Llama-3.2-1B's layer shapes, two layers, a 512-token vocabulary, untied (a tied pair parallelized as two
+def _tiny_llama(layers: int = 2, vocab: int = 512) -> dict:
+    """Llama-3.2-1B's layer shapes, two layers, a small vocabulary, untied (a tied pair parallelized as two
     modules becomes two tensors in the trace)."""
-    return dict(catalog_config("llama-3.2-1b"), num_hidden_layers=layers, vocab_size=512, tie_word_embeddings=False)
+    return dict(catalog_config("llama-3.2-1b"), num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("tp,sp,recipe,seq", [
-    (2, False, "pure-bf16-bf16states", 1024),
-    (2, True, "pure-bf16-bf16states", 1024),
-    (4, True, "pure-bf16-bf16states", 512),
-    (2, True, "fp32", 512),
-    (4, False, "fp32", 512),
+@pytest.mark.parametrize("tp,sp,recipe,seq,vocab", [
+    (2, False, "pure-bf16-bf16states", 1024, 512),
+    (2, True, "pure-bf16-bf16states", 1024, 512),
+    (4, True, "pure-bf16-bf16states", 512, 32000),  # (the vocabulary-parallel loss and embedding gradient count)
+    (2, True, "fp32", 512, 512),
+    (4, False, "fp32", 512, 32000),
 ])
-def test_tensor_parallel_rank_matches_its_dtensor_trace(tp, sp, recipe, seq):
+def test_tensor_parallel_rank_matches_its_dtensor_trace(tp, sp, recipe, seq, vocab):
     """One rank of torchtitan's Llama plan (ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down, the vocabulary-
-    parallel embedding and head, SequenceParallel norms) traced under FakeTensorMode and the fake process group."""
+    parallel embedding and head, SequenceParallel norms, loss_parallel) traced under FakeTensorMode and the fake
+    process group."""
     from trainmem.trace import trace_tp_step
 
-    config = _tiny_llama()
+    config = _tiny_llama(vocab=vocab)
     spec = spec_from_config(config)
     settings = make_settings(recipe=recipe, batch=2, seq=seq, dropout=0.0)
     parallel = Parallel(gpus=tp, tp=tp, sp=sp)

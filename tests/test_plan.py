@@ -24,7 +24,16 @@ def _flags(layout: Layout) -> list[str]:
         flags += ["--fsdp", layout.fsdp]
     if layout.offload != "none":
         flags += ["--offload", layout.offload]
+    if layout.tp > 1:
+        flags += ["--tp", str(layout.tp), "--sp"]
+    if layout.pp > 1:
+        flags += ["--pp", str(layout.pp), "--micro-batches", str(layout.grad_accum)]
     return flags
+
+
+def _layout(doc: dict) -> Layout:
+    fields = {k: doc[k] for k in Layout.__dataclass_fields__ if k in doc}
+    return Layout(**fields, tp=doc["tensor_parallel"], pp=doc["pipeline_parallel"])
 
 
 def test_llama_3_70b_on_8_h100_keeps_layouts_that_fit_and_are_the_estimators(run_cli):
@@ -39,7 +48,7 @@ def test_llama_3_70b_on_8_h100_keeps_layouts_that_fit_and_are_the_estimators(run
         # 70B's states do not fit 8 x 80 GB unsharded: ZeRO-3 or FSDP2 full, with offload
         assert layout["engine"] in ("ZeRO-3", "FSDP2 full") and layout["offload"] != "none"
         code, out, _ = run_cli("estimate", "llama-3-70b", "--seq", "4096", "--gpu", "H100-80GB",
-                               *_flags(Layout(**{k: layout[k] for k in Layout.__dataclass_fields__})), "--json")
+                               *_flags(_layout(layout)), "--json")
         assert code == 0 and json.loads(out) == plan["estimate"]
 
 
@@ -54,9 +63,11 @@ def test_the_micro_batch_is_the_largest_that_fits():
         if bigger:
             import trainmem
 
+            pipeline = {"pp": layout.pp, "micro_batches": per_gpu // bigger[0]} if layout.pp > 1 else \
+                {"grad_accum": per_gpu // bigger[0]}
             est = trainmem.estimate("llama-3-8b", seq=4096, batch=bigger[0], gpu="H100-80GB", recipe=layout.recipe,
                                     checkpointing=layout.checkpointing, gpus=8, zero=layout.zero, fsdp=layout.fsdp,
-                                    offload=layout.offload, grad_accum=per_gpu // bigger[0])
+                                    offload=layout.offload, tp=layout.tp, sp=layout.tp > 1, **pipeline)
             assert not est.fits(H100), layout
 
 
@@ -162,3 +173,56 @@ def test_search_refuses_a_nominal_model():
 
     with pytest.raises(ConfigError, match="architecture"):
         search(nominal_spec(7e9), H100, 8, 2048)
+
+
+def test_tensor_and_pipeline_layouts_are_the_estimators_and_win_where_data_parallelism_is_slow(run_cli):
+    """Llama-3-70B on 64 H100s, 512 sequences of 4,096 tokens: the search takes tensor (with SP) and pipeline
+    layouts too; each kept plan is `trainmem estimate` of that layout and fits."""
+    code, out, err = run_cli("plan", "llama-3-70b", "--gpu", "H100-80GB", "--gpus", "64", "--seq", "4096",
+                             "--global-batch", "512", "--json", "--top", "6")
+    doc = json.loads(out)
+    assert code == 0, err
+    layouts = [p["layout"] for p in doc["plans"]]
+    assert any(x["tensor_parallel"] * x["pipeline_parallel"] > 1 for x in layouts)
+    for plan in doc["plans"]:
+        layout = plan["layout"]
+        assert layout["data_parallel"] * layout["tensor_parallel"] * layout["pipeline_parallel"] == 64
+        assert layout["sequence_parallel"] == (layout["tensor_parallel"] > 1)
+        assert plan["estimate"]["peak"]["required_bytes"] <= H100.memory_bytes
+        code, out, _ = run_cli("estimate", "llama-3-70b", "--seq", "4096", "--gpu", "H100-80GB",
+                               *_flags(_layout(layout)), "--json")
+        assert code == 0 and json.loads(out) == plan["estimate"]
+
+
+def test_time_model_of_tensor_and_pipeline_parallelism():
+    spec = catalog_spec("llama-3-8b")
+    sheet = THROUGHPUT["H100-80GB"]
+    base = Layout("mixed-bf16", "FSDP2 full", None, "full", "none", "none", 1, 16, 64, 8)
+    split = Layout("mixed-bf16", "FSDP2 full", None, "full", "none", "none", 1, 16, 64, 8, tp=4, pp=2)
+    t0, t1 = step_time(spec, base, 4096, H100), step_time(spec, split, 4096, H100)
+    # the same tokens per model replica, split over 8 GPUs, plus the 1F1B bubble (P - 1) / M
+    assert t1.compute_seconds == pytest.approx(t0.compute_seconds / 8 * (1 + 1 / 16))
+    hidden = 4096 * spec.hidden_size * 2
+    tp_bytes = 16 * (32 / 2) * 8 * hidden * 3 / 4  # micro-batches x layers per stage x 8 collectives x (T-1)/T
+    pp_bytes = 16 * 2 * hidden
+    assert t1.exposed_seconds == pytest.approx(tp_bytes / (sheet.link_gbps * 1e9) + pp_bytes / (sheet.link_gbps * 1e9))
+    assert t0.exposed_seconds == 0
+
+
+def test_out_writes_torchtitan_for_a_tensor_and_pipeline_layout(tmp_path):
+    from trainmem.engine_configs import write_configs
+
+    layout = Layout("pure-bf16", "FSDP2 full", None, "full", "none", "full", 2, 8, 64, 8, tp=4, pp=4)
+    written = {p.name for p in write_configs(layout, 4096, "llama-3-70b", tmp_path / "tp")}
+    assert written == {"torchtitan.toml", "launch.sh"}  # accelerate and DeepSpeed's files cannot say TP and PP
+    titan = tomllib.loads((tmp_path / "tp" / "torchtitan.toml").read_text())
+    par = titan["parallelism"]
+    assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["data_parallel_shard_degree"]) == \
+        (4, 4, 4)
+    assert par["pipeline_parallel_microbatch_size"] == 2 and titan["training"]["local_batch_size"] == 16
+    assert titan["training"]["global_batch_size"] == 64
+    try:  # torchtitan's own job config, where it installs
+        from torchtitan.config.job_config import JobConfig  # noqa: F401
+    except ImportError:
+        pass
+    assert subprocess.run(["bash", "-n", str(tmp_path / "tp" / "launch.sh")]).returncode == 0

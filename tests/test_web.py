@@ -28,6 +28,8 @@ SAME_INPUTS = [
      ["llama-2-7b", "--gpus", "8", "--zero", "3", "--gpu", "A100-80GB", "--headroom", "1.1"]),
     ({"model": "mixtral-8x7b", "gpus": 16, "fsdp": "full", "attention": "eager", "seq": 1024},
      ["mixtral-8x7b", "--gpus", "16", "--fsdp", "full", "--attention", "eager", "--seq", "1024"]),
+    ({"model": "llama-3-70b", "gpus": 64, "tp": 8, "sp": True, "pp": 4, "zero": 1, "seq": 4096},
+     ["llama-3-70b", "--gpus", "64", "--tp", "8", "--sp", "--pp", "4", "--zero", "1", "--seq", "4096"]),
     ({"model": "llama-3.1-8b", "recipe": "pure-bf16-bf16states", "batch": 2, "checkpointing": "full", "lora": 8,
       "lora_alpha": 16, "lora_targets": "q,v", "loss": "chunked-output"},
      ["llama-3.1-8b", "--recipe", "pure-bf16-bf16states", "--batch", "2", "--checkpointing", "full", "--lora", "8",
@@ -109,6 +111,8 @@ def test_catalog_gpus_and_recipes_are_the_cli_documents(client, run_cli):
     ({"config": {"model_type": "llama", "hidden_size": "x"}}, "config", "must be an integer"),
     ({"model": "llama-3-8b", "trust_remote_code": True}, "trust_remote_code", "Extra inputs"),
     ({"model": "llama-3-8b", "gpus": 3, "zero": 3, "lora": 8}, "gpus", "several GPUs"),
+    ({"model": "llama-3-8b", "gpus": 3, "tp": 3}, "tp", "must divide the attention heads"),
+    ({"model": "llama-3-8b", "gpus": 6, "tp": 4}, "gpus", "not a multiple of tp x pp x cp"),
 ])
 def test_bad_input_is_a_422_naming_the_field(client, body, field, says):
     response = client.post("/api/estimate", json=body)

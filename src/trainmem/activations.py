@@ -1238,6 +1238,11 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         head += [Term("log_softmax output (fp32)", FP32 * v), Term("shifted labels (int64)", INDEX)]
         logits_bytes = p.compute * v * tokens
         loss_transient = (FP32 * v * tokens) if p.compute != FP32 else 0
+        if spec.vocab_shards > 1:
+            # PyTorch's loss_parallel (torch/distributed/tensor/parallel/loss.py, _log_softmax): the logits less
+            # their all-reduced max, and its exp, both fp32 V / T, beside the fp32 copy, before the log_softmax
+            # output (counted among the saved) exists: one fp32 V / T more than transformers' loss (traced)
+            loss_transient += FP32 * v * tokens
     constant.append(Term("loss total_weight", FP32))
     if p.autocast:
         # (with project_out, its weight's copy too: both are made after the layers and used by the head's backward)

@@ -846,7 +846,7 @@ def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, chec
         console = _console()
         if answer is not None:
             console.print(f"[bold]the fewest {found.gpu.name} that train {found.model.name} at {seq:,} tokens: "
-                          f"{answer:,}[/bold] (data parallel; the layouts below)")
+                          f"{answer:,}[/bold] (the layouts below)")
         render_plan(found, top, unit, console, answer)
         if out_dir:
             console.print("wrote " + ", ".join(str(p) for p in written))

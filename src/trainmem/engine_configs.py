@@ -1,5 +1,6 @@
 """A planned layout written as the files the engines read: a DeepSpeed JSON, an accelerate config YAML (DeepSpeed or
-FSDP2), a torchtitan TOML where the layout is expressible there (FSDP2 without offload), and a launch script.
+FSDP2), a torchtitan TOML where the layout is expressible there (FSDP2 without offload; tensor and pipeline
+parallelism, which only torchtitan's file expresses here), and a launch script.
 
 Key names follow each engine's own parser: DeepSpeed's config keys (deepspeed/runtime/config.py and
 runtime/zero/config.py: ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
@@ -75,37 +76,66 @@ def accelerate_config(layout: Layout) -> dict:
     return config
 
 
+def model_parallel(layout: Layout) -> bool:
+    return layout.tp * layout.pp > 1
+
+
 def torchtitan_toml(layout: Layout, seq: int, model_name: str) -> str | None:
-    """torchtitan's job config for an FSDP2 layout without offload (torchtitan shards with FSDP2 and has no
-    DeepSpeed engine); None where the layout is not expressible there."""
-    if not layout.fsdp or layout.offload != "none":
+    """torchtitan's job config for an FSDP2 layout without offload, or a tensor/pipeline-parallel one over FSDP2,
+    DDP (``data_parallel_replicate_degree``) or nothing (torchtitan shards with FSDP2 and has no DeepSpeed engine);
+    None where the layout is not expressible there. torchtitan's TP plan is sequence parallel; its local batch is
+    per data-parallel rank, split into ``pipeline_parallel_microbatch_size`` micro-batches with PP."""
+    dp = layout.data_parallel
+    if layout.offload != "none" or not (layout.fsdp or model_parallel(layout)):
         return None
-    shard = layout.gpus_per_node if layout.fsdp == "hybrid" else layout.gpus
-    replicate = layout.gpus // shard
-    return "\n".join([
-        f"# trainmem plan: {model_name}, {layout.engine}, {layout.recipe}, checkpointing {layout.checkpointing}",
+    if layout.fsdp:
+        shard = layout.gpus_per_node if layout.fsdp == "hybrid" else dp
+    else:
+        shard = 1
+    replicate = dp // shard
+    pipelined = layout.pp > 1
+    local = layout.micro_batch * layout.grad_accum if pipelined else layout.micro_batch
+    lines = [
+        f"# trainmem plan: {model_name}, TP {layout.tp} x PP {layout.pp} x DP {dp}, {layout.engine}, {layout.recipe}, "
+        f"checkpointing {layout.checkpointing}",
         "[training]",
-        f"local_batch_size = {layout.micro_batch}",
-        f"global_batch_size = {layout.micro_batch * layout.grad_accum * layout.gpus}",
+        f"local_batch_size = {local}",
+        f"global_batch_size = {layout.micro_batch * layout.grad_accum * dp}",
         f"seq_len = {seq}",
         f'mixed_precision_param = "{"bfloat16" if mixed_precision(layout.recipe) == "bf16" else "float32"}"',
         "",
         "[parallelism]",
         f"data_parallel_shard_degree = {shard}",
         f"data_parallel_replicate_degree = {replicate}",
-        f'fsdp_reshard_after_forward = "{"always" if layout.fsdp in ("full", "hybrid") else "never"}"',
-        "tensor_parallel_degree = 1",
-        "pipeline_parallel_degree = 1",
-        "context_parallel_degree = 1",
-        "",
-        "[activation_checkpoint]",
-        f'mode = "{"full" if layout.checkpointing == "full" else "none"}"',
-        "",
-    ])
+    ]
+    if layout.fsdp:
+        # ("always" also with PP, where torchtitan's default keeps the parameters gathered: the estimate is of
+        # full sharding)
+        reshard = "always" if layout.fsdp in ("full", "hybrid") else "never"
+        lines.append(f'fsdp_reshard_after_forward = "{reshard}"')
+    lines += [f"tensor_parallel_degree = {layout.tp}", f"pipeline_parallel_degree = {layout.pp}"]
+    if pipelined:
+        lines += ['pipeline_parallel_schedule = "1F1B"', f"pipeline_parallel_microbatch_size = {layout.micro_batch}"]
+    lines += ["context_parallel_degree = 1", "", "[activation_checkpoint]",
+              f'mode = "{"full" if layout.checkpointing == "full" else "none"}"', ""]
+    return "\n".join(lines)
 
 
 def launch_script(layout: Layout) -> str:
     nodes = -(-layout.gpus // layout.gpus_per_node)
+    if model_parallel(layout):
+        return "\n".join([
+            "#!/usr/bin/env bash",
+            f"# trainmem plan: {layout.gpus} GPUs ({nodes} node{'s' if nodes > 1 else ''} of {layout.gpus_per_node}), "
+            f"TP {layout.tp} x PP {layout.pp} x DP {layout.data_parallel}, {layout.engine}: torchtitan with "
+            "torchtitan.toml.",
+            "# Run from torchtitan's checkout on every node, with NODE_RANK and MASTER_ADDR set.",
+            "set -euo pipefail",
+            f"torchrun --nnodes {nodes} --nproc-per-node {layout.gpus_per_node} --node-rank \"${{NODE_RANK:-0}}\" "
+            '--rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \\',
+            '    -m torchtitan.train --job.config_file "$(dirname "$0")/torchtitan.toml" "$@"',
+            "",
+        ])
     return "\n".join([
         "#!/usr/bin/env bash",
         f"# trainmem plan: {layout.gpus} GPUs ({nodes} node{'s' if nodes > 1 else ''} of {layout.gpus_per_node}), "
@@ -133,9 +163,10 @@ def write_configs(layout: Layout, seq: int, model_name: str, out: str | os.PathL
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder")
     if not target.parent.is_dir():
         raise ConfigError(f"--out: the folder {str(target.parent)!r} does not exist")
-    files: dict[str, str] = {"accelerate.yaml": yaml.safe_dump(accelerate_config(layout), sort_keys=False),
-                             "launch.sh": launch_script(layout)}
-    if not layout.fsdp and layout.gpus > 1:
+    files: dict[str, str] = {"launch.sh": launch_script(layout)}
+    if not model_parallel(layout):  # (accelerate and DeepSpeed's configs have no pipeline stages or TP plan here)
+        files["accelerate.yaml"] = yaml.safe_dump(accelerate_config(layout), sort_keys=False)
+    if not layout.fsdp and layout.gpus > 1 and not model_parallel(layout):
         files["ds_config.json"] = json.dumps(deepspeed_config(layout), indent=2) + "\n"
     titan = torchtitan_toml(layout, seq, model_name)
     if titan is not None:

@@ -156,10 +156,18 @@ def static_components(model: ModelSpec, settings: TrainingSettings) -> tuple[Sta
     state_dtype = "uint8+fp32" if optimizer.name.endswith("8bit") else \
         recipe.optimizer_states if state_bytes == recipe.state_bytes else recipe.weights
     note = optimizer.states + (" (paged: evictable to CPU)" if optimizer.paged else "")
+    gradients, gradient_note = n * recipe.gradient_bytes, "param.grad, same shape as the parameters"
+    if model.vocab_shards > 1 and model.has_embedding and model.has_architecture:
+        # DTensor (torch 2.13) returns the vocabulary-parallel embedding's gradient replicated: every rank gets the
+        # whole V x h (traced); Megatron's VocabParallelEmbedding keeps it sharded.
+        rows = model.vocab_size * (model.vocab_shards - 1)
+        gradients += rows * (model.embedding_dim or model.hidden_size) * recipe.gradient_bytes
+        gradient_note += "; the embedding's whole (replicated by DTensor's vocabulary-parallel backward)"
     return (
         StaticComponent("weights", recipe.weights, n * recipe.weight_bytes, recipe.weight_bytes, "model parameters"),
-        StaticComponent("gradients", recipe.gradients, n * recipe.gradient_bytes, recipe.gradient_bytes,
-                        "param.grad, same shape as the parameters"),
+        StaticComponent("gradients", recipe.gradients, gradients,
+                        recipe.gradient_bytes if gradients == n * recipe.gradient_bytes else gradients / n,
+                        gradient_note),
         StaticComponent("master_weights", recipe.master_weights or "-", n * recipe.master_bytes, recipe.master_bytes,
                         "fp32 copy the optimizer updates" if recipe.master_weights else "none in this recipe"),
         StaticComponent("optimizer_states", state_dtype, states, states / n, note),

@@ -94,7 +94,7 @@ def tensor_parallel_spec(spec: ModelSpec, parallel: Parallel) -> ModelSpec:
         return replace(layer, attention=att, mlp=mlp, moe=moe)
 
     return replace(spec, layer_runs=tuple((split(layer), count) for layer, count in spec.layer_runs),
-                   vocab_size=-(-spec.vocab_size // tp), sequence_shards=tp if parallel.sp else 1,
+                   vocab_size=-(-spec.vocab_size // tp), vocab_shards=tp, sequence_shards=tp if parallel.sp else 1,
                    context_shards=parallel.cp)
 
 
@@ -185,12 +185,26 @@ class LayoutStep:
         self._stages: list[tuple[str, int, int, Any, ModelSpec]] = []
         compiled: dict[ModelSpec, Any] = {}
         for name, stages in _role_stages(parallel):
-            for stage in stages:
+            held: set[ModelSpec] = set()
+            for stage in stages:  # (in flight falls with the stage: of identical stages the first is the most loaded)
                 s = stage_spec(rank, parallel, stage)
+                if s in held:
+                    continue
+                held.add(s)
                 if s not in compiled:
                     compiled[s] = compile_step(s, stage_settings, self.device, view)
                 self._stages.append((name, stage, in_flight_chunks(parallel, stage) if parallel.pp > 1 else 1,
                                      compiled[s], s))
+
+    @property
+    def static(self):
+        """The model states of the rank that holds the most (the search's floor)."""
+        return max((entry[3].static for entry in self._stages), key=lambda st: sum(c.bytes for c in st))
+
+    @property
+    def rank(self):
+        """The data-parallel engine's layout on the first stage's rank (its buffers, its host memory)."""
+        return self._stages[0][3].rank
 
     def _local_seq(self, seq: int) -> int:
         return -(-seq // self.parallel.cp)

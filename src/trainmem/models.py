@@ -266,6 +266,9 @@ class ModelSpec:
     dropouts and layer inputs keep 1/T of the sequence."""
     context_shards: int = 1
     """Context parallelism: each rank holds 1/C of the sequence and gathers the others' keys and values."""
+    vocab_shards: int = 1
+    """Tensor parallelism over the vocabulary: vocab_size is this rank's ceil(V / T) rows of the embedding and the
+    LM head, and the loss is the vocabulary-parallel one (PyTorch's ``loss_parallel``)."""
 
     @property
     def projects_embeddings(self) -> bool:

@@ -1,12 +1,14 @@
-"""``trainmem plan``: the data-parallel layouts that fit a GPU, ranked by a stated time model.
+"""``trainmem plan``: the layouts that fit a GPU, ranked by a stated time model.
 
 The search: recipe x engine (DDP, ZeRO 1-3, FSDP2 full / grad-op / hybrid) x activation checkpointing (none, full) x
-offload x micro-batch, for a global batch of sequences split evenly over the GPUs (micro-batch x accumulation =
-global batch / GPUs). Each layout's memory is the estimator's (stepmodel.py: compiled once per recipe, engine,
-checkpointing and offload, then evaluated per micro-batch in microseconds); memory grows with the micro-batch, so
-the largest that fits is found by bisection over the divisors and the larger ones are counted as searched without
-being evaluated. Tensor, pipeline, context and expert parallelism are not searched yet (issue 13): every layout
-here is data parallel.
+offload x micro-batch, for a global batch of sequences split evenly over the data-parallel ranks (micro-batch x
+accumulation = global batch / data parallel); and tensor parallelism (with sequence parallelism, inside a node) x
+pipeline stages (1F1B, the accumulated micro-batches through the pipeline), as torchtitan runs them: with FSDP2
+full sharding or DDP over the data-parallel ranks (modelparallel.py). Each layout's memory is the estimator's
+(stepmodel.py: compiled once per recipe, engine, checkpointing and offload, then evaluated per micro-batch in
+microseconds); memory grows with the micro-batch, so the largest that fits is found by bisection over the divisors
+and the larger ones are counted as searched without being evaluated. Context and expert parallelism and the
+interleaved schedule are not searched (NOT_SEARCHED).
 
 The time model ranks; it does not promise seconds (docs/method.md, "The plan's time model"):
 
@@ -21,7 +23,12 @@ The time model ranks; it does not promise seconds (docs/method.md, "The plan's t
   nodes. Inside a node at the GPU's link bandwidth, across nodes at ``inter_node_gbps`` per GPU;
 - communication overlaps compute entirely (a lower bound: time = max(compute, communication)); offloaded states
   cross the GPU's host link (gradients down and parameters up every step; offloaded parameters every micro-batch
-  in forward and backward), which is added, not overlapped.
+  in forward and backward), which is added, not overlapped;
+- tensor parallelism divides the compute by T and adds, on the critical path (not overlapped), two all-gathers and
+  two reduce-scatters of a micro-batch's hidden states per layer in forward and as many in backward (sequence
+  parallelism; the volume of Megatron's four all-reduces), and two more with full checkpointing, over the node's
+  link; pipeline parallelism divides the compute by P, adds the 1F1B bubble ((P - 1) / M of the compute: Narayanan
+  et al. 2021) and each micro-batch's hidden states sent forward and their gradient back between stages.
 """
 
 from __future__ import annotations
@@ -34,15 +41,16 @@ from .errors import ConfigError
 from .estimate import DeviceOptions, Estimate, Peak
 from .hardware import (DEFAULT_HOST_MEMORY_GIB, DEFAULT_INTER_NODE_GBPS, GPU, THROUGHPUT, Throughput)
 from .models import ModelSpec
-from .recipes import get_recipe
+from .recipes import DTYPE_BYTES, get_recipe
 from .settings import make_settings
 from .sharding import Parallel
 from .stepmodel import StepModel, compile_step, evaluate
 
-TIME_MODEL = ("step = max(compute, communication) + offload; compute = model FLOPs (6N + causal attention, + the "
-              "forward again under full checkpointing) at mfu x peak dense bf16 FLOPS; communication = ring "
-              "collectives of the engine over the node's link or the inter-node bandwidth; offload = PCIe traffic "
-              "of offloaded states")
+TIME_MODEL = ("step = max(compute, communication) + offload + exposed; compute = model FLOPs (6N + causal attention, "
+              "+ the forward again under full checkpointing) / (tp x pp) at mfu x peak dense bf16 FLOPS, x (1 + "
+              "(pp - 1) / micro-batches) for the 1F1B bubble; communication = ring collectives of the data-parallel "
+              "engine over the node's link or the inter-node bandwidth; offload = PCIe traffic of offloaded states; "
+              "exposed = tensor-parallel collectives (4 per layer each way) and pipeline sends, not overlapped")
 """The time model in one line, for the JSON document (the module docstring and docs/method.md in full)."""
 
 PLAN_RECIPES = ("mixed-bf16", "pure-bf16", "amp-bf16", "pure-bf16-bf16states")
@@ -51,8 +59,11 @@ DEFAULT_MFU = 0.4
 """Fraction of peak FLOPS the model's matmuls reach: 0.4 is typical of well-tuned dense training at scale (Chowdhery
 et al. 2022 report 46% for PaLM 540B; Megatron-LM reports 41-48% on A100/H100)."""
 MAX_MIN_GPUS = 1 << 16
-NOT_SEARCHED = ("tensor, sequence, pipeline, context and expert parallelism (not modelled yet)",
+NOT_SEARCHED = ("context and expert parallelism (estimate them with --cp, --ep)",
+                "the interleaved pipeline schedule (estimate it with --pp-schedule interleaved)",
+                "ZeRO with tensor or pipeline parallelism (Megatron-DeepSpeed; trainmem writes no config for it)",
                 "selective activation checkpointing (trainmem models none and full)")
+MAX_PIPELINE_STAGES = 16
 
 
 @dataclass(frozen=True)
@@ -68,34 +79,49 @@ class Layout:
     grad_accum: int
     gpus: int
     gpus_per_node: int
+    tp: int = 1
+    """Tensor parallel degree, with sequence parallelism when above 1."""
+    pp: int = 1
+    """Pipeline stages (1F1B); the grad_accum micro-batches go through the pipeline."""
+
+    @property
+    def data_parallel(self) -> int:
+        return self.gpus // (self.tp * self.pp)
 
     @property
     def parallel(self) -> Parallel:
         return Parallel(gpus=self.gpus, gpus_per_node=self.gpus_per_node, zero=self.zero, fsdp=self.fsdp,
-                        offload=self.offload)
+                        offload=self.offload, tp=self.tp, sp=self.tp > 1, pp=self.pp,
+                        micro_batches=self.grad_accum if self.pp > 1 else 0)
 
     def as_dict(self) -> dict:
         return {"recipe": self.recipe, "engine": self.engine, "zero": self.zero, "fsdp": self.fsdp,
                 "offload": self.offload, "checkpointing": self.checkpointing, "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum, "gpus": self.gpus, "gpus_per_node": self.gpus_per_node,
-                "nodes": math.ceil(self.gpus / self.gpus_per_node), "data_parallel": self.gpus,
-                "tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1, "expert_parallel": 1}
+                "nodes": math.ceil(self.gpus / self.gpus_per_node), "data_parallel": self.data_parallel,
+                "tensor_parallel": self.tp, "sequence_parallel": self.tp > 1, "pipeline_parallel": self.pp,
+                "context_parallel": 1, "expert_parallel": 1}
 
 
 @dataclass(frozen=True)
 class StepTime:
     compute_seconds: float
+    """Model FLOPs on this GPU at mfu, the pipeline bubble included."""
     communication_seconds: float
+    """The data-parallel engine's collectives, overlapped with compute."""
     offload_seconds: float
     tokens_per_gpu: int
+    exposed_seconds: float = 0.0
+    """Tensor-parallel collectives and pipeline sends, on the critical path."""
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_seconds, self.communication_seconds) + self.offload_seconds
+        return max(self.compute_seconds, self.communication_seconds) + self.offload_seconds + self.exposed_seconds
 
     def as_dict(self) -> dict:
         return {"seconds": self.seconds, "compute_seconds": self.compute_seconds,
                 "communication_seconds": self.communication_seconds, "offload_seconds": self.offload_seconds,
+                "exposed_communication_seconds": self.exposed_seconds,
                 "tokens_per_second_per_gpu": self.tokens_per_gpu / self.seconds if self.seconds else None}
 
 
@@ -110,9 +136,13 @@ class Plan:
 
     @property
     def estimate(self) -> Estimate:
-        """The full estimate of this layout (as `trainmem estimate` gives it), built when asked: a search keeps
-        only the peak of every fitting layout."""
-        return self.step.estimate(self.layout.micro_batch, self.seq)
+        """The full estimate of this layout (as `trainmem estimate` gives it for the same flags), built when asked:
+        a search keeps only the peak of every fitting layout."""
+        L = self.layout
+        settings = make_settings(recipe=L.recipe, checkpointing=L.checkpointing, seq=self.seq, batch=L.micro_batch,
+                                 grad_accum=L.grad_accum)
+        step = compile_step(self.step.spec, settings, self.step.device, L.parallel if L.gpus > 1 else None)
+        return step.estimate(L.micro_batch, self.seq)
 
 
 @dataclass(frozen=True)
@@ -149,6 +179,32 @@ def _engines(gpus: int, gpus_per_node: int):
     return engines
 
 
+def _model_parallel_engines(data_parallel: int):
+    """The data-parallel engines torchtitan combines with TP and PP (FSDP2 full sharding, or DDP's replication)."""
+    if data_parallel == 1:
+        return [("no data parallelism", None, None, ("none",))]
+    return [("FSDP2 full", None, "full", ("none",)), ("DDP", None, None, ("none",))]
+
+
+def model_parallel_degrees(spec: ModelSpec, gpus: int, gpus_per_node: int, seq: int) -> list[tuple[int, int]]:
+    """(tp, pp) pairs worth searching: TP (with SP) inside a node, dividing the heads, kv heads, MLP width and the
+    sequence; PP dividing the layers, up to MAX_PIPELINE_STAGES; tp x pp dividing the GPUs."""
+    from .modelparallel import check_layout
+
+    pairs = []
+    for tp in _divisors(gpus_per_node):
+        for pp in [d for d in _divisors(spec.num_layers) if d <= MAX_PIPELINE_STAGES]:
+            if gpus % (tp * pp):
+                continue
+            if (tp, pp) != (1, 1):
+                try:
+                    check_layout(spec, Parallel(gpus=gpus, tp=tp, sp=tp > 1, pp=pp), seq)
+                except ConfigError:
+                    continue
+            pairs.append((tp, pp))
+    return pairs
+
+
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
@@ -167,8 +223,9 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
     """The time model of one optimizer step on one GPU (module docstring)."""
     sheet = throughput_of(gpu)
     recipe = get_recipe(layout.recipe)
-    sequences = layout.micro_batch * layout.grad_accum
+    sequences = layout.micro_batch * layout.grad_accum  # per data-parallel rank, i.e. per model replica
     tokens = sequences * seq
+    split = layout.tp * layout.pp
     n, full = spec.num_active_parameters, layout.checkpointing == "full"
     # multiply-adds per token of q.k^T and p.v in forward, over the keys a query sees (half the sequence on
     # average under the causal mask, or the window)
@@ -179,14 +236,23 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
         attention_macs += count * att.num_heads * (att.head_dim + att.v_head_dim) * keys
     # forward 2 FLOPs per multiply-add; backward twice the forward; full checkpointing recomputes the forward
     forward = 2 * n + 2 * attention_macs
-    flops = tokens * forward * (3 + full)
-    compute = flops / (sheet.dense_tflops * 1e12 * mfu)
+    flops = tokens * forward * (3 + full) / split
+    bubble = (layout.pp - 1) / layout.grad_accum  # 1F1B: (P - 1) micro-batch slots idle per M (Narayanan 2021)
+    compute = flops * (1 + bubble) / (sheet.dense_tflops * 1e12 * mfu)
 
-    p, g, w = spec.num_parameters, recipe.gradient_bytes, recipe.weight_bytes
-    dp, node = layout.gpus, layout.gpus_per_node
+    p, g, w = spec.num_parameters / split, recipe.gradient_bytes, recipe.weight_bytes
+    dp, node = layout.data_parallel, layout.gpus_per_node
     ring = (dp - 1) / dp if dp > 1 else 0.0
-    bandwidth = (sheet.link_gbps if dp <= node else min(sheet.link_gbps, inter_node_gbps)) * 1e9
+    bandwidth = (sheet.link_gbps if layout.gpus <= node else min(sheet.link_gbps, inter_node_gbps)) * 1e9
     micro = layout.grad_accum
+    exposed = 0.0
+    hidden_states = layout.micro_batch * seq * spec.hidden_size * DTYPE_BYTES[recipe.compute]
+    if layout.tp > 1:  # 4 collectives per layer forward and backward (+2 recomputing), each (T - 1) / T moved
+        collectives = micro * (spec.num_layers / layout.pp) * (8 + 2 * full)
+        exposed += collectives * hidden_states * (layout.tp - 1) / layout.tp / (sheet.link_gbps * 1e9)
+    if layout.pp > 1:  # each micro-batch's activations forward and their gradient back, between stages
+        stage_link = sheet.link_gbps if split <= node else min(sheet.link_gbps, inter_node_gbps)
+        exposed += micro * 2 * hidden_states / (stage_link * 1e9)
     if dp == 1:
         volume = 0.0
     elif layout.engine in ("DDP", "ZeRO-1"):
@@ -209,16 +275,16 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
         offload += shard * (g + w) / (sheet.host_gbps * 1e9)  # gradients down, updated parameters up, every step
     if layout.offload == "optimizer+params":
         offload += micro * 2 * shard * w / (sheet.host_gbps * 1e9)  # the parameter shards, forward and backward
-    return StepTime(compute, communication, offload, tokens)
+    return StepTime(compute, communication, offload, tokens // split, exposed)
 
 
 def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | None = None,
            gpus_per_node: int = 8, recipes: tuple[str, ...] = PLAN_RECIPES, device: DeviceOptions | None = None,
            mfu: float = DEFAULT_MFU, inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS,
            host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB, checkpointing: tuple[str, ...] = ("none", "full"),
-           engines: tuple[str, ...] | None = None) -> PlanSearch:
-    """Every data-parallel layout of ``gpus`` GPUs for ``global_batch`` sequences of ``seq`` tokens (default: one
-    sequence per GPU), the fitting ones ranked by step_time."""
+           engines: tuple[str, ...] | None = None, model_parallel: bool = True) -> PlanSearch:
+    """Every layout of ``gpus`` GPUs for ``global_batch`` sequences of ``seq`` tokens (default: one sequence per GPU),
+    the fitting ones ranked by step_time; ``model_parallel=False`` searches data parallelism alone."""
     if not spec.has_architecture:
         raise ConfigError("trainmem plan needs the model's architecture: give a model config, not --params")
     throughput_of(gpu)
@@ -238,47 +304,65 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     node = min(gpus_per_node, gpus)
     device = device or DeviceOptions()
     host_memory = int(host_memory_gib * 2**30)
-    per_gpu = global_batch // gpus
-    micro_batches = _divisors(per_gpu)
     started = time.perf_counter()
     plans: list[Plan] = []
     candidates = evaluated = 0
-    for recipe in recipes:
-        get_recipe(recipe)
-        for label, zero, fsdp, offloads in _engines(gpus, node):
-            if engines is not None and label not in engines:
-                continue
-            for offload in offloads:
-                parallel = Parallel(gpus=gpus, gpus_per_node=node, zero=zero, fsdp=fsdp, offload=offload) \
-                    if gpus > 1 else None
-                for ckpt in checkpointing:
-                    settings = make_settings(recipe=recipe, checkpointing=ckpt, seq=seq, batch=1)
-                    step = compile_step(spec, settings, device, parallel)
-                    candidates += len(micro_batches)
-                    host = step.rank.host_bytes_per_rank * node if step.rank is not None else 0
-                    if host > host_memory:  # (the offloaded states, whatever the micro-batch)
-                        continue
-                    # the step's peak holds at least its static memory: a layout whose model states alone, with
-                    # the CUDA overhead and headroom, exceed the GPU fits at no micro-batch (no timeline needed)
-                    floor = (sum(c.bytes for c in step.static) + device.cuda_overhead_bytes) * device.headroom
-                    if floor > gpu.memory_bytes:
-                        continue
-                    # memory grows with the micro-batch: bisect for the largest divisor that fits
-                    low, high, best = 0, len(micro_batches) - 1, None
-                    while low <= high:
-                        mid = (low + high) // 2
-                        evaluated += 1
-                        peak = evaluate(step, micro_batches[mid], seq).peak
-                        if peak.fits(gpu):
-                            best, low = (micro_batches[mid], peak), mid + 1
-                        else:
-                            high = mid - 1
-                    if best is None:
-                        continue
-                    b, peak = best
-                    layout = Layout(recipe, label, zero, fsdp, offload, ckpt, b, per_gpu // b, gpus, node)
-                    plans.append(Plan(layout, peak, step_time(spec, layout, seq, gpu, mfu, inter_node_gbps), host,
-                                      step, seq))
+    for tp, pp in (model_parallel_degrees(spec, gpus, node, seq) if model_parallel else [(1, 1)]):
+        data_parallel = gpus // (tp * pp)
+        per_rank = global_batch // data_parallel  # sequences per model replica and step
+        micro_batches = _divisors(per_rank)
+        engine_list = _engines(gpus, node) if (tp, pp) == (1, 1) else _model_parallel_engines(data_parallel)
+        for recipe in recipes:
+            get_recipe(recipe)
+            for label, zero, fsdp, offloads in engine_list:
+                if engines is not None and label not in engines:
+                    continue
+                for offload in offloads:
+                    for ckpt in checkpointing:
+                        compiled: dict = {}
+
+                        def step_for(b: int):
+                            """The compiled step at micro-batch b. Its accumulation steps (per_rank / b) matter only
+                            as more than one (the gradients then live through forward: timeline._static) and, with
+                            a pipeline, as what each stage holds in flight: one step per distinct min(M, P)."""
+                            m = per_rank // b
+                            key = (min(m, pp), m > 1)
+                            if key not in compiled:
+                                parallel = Layout(recipe, label, zero, fsdp, offload, ckpt, b, m, gpus, node, tp,
+                                                  pp).parallel if gpus > 1 else None
+                                settings = make_settings(recipe=recipe, checkpointing=ckpt, seq=seq, batch=1,
+                                                         grad_accum=m)
+                                compiled[key] = compile_step(spec, settings, device, parallel)
+                            return compiled[key]
+
+                        step = step_for(micro_batches[0])
+                        candidates += len(micro_batches)
+                        host = step.rank.host_bytes_per_rank * node if step.rank is not None else 0
+                        if host > host_memory:  # (the offloaded states, whatever the micro-batch)
+                            continue
+                        # the step's peak holds at least its static memory: a layout whose model states alone,
+                        # with the CUDA overhead and headroom, exceed the GPU fits at no micro-batch
+                        floor = (sum(c.bytes for c in step.static) + device.cuda_overhead_bytes) * device.headroom
+                        if floor > gpu.memory_bytes:
+                            continue
+                        # memory grows with the micro-batch (with a pipeline too: b x min(P, M) activations):
+                        # bisect for the largest divisor that fits
+                        low, high, best = 0, len(micro_batches) - 1, None
+                        while low <= high:
+                            mid = (low + high) // 2
+                            evaluated += 1
+                            peak = evaluate(step_for(micro_batches[mid]), micro_batches[mid], seq).peak
+                            if peak.fits(gpu):
+                                best, low = (micro_batches[mid], peak), mid + 1
+                            else:
+                                high = mid - 1
+                        if best is None:
+                            continue
+                        b, peak = best
+                        layout = Layout(recipe, label, zero, fsdp, offload, ckpt, b, per_rank // b, gpus, node, tp,
+                                        pp)
+                        plans.append(Plan(layout, peak, step_time(spec, layout, seq, gpu, mfu, inter_node_gbps),
+                                          host, step_for(b), seq))
     # fastest first; on a tie (the time model has no per-kernel efficiency), no offload, the larger micro-batch
     # (larger matmuls run closer to peak), then the least memory needed
     plans.sort(key=lambda pl: (round(pl.time.seconds, 9), pl.layout.offload != "none", -pl.layout.micro_batch,
@@ -339,7 +423,7 @@ def run_plan(model, gpu: str, gpus: int | None = None, seq: int = 2048, global_b
         result = min_gpus(req.model, req.gpu, seq, gpus_per_node, **options)
         if result is None:
             raise ConfigError(f"no count of {req.gpu.name} up to {MAX_MIN_GPUS:,} trains {req.model.name} at {seq} "
-                              "tokens with data parallelism alone")
+                              "tokens with the layouts searched")
         answer, found = result
         return found, answer
     return search(req.model, req.gpu, gpus, seq, global_batch, gpus_per_node, **options), None

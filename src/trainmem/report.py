@@ -488,7 +488,7 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
     from rich.table import Table
 
     if not found.plans:
-        console.print(f"[bold red]no data-parallel layout of {found.gpus} x {found.gpu.name} fits[/bold red] "
+        console.print(f"[bold red]no layout of {found.gpus} x {found.gpu.name} fits[/bold red] "
                       f"(searched {found.candidates:,} layouts; try more GPUs, --min-gpus, or a shorter --seq)")
         return
     model = found.model
@@ -498,12 +498,13 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
                           f"{found.seconds:.2f} s; {found.fitting:,} fit. Time: {found.mfu:.0%} of peak FLOPS, "
                           "communication overlapped, offload not (docs/method.md): it ranks, it does not promise "
                           "seconds.")
-    for col in ("#", "engine", "recipe", "ckpt", "offload", "micro x accum", "needed", "host/node", "step (s)",
-                "tokens/s/GPU", "comm/compute"):
+    for col in ("#", "tp x pp x dp", "engine", "recipe", "ckpt", "offload", "micro x accum", "needed", "host/node",
+                "step (s)", "tokens/s/GPU", "comm/compute"):
         table.add_column(col, justify="right" if col not in ("engine", "recipe", "ckpt", "offload") else "left")
     for i, p in enumerate(found.plans[:top], 1):
         L, t = p.layout, p.time
-        table.add_row(str(i), L.engine, L.recipe, L.checkpointing, L.offload, f"{L.micro_batch} x {L.grad_accum}",
+        table.add_row(str(i), _degrees(L), L.engine, L.recipe, L.checkpointing, L.offload,
+                      f"{L.micro_batch} x {L.grad_accum}",
                       format_bytes(p.peak.required_bytes, unit), format_bytes(p.host_bytes_per_node, unit, 0),
                       f"{t.seconds:.2f}", f"{t.as_dict()['tokens_per_second_per_gpu']:,.0f}",
                       f"{t.communication_seconds / t.compute_seconds:.2f}")
@@ -512,14 +513,24 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
         console.print(line)
 
 
+def _degrees(layout) -> str:
+    return f"{layout.tp}{'+sp' if layout.tp > 1 else ''} x {layout.pp} x {layout.data_parallel}"
+
+
 def plan_reasons(found) -> list[str]:
     """Why the best layouts win, in words: what bounds the best step, and what the runners-up pay."""
     best = found.plans[0]
     L, t = best.layout, best.time
     bound = "compute" if t.compute_seconds >= t.communication_seconds else "communication"
-    lines = [f"best: {L.engine}, {L.recipe}, checkpointing {L.checkpointing}, offload {L.offload}, micro-batch "
-             f"{L.micro_batch} x {L.grad_accum}: {bound}-bound ({t.compute_seconds:.2f} s compute, "
-             f"{t.communication_seconds:.2f} s communication, {t.offload_seconds:.2f} s offload a step)"]
+    split = f"TP {L.tp}{' with SP' if L.tp > 1 else ''} x PP {L.pp} x DP {L.data_parallel}, " \
+        if L.tp * L.pp > 1 else ""
+    lines = [f"best: {split}{L.engine}, {L.recipe}, checkpointing {L.checkpointing}, offload {L.offload}, "
+             f"micro-batch {L.micro_batch} x {L.grad_accum}: {bound}-bound ({t.compute_seconds:.2f} s compute"
+             + (f" with the pipeline bubble" if L.pp > 1 else "") + f", {t.communication_seconds:.2f} s "
+             f"data-parallel communication overlapped, {t.exposed_seconds:.2f} s tensor/pipeline communication "
+             f"exposed, {t.offload_seconds:.2f} s offload a step)"]
+    if L.tp * L.pp > 1 and not any(p.layout.tp * p.layout.pp == 1 for p in found.plans):
+        lines.append("  tensor/pipeline parallelism: no data-parallel layout alone fits")
     same = [p.layout for p in found.plans if (p.layout.engine, p.layout.recipe) == (L.engine, L.recipe)]
     if L.checkpointing == "full" and not any(x.checkpointing == "none" and x.offload == L.offload for x in same):
         lines.append(f"  full checkpointing: without it no {L.engine} layout with this recipe and offload fits "
@@ -538,6 +549,11 @@ def plan_reasons(found) -> list[str]:
             what.append("recomputes the forward")
         if not what and p.layout.micro_batch < L.micro_batch:
             what.append("smaller micro-batch")
-        lines.append(f"  then {p.layout.engine} {p.layout.recipe} ({p.layout.checkpointing}, {p.layout.offload}): "
+        if p.time.exposed_seconds > t.exposed_seconds:
+            what.append("more tensor/pipeline communication")
+        if p.layout.pp > 1 and p.time.compute_seconds > t.compute_seconds * 1.001:
+            what.append("a larger pipeline bubble")
+        lines.append(f"  then {_degrees(p.layout)} {p.layout.engine} {p.layout.recipe} ({p.layout.checkpointing}, "
+                     f"{p.layout.offload}): "
                      f"{slower:+.1%}" + (f", {', '.join(what)}" if what else ", equal time; more memory needed"))
     return lines

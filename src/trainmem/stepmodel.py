@@ -42,6 +42,10 @@ _SAMPLES = (2, 3)
 _CHECKS = (4, 5, 8, 61)
 """More batches the lines must reproduce exactly."""
 _DIRECT = "direct"
+COMPILE_AFTER = 4
+"""A sequence length's forms are compiled when it is asked for the fourth time: compiling costs about six direct
+evaluations (two samples, four checks), which a plan's bisection over a few micro-batches never earns back and a
+max-batch search or a sweep does."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +91,8 @@ class Evaluation:
 class StepModel:
     """A model and its settings, less batch and sequence length, compiled for fast evaluation (module docstring).
 
-    Built by :func:`compile_step`; its per-sequence forms are made the second time a sequence length is asked for,
-    so a single estimate costs one timeline and a search over batches costs a few.
+    Built by :func:`compile_step`; its per-sequence forms are made the COMPILE_AFTER-th time a sequence length is
+    asked for, so a single estimate costs one timeline and a search over batches costs a few.
     """
 
     def __init__(self, spec: ModelSpec, settings: TrainingSettings, device: DeviceOptions | None = None,
@@ -129,7 +133,7 @@ class StepModel:
         if settings.activation_k is not None and not spec.has_architecture:
             raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
                               f"{spec.source or spec.name} has none (give a model name or config.json)")
-        self._forms: dict[int, tuple[_PhaseForm, ...] | str] = {}
+        self._forms: dict[int, tuple[_PhaseForm, ...] | str | int] = {}
         """Per sequence length: its compiled phases, or _DIRECT, or the number of times it was asked for."""
 
     # -- the direct computation (the reference the forms reproduce) -------------------------------------------
@@ -160,10 +164,11 @@ class StepModel:
         sequence length asked for the first time, or one whose bytes are not lines in the batch."""
         if batch < 2:
             return None
-        form = self._forms.get(seq)
-        if form is None:
-            self._forms[seq] = 1
-        elif form == 1:
+        form = self._forms.get(seq, 0)
+        if isinstance(form, int) and form + 1 < COMPILE_AFTER:
+            self._forms[seq] = form + 1
+            return None
+        if isinstance(form, int):
             form = self._forms[seq] = _compile_seq(self, seq) or _DIRECT
         return form if isinstance(form, tuple) else None
 

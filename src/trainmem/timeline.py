@@ -832,6 +832,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # that keeps only the loss (HF Trainer's compute_loss, `loss = model(...).loss`) drops the output object.
     slices = OUTPUT_CHUNKS if settings.loss == "chunked-output" else 1
     loss_grads = 0 if settings.loss == "chunked" else 2 * FP32 * v * tokens // slices
+    if spec.vocab_shards > 1 and settings.loss == "standard":
+        loss_grads += FP32 * v * tokens  # loss_parallel's backward recomputes the softmax beside both (traced)
     compiled_loss = settings.loss == "chunked-output" and settings.compile
     if compiled_loss:
         loss_grads = COMPILED_LOSS_BACKWARD * FP32 * v * tokens // slices

@@ -579,22 +579,33 @@ def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel, 
             # (with sequence parallelism the layers see 1/T of the sequence: the positions are given whole)
             positions = torch.arange(settings.seq).unsqueeze(0)
 
+            class WithLoss(torch.nn.Module):
+                """The model and torchtitan's loss in one module, so that MemTracker's forward and backward
+                peaks take the loss in, as the one-GPU trace's ``model(labels=...)`` does."""
+
+                def __init__(self, model):
+                    super().__init__()
+                    self.model = model
+
+                def forward(self):
+                    logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
+                    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=-100)
+
+            step_module = WithLoss(model)
+
             def micro_batch():
-                logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
                 with loss_parallel():
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=-100)
-                    del logits
-                    loss.backward()
+                    step_module().backward()
 
             micro_batch()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tracker = _tp_tracker(mem_tracker, propagating)
-            tracker.track_external(model, optimizer)
+            tracker.track_external(step_module, optimizer)
             with tracker:
                 load = _device_snapshot(tracker.get_tracker_snapshot("current"))
                 micro_batch()
-                stats = tracker.memory_tracking[model].snapshots
+                stats = tracker.memory_tracking[step_module].snapshots
                 forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
                 backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
             step_tracker = _tp_tracker(mem_tracker, propagating)

@@ -153,13 +153,17 @@ class _FieldError(ConfigError):
 
 
 def _field_of(message: str, names) -> str | None:
-    """The request field a trainmem message is about: the first field name (or its --flag) it mentions."""
+    """The request field a trainmem message is about: the first --flag it names, else the first field name."""
+    import re
+
     lowered = message.lower()
-    for name in names:
+    found: list[tuple[bool, int, int, str]] = []
+    for order, name in enumerate(names):
         for spelled in (name, name.replace("_", "-"), "--" + name.replace("_", "-")):
-            if lowered.startswith(spelled + " ") or f" {spelled} " in lowered or lowered.startswith(spelled + ":"):
-                return name
-    return None
+            match = re.search(rf"(?:^| ){re.escape(spelled)}(?: |:)", lowered)
+            if match:
+                found.append((not spelled.startswith("--"), match.start(), order, name))
+    return min(found)[3] if found else None
 
 
 def create_app():
