@@ -134,7 +134,6 @@ def test_a_middle_stage_matches_the_transformers_layers_it_holds():
     from trainmem.recipes import get_recipe
 
     config = dict(_tiny_llama(layers=2))
-    spec = spec_from_config(config)
     settings = make_settings(recipe="pure-bf16-bf16states", batch=2, seq=512, dropout=0.0)
     parallel = Parallel(gpus=3, pp=3, micro_batches=1)  # (one micro-batch in flight: the step alone)
     middle = stage_spec(spec_from_config(dict(config, num_hidden_layers=6)), parallel, 1)

@@ -526,7 +526,7 @@ def plan_reasons(found) -> list[str]:
         if L.tp * L.pp > 1 else ""
     lines = [f"best: {split}{L.engine}, {L.recipe}, checkpointing {L.checkpointing}, offload {L.offload}, "
              f"micro-batch {L.micro_batch} x {L.grad_accum}: {bound}-bound ({t.compute_seconds:.2f} s compute"
-             + (f" with the pipeline bubble" if L.pp > 1 else "") + f", {t.communication_seconds:.2f} s "
+             + (" with the pipeline bubble" if L.pp > 1 else "") + f", {t.communication_seconds:.2f} s "
              f"data-parallel communication overlapped, {t.exposed_seconds:.2f} s tensor/pipeline communication "
              f"exposed, {t.offload_seconds:.2f} s offload a step)"]
     if L.tp * L.pp > 1 and not any(p.layout.tp * p.layout.pp == 1 for p in found.plans):
