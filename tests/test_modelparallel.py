@@ -246,3 +246,18 @@ def test_more_tensor_parallelism_never_needs_more_memory_per_gpu():
     peaks = [estimate_model(spec, settings, parallel=Parallel(gpus=t, tp=t, sp=t > 1)).peak.allocated_bytes
              for t in (1, 2, 4, 8)]
     assert peaks == sorted(peaks, reverse=True)
+
+
+def test_expert_parallel_ranks_shard_their_experts_over_the_expert_data_parallel_group():
+    """Mixtral's 8 experts on 32 GPUs: fully_shard alone splits each (8, 2i, h) tensor on dim 0, one padded row per
+    rank (4x the experts' share); with EP 8 each rank holds one expert, sharded over the 4 ranks that hold it (on
+    dim 1, torchtitan's shard_placement_fn): together 1/32 of every expert tensor, as ZeRO-3's flat partition."""
+    spec = catalog_spec("mixtral-8x7b")
+    settings = make_settings(recipe="pure-bf16", seq=4096)
+    weights = lambda **kw: estimate_model(spec, settings, parallel=Parallel(gpus=32, **kw)).static[0].bytes  # noqa: E731
+    moe = spec.layer_runs[0][0].moe
+    experts = spec.num_layers * moe.num_experts * 3 * spec.hidden_size * moe.expert_intermediate_size
+    dense = spec.num_parameters - experts
+    assert weights(fsdp="full", ep=8) == pytest.approx(2 * (dense + experts) / 32, rel=1e-3)
+    assert weights(fsdp="full") == pytest.approx(2 * (dense / 32 + experts / 8), rel=1e-3)
+    assert weights(zero=3, ep=8) == pytest.approx(weights(zero=3), rel=1e-3)

@@ -222,3 +222,19 @@ def test_out_writes_torchtitan_for_a_tensor_and_pipeline_layout(tmp_path):
     assert par["pipeline_parallel_microbatch_size"] == 2 and titan["training"]["local_batch_size"] == 16
     assert titan["training"]["global_batch_size"] == 64
     assert subprocess.run(["bash", "-n", str(tmp_path / "tp" / "launch.sh")]).returncode == 0
+
+
+def test_context_and_expert_parallel_layouts_are_searched_and_are_the_estimators():
+    import trainmem
+
+    long = search(catalog_spec("llama-3-8b"), H100, 16, 32768, global_batch=32)
+    assert long.plans[0].layout.cp > 1  # at 32k tokens a step, splitting the sequence wins
+    moe = search(catalog_spec("mixtral-8x7b"), H100, 32, 4096, global_batch=256)
+    expert = next(p for p in moe.plans if p.layout.ep > 1)
+    for plan, model, seq in ((long.plans[0], "llama-3-8b", 32768), (expert, "mixtral-8x7b", 4096)):
+        L = plan.layout
+        pipeline = {"pp": L.pp, "micro_batches": L.grad_accum} if L.pp > 1 else {}
+        est = trainmem.estimate(model, seq=seq, batch=L.micro_batch, grad_accum=L.grad_accum, recipe=L.recipe,
+                                checkpointing=L.checkpointing, gpus=L.gpus, fsdp=L.fsdp, zero=L.zero, tp=L.tp,
+                                sp=L.tp > 1, cp=L.cp, ep=L.ep, **pipeline)
+        assert est.peak == plan.peak and est.fits(H100)

@@ -77,7 +77,7 @@ def accelerate_config(layout: Layout) -> dict:
 
 
 def model_parallel(layout: Layout) -> bool:
-    return layout.tp * layout.pp > 1
+    return layout.tp * layout.pp * layout.cp * layout.ep > 1
 
 
 def torchtitan_toml(layout: Layout, seq: int, model_name: str) -> str | None:
@@ -96,7 +96,8 @@ def torchtitan_toml(layout: Layout, seq: int, model_name: str) -> str | None:
     pipelined = layout.pp > 1
     local = layout.micro_batch * layout.grad_accum if pipelined else layout.micro_batch
     lines = [
-        f"# trainmem plan: {model_name}, TP {layout.tp} x PP {layout.pp} x DP {dp}, {layout.engine}, {layout.recipe}, "
+        f"# trainmem plan: {model_name}, TP {layout.tp} x PP {layout.pp} x CP {layout.cp} x DP {dp} (EP {layout.ep}), "
+        f"{layout.engine}, {layout.recipe}, "
         f"checkpointing {layout.checkpointing}",
         "[training]",
         f"local_batch_size = {local}",
@@ -116,7 +117,10 @@ def torchtitan_toml(layout: Layout, seq: int, model_name: str) -> str | None:
     lines += [f"tensor_parallel_degree = {layout.tp}", f"pipeline_parallel_degree = {layout.pp}"]
     if pipelined:
         lines += ['pipeline_parallel_schedule = "1F1B"', f"pipeline_parallel_microbatch_size = {layout.micro_batch}"]
-    lines += ["context_parallel_degree = 1", "", "[activation_checkpoint]",
+    lines += [f"context_parallel_degree = {layout.cp}"]
+    if layout.ep > 1:
+        lines.append(f"expert_parallel_degree = {layout.ep}")
+    lines += ["", "[activation_checkpoint]",
               f'mode = "{"full" if layout.checkpointing == "full" else "none"}"', ""]
     return "\n".join(lines)
 

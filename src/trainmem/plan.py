@@ -3,12 +3,12 @@
 The search: recipe x engine (DDP, ZeRO 1-3, FSDP2 full / grad-op / hybrid) x activation checkpointing (none, full) x
 offload x micro-batch, for a global batch of sequences split evenly over the data-parallel ranks (micro-batch x
 accumulation = global batch / data parallel); and tensor parallelism (with sequence parallelism, inside a node) x
-pipeline stages (1F1B, the accumulated micro-batches through the pipeline), as torchtitan runs them: with FSDP2
-full sharding or DDP over the data-parallel ranks (modelparallel.py). Each layout's memory is the estimator's
+pipeline stages (1F1B, the accumulated micro-batches through the pipeline) x context parallelism (from 16k tokens)
+x expert parallelism (MoE), as torchtitan runs them: with FSDP2 full sharding or DDP over the data-parallel ranks
+(modelparallel.py). Each layout's memory is the estimator's
 (stepmodel.py: compiled once per recipe, engine, checkpointing and offload, then evaluated per micro-batch in
 microseconds); memory grows with the micro-batch, so the largest that fits is found by bisection over the divisors
-and the larger ones are counted as searched without being evaluated. Context and expert parallelism and the
-interleaved schedule are not searched (NOT_SEARCHED).
+and the larger ones are counted as searched without being evaluated. What is not searched is listed in NOT_SEARCHED.
 
 The time model ranks; it does not promise seconds (docs/method.md, "The plan's time model"):
 
@@ -28,7 +28,9 @@ The time model ranks; it does not promise seconds (docs/method.md, "The plan's t
   two reduce-scatters of a micro-batch's hidden states per layer in forward and as many in backward (sequence
   parallelism; the volume of Megatron's four all-reduces), and two more with full checkpointing, over the node's
   link; pipeline parallelism divides the compute by P, adds the 1F1B bubble ((P - 1) / M of the compute: Narayanan
-  et al. 2021) and each micro-batch's hidden states sent forward and their gradient back between stages.
+  et al. 2021) and each micro-batch's hidden states sent forward and their gradient back between stages; context
+  parallelism divides the compute by C and exposes each layer's key/value all-gather (and the gradients'
+  reduce-scatter); expert parallelism exposes two all-to-alls per MoE layer each way of every routed token copy.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ TIME_MODEL = ("step = max(compute, communication) + offload + exposed; compute =
               "+ the forward again under full checkpointing) / (tp x pp) at mfu x peak dense bf16 FLOPS, x (1 + "
               "(pp - 1) / micro-batches) for the 1F1B bubble; communication = ring collectives of the data-parallel "
               "engine over the node's link or the inter-node bandwidth; offload = PCIe traffic of offloaded states; "
-              "exposed = tensor-parallel collectives (4 per layer each way) and pipeline sends, not overlapped")
+              "exposed = tensor-parallel collectives (4 per layer each way), pipeline sends, context-parallel key/value "
+              "gathers and expert-parallel all-to-alls, not overlapped")
 """The time model in one line, for the JSON document (the module docstring and docs/method.md in full)."""
 
 PLAN_RECIPES = ("mixed-bf16", "pure-bf16", "amp-bf16", "pure-bf16-bf16states")
@@ -59,11 +62,15 @@ DEFAULT_MFU = 0.4
 """Fraction of peak FLOPS the model's matmuls reach: 0.4 is typical of well-tuned dense training at scale (Chowdhery
 et al. 2022 report 46% for PaLM 540B; Megatron-LM reports 41-48% on A100/H100)."""
 MAX_MIN_GPUS = 1 << 16
-NOT_SEARCHED = ("context and expert parallelism (estimate them with --cp, --ep)",
+NOT_SEARCHED = ("context parallelism below 16,384 tokens (estimate it with --cp)",
                 "the interleaved pipeline schedule (estimate it with --pp-schedule interleaved)",
-                "ZeRO with tensor or pipeline parallelism (Megatron-DeepSpeed; trainmem writes no config for it)",
+                "ZeRO with tensor, pipeline, context or expert parallelism (Megatron-DeepSpeed; trainmem writes no "
+                "config for it)",
                 "selective activation checkpointing (trainmem models none and full)")
 MAX_PIPELINE_STAGES = 16
+CONTEXT_PARALLEL_FROM = 16_384
+"""Context parallelism is searched for sequences this long or longer (below, its gathers cost more than the memory
+it saves buys: estimate it with --cp)."""
 
 
 @dataclass(frozen=True)
@@ -83,16 +90,25 @@ class Layout:
     """Tensor parallel degree, with sequence parallelism when above 1."""
     pp: int = 1
     """Pipeline stages (1F1B); the grad_accum micro-batches go through the pipeline."""
+    cp: int = 1
+    """Context parallel degree: the sequence split across cp GPUs."""
+    ep: int = 1
+    """Expert parallel degree (MoE), taken from the data-parallel x context-parallel ranks."""
 
     @property
     def data_parallel(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def model_parallel(self) -> int:
+        """GPUs one copy of the model's compute is split over (EP splits experts, not the work per token)."""
+        return self.tp * self.pp * self.cp
 
     @property
     def parallel(self) -> Parallel:
         return Parallel(gpus=self.gpus, gpus_per_node=self.gpus_per_node, zero=self.zero, fsdp=self.fsdp,
                         offload=self.offload, tp=self.tp, sp=self.tp > 1, pp=self.pp,
-                        micro_batches=self.grad_accum if self.pp > 1 else 0)
+                        micro_batches=self.grad_accum if self.pp > 1 else 0, cp=self.cp, ep=self.ep)
 
     def as_dict(self) -> dict:
         return {"recipe": self.recipe, "engine": self.engine, "zero": self.zero, "fsdp": self.fsdp,
@@ -100,7 +116,7 @@ class Layout:
                 "grad_accum": self.grad_accum, "gpus": self.gpus, "gpus_per_node": self.gpus_per_node,
                 "nodes": math.ceil(self.gpus / self.gpus_per_node), "data_parallel": self.data_parallel,
                 "tensor_parallel": self.tp, "sequence_parallel": self.tp > 1, "pipeline_parallel": self.pp,
-                "context_parallel": 1, "expert_parallel": 1}
+                "context_parallel": self.cp, "expert_parallel": self.ep}
 
 
 @dataclass(frozen=True)
@@ -179,6 +195,16 @@ def _engines(gpus: int, gpus_per_node: int):
     return engines
 
 
+def _rank_parameters(spec: ModelSpec, layout: Layout) -> float:
+    """Parameters one GPU's data-parallel engine reduces: the rank's share under TP and EP, over P stages."""
+    if layout.tp == layout.ep == 1:
+        return spec.num_parameters / layout.pp
+    from .modelparallel import tensor_parallel_spec
+
+    return tensor_parallel_spec(spec, Parallel(gpus=layout.gpus, tp=layout.tp, ep=layout.ep, cp=layout.cp,
+                                               pp=layout.pp)).num_parameters / layout.pp
+
+
 def _model_parallel_engines(data_parallel: int):
     """The data-parallel engines torchtitan combines with TP and PP (FSDP2 full sharding, or DDP's replication)."""
     if data_parallel == 1:
@@ -186,23 +212,31 @@ def _model_parallel_engines(data_parallel: int):
     return [("FSDP2 full", None, "full", ("none",)), ("DDP", None, None, ("none",))]
 
 
-def model_parallel_degrees(spec: ModelSpec, gpus: int, gpus_per_node: int, seq: int) -> list[tuple[int, int]]:
-    """(tp, pp) pairs worth searching: TP (with SP) inside a node, dividing the heads, kv heads, MLP width and the
-    sequence; PP dividing the layers, up to MAX_PIPELINE_STAGES; tp x pp dividing the GPUs."""
+def model_parallel_degrees(spec: ModelSpec, gpus: int, gpus_per_node: int,
+                           seq: int) -> list[tuple[int, int, int, int]]:
+    """(tp, pp, cp, ep) worth searching: TP (with SP) inside a node, dividing the heads, kv heads, MLP width and the
+    sequence; PP dividing the layers, up to MAX_PIPELINE_STAGES; CP (up to 8) from CONTEXT_PARALLEL_FROM tokens on;
+    EP (MoE only) dividing the experts and the data-parallel x context-parallel ranks; tp x pp x cp dividing the
+    GPUs."""
     from .modelparallel import check_layout
 
-    pairs = []
+    contexts = [c for c in (1, 2, 4, 8) if c == 1 or seq >= CONTEXT_PARALLEL_FROM]
+    experts = min((layer.moe.num_experts for layer, _ in spec.layer_runs if layer.moe), default=1)
+    out = []
     for tp in _divisors(gpus_per_node):
         for pp in [d for d in _divisors(spec.num_layers) if d <= MAX_PIPELINE_STAGES]:
-            if gpus % (tp * pp):
-                continue
-            if (tp, pp) != (1, 1):
-                try:
-                    check_layout(spec, Parallel(gpus=gpus, tp=tp, sp=tp > 1, pp=pp), seq)
-                except ConfigError:
+            for cp in contexts:
+                if gpus % (tp * pp * cp):
                     continue
-            pairs.append((tp, pp))
-    return pairs
+                group = gpus // (tp * pp * cp) * cp
+                for ep in [e for e in _divisors(experts) if group % e == 0]:
+                    if (tp, pp, cp, ep) != (1, 1, 1, 1):
+                        try:
+                            check_layout(spec, Parallel(gpus=gpus, tp=tp, sp=tp > 1, pp=pp, cp=cp, ep=ep), seq)
+                        except ConfigError:
+                            continue
+                    out.append((tp, pp, cp, ep))
+    return out
 
 
 def _divisors(n: int) -> list[int]:
@@ -225,7 +259,7 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
     recipe = get_recipe(layout.recipe)
     sequences = layout.micro_batch * layout.grad_accum  # per data-parallel rank, i.e. per model replica
     tokens = sequences * seq
-    split = layout.tp * layout.pp
+    split = layout.model_parallel
     n, full = spec.num_active_parameters, layout.checkpointing == "full"
     # multiply-adds per token of q.k^T and p.v in forward, over the keys a query sees (half the sequence on
     # average under the causal mask, or the window)
@@ -240,16 +274,29 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
     bubble = (layout.pp - 1) / layout.grad_accum  # 1F1B: (P - 1) micro-batch slots idle per M (Narayanan 2021)
     compute = flops * (1 + bubble) / (sheet.dense_tflops * 1e12 * mfu)
 
-    p, g, w = spec.num_parameters / split, recipe.gradient_bytes, recipe.weight_bytes
-    dp, node = layout.data_parallel, layout.gpus_per_node
+    p, g, w = _rank_parameters(spec, layout), recipe.gradient_bytes, recipe.weight_bytes
+    dp, node = layout.data_parallel * layout.cp, layout.gpus_per_node  # (gradients are reduced over dp x cp)
     ring = (dp - 1) / dp if dp > 1 else 0.0
     bandwidth = (sheet.link_gbps if layout.gpus <= node else min(sheet.link_gbps, inter_node_gbps)) * 1e9
     micro = layout.grad_accum
     exposed = 0.0
-    hidden_states = layout.micro_batch * seq * spec.hidden_size * DTYPE_BYTES[recipe.compute]
+    compute_bytes = DTYPE_BYTES[recipe.compute]
+    hidden_states = layout.micro_batch * seq // layout.cp * spec.hidden_size * compute_bytes
+    layers = spec.num_layers / layout.pp
     if layout.tp > 1:  # 4 collectives per layer forward and backward (+2 recomputing), each (T - 1) / T moved
-        collectives = micro * (spec.num_layers / layout.pp) * (8 + 2 * full)
+        collectives = micro * layers * (8 + 2 * full)
         exposed += collectives * hidden_states * (layout.tp - 1) / layout.tp / (sheet.link_gbps * 1e9)
+    if layout.cp > 1:  # keys and values all-gathered per layer in forward (and recomputing), dK dV reduce-scattered
+        att = spec.layer_runs[0][0].attention
+        kv = layout.micro_batch * seq * (att.num_kv_heads * (att.head_dim + att.v_head_dim)) // layout.tp * compute_bytes
+        cp_link = sheet.link_gbps if layout.tp * layout.cp <= node else min(sheet.link_gbps, inter_node_gbps)
+        exposed += micro * layers * (2 + full) * kv * (layout.cp - 1) / layout.cp / (cp_link * 1e9)
+    if layout.ep > 1:  # all-to-all dispatch and combine per MoE layer, forward and backward (+2 recomputing)
+        moe_layers = sum(count for layer, count in spec.layer_runs if layer.moe) / layout.pp
+        top_k = max(layer.moe.top_k for layer, _ in spec.layer_runs if layer.moe)
+        ep_link = sheet.link_gbps if layout.gpus <= node else min(sheet.link_gbps, inter_node_gbps)
+        exposed += (micro * moe_layers * (4 + 2 * full) * top_k * hidden_states * (layout.ep - 1) / layout.ep
+                    / (ep_link * 1e9))
     if layout.pp > 1:  # each micro-batch's activations forward and their gradient back, between stages
         stage_link = sheet.link_gbps if split <= node else min(sheet.link_gbps, inter_node_gbps)
         exposed += micro * 2 * hidden_states / (stage_link * 1e9)
@@ -307,11 +354,12 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     started = time.perf_counter()
     plans: list[Plan] = []
     candidates = evaluated = 0
-    for tp, pp in (model_parallel_degrees(spec, gpus, node, seq) if model_parallel else [(1, 1)]):
-        data_parallel = gpus // (tp * pp)
+    for tp, pp, cp, ep in (model_parallel_degrees(spec, gpus, node, seq) if model_parallel else [(1, 1, 1, 1)]):
+        data_parallel = gpus // (tp * pp * cp)
         per_rank = global_batch // data_parallel  # sequences per model replica and step
         micro_batches = _divisors(per_rank)
-        engine_list = _engines(gpus, node) if (tp, pp) == (1, 1) else _model_parallel_engines(data_parallel)
+        engine_list = _engines(gpus, node) if (tp, pp, cp, ep) == (1, 1, 1, 1) else \
+            _model_parallel_engines(data_parallel * cp)
         for recipe in recipes:
             get_recipe(recipe)
             for label, zero, fsdp, offloads in engine_list:
@@ -329,7 +377,7 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
                             key = (min(m, pp), m > 1)
                             if key not in compiled:
                                 parallel = Layout(recipe, label, zero, fsdp, offload, ckpt, b, m, gpus, node, tp,
-                                                  pp).parallel if gpus > 1 else None
+                                                  pp, cp, ep).parallel if gpus > 1 else None
                                 settings = make_settings(recipe=recipe, checkpointing=ckpt, seq=seq, batch=1,
                                                          grad_accum=m)
                                 compiled[key] = compile_step(spec, settings, device, parallel)
@@ -360,7 +408,7 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
                             continue
                         b, peak = best
                         layout = Layout(recipe, label, zero, fsdp, offload, ckpt, b, per_rank // b, gpus, node, tp,
-                                        pp)
+                                        pp, cp, ep)
                         plans.append(Plan(layout, peak, step_time(spec, layout, seq, gpu, mfu, inter_node_gbps),
                                           host, step_for(b), seq))
     # fastest first; on a tie (the time model has no per-kernel efficiency), no offload, the larger micro-batch

@@ -498,7 +498,7 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
                           f"{found.seconds:.2f} s; {found.fitting:,} fit. Time: {found.mfu:.0%} of peak FLOPS, "
                           "communication overlapped, offload not (docs/method.md): it ranks, it does not promise "
                           "seconds.")
-    for col in ("#", "tp x pp x dp", "engine", "recipe", "ckpt", "offload", "micro x accum", "needed", "host/node",
+    for col in ("#", "tp x pp x cp x dp", "engine", "recipe", "ckpt", "offload", "micro x accum", "needed", "host/node",
                 "step (s)", "tokens/s/GPU", "comm/compute"):
         table.add_column(col, justify="right" if col not in ("engine", "recipe", "ckpt", "offload") else "left")
     for i, p in enumerate(found.plans[:top], 1):
@@ -514,7 +514,8 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
 
 
 def _degrees(layout) -> str:
-    return f"{layout.tp}{'+sp' if layout.tp > 1 else ''} x {layout.pp} x {layout.data_parallel}"
+    return (f"{layout.tp}{'+sp' if layout.tp > 1 else ''} x {layout.pp} x {layout.cp} x {layout.data_parallel}"
+            + (f", ep {layout.ep}" if layout.ep > 1 else ""))
 
 
 def plan_reasons(found) -> list[str]:
@@ -522,14 +523,14 @@ def plan_reasons(found) -> list[str]:
     best = found.plans[0]
     L, t = best.layout, best.time
     bound = "compute" if t.compute_seconds >= t.communication_seconds else "communication"
-    split = f"TP {L.tp}{' with SP' if L.tp > 1 else ''} x PP {L.pp} x DP {L.data_parallel}, " \
-        if L.tp * L.pp > 1 else ""
+    split = (f"TP {L.tp}{' with SP' if L.tp > 1 else ''} x PP {L.pp} x CP {L.cp} x DP {L.data_parallel}"
+             + (f" with EP {L.ep}" if L.ep > 1 else "") + ", ") if L.model_parallel * L.ep > 1 else ""
     lines = [f"best: {split}{L.engine}, {L.recipe}, checkpointing {L.checkpointing}, offload {L.offload}, "
              f"micro-batch {L.micro_batch} x {L.grad_accum}: {bound}-bound ({t.compute_seconds:.2f} s compute"
              + (" with the pipeline bubble" if L.pp > 1 else "") + f", {t.communication_seconds:.2f} s "
              f"data-parallel communication overlapped, {t.exposed_seconds:.2f} s tensor/pipeline communication "
              f"exposed, {t.offload_seconds:.2f} s offload a step)"]
-    if L.tp * L.pp > 1 and not any(p.layout.tp * p.layout.pp == 1 for p in found.plans):
+    if L.model_parallel * L.ep > 1 and not any(p.layout.model_parallel * p.layout.ep == 1 for p in found.plans):
         lines.append("  tensor/pipeline parallelism: no data-parallel layout alone fits")
     same = [p.layout for p in found.plans if (p.layout.engine, p.layout.recipe) == (L.engine, L.recipe)]
     if L.checkpointing == "full" and not any(x.checkpointing == "none" and x.offload == L.offload for x in same):

@@ -146,10 +146,14 @@ class Parallel:
     """Context parallel degree: the sequence split across cp ranks."""
     ep: int = 1
     """Expert parallel degree: the routed experts split across ep ranks."""
+    experts_split: int = 1
+    """Set on a data-parallel view (data_parallel_view) of an expert-parallel layout: the rank's routed experts are
+    already split ep ways, and the engine shards them over the gpus / ep ranks that hold the same experts (Megatron's
+    expert data-parallel group; torchtitan's dp_shard_mod_ep mesh, on dim 1 when the experts are fewer)."""
 
     def __post_init__(self) -> None:
         for name, least in (("gpus", 1), ("gpus_per_node", 0), ("tp", 1), ("pp", 1), ("virtual_stages", 1),
-                            ("micro_batches", 0), ("cp", 1), ("ep", 1)):
+                            ("micro_batches", 0), ("cp", 1), ("ep", 1), ("experts_split", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_GPUS:
                 raise ConfigError(f"{name.replace('_', '-')} must be a whole number from {least} to {MAX_GPUS:,}"
@@ -207,7 +211,7 @@ class Parallel:
         group = self.data_parallel * self.cp
         per_node = max(1, self.node_size // self.model_parallel) if self.gpus_per_node else 0
         return replace(self, gpus=group, gpus_per_node=min(per_node, group), tp=1, sp=False, pp=1,
-                       pp_schedule="1f1b", virtual_stages=1, micro_batches=0, cp=1, ep=1)
+                       pp_schedule="1f1b", virtual_stages=1, micro_batches=0, cp=1, ep=1, experts_split=self.ep)
 
     @property
     def node_size(self) -> int:
@@ -238,7 +242,7 @@ class Parallel:
 
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _MODEL_PARALLEL_FIELDS
-               and f.name != "deepspeed"}
+               and f.name not in ("deepspeed", "experts_split")}
         out.update(gpus_per_node=self.node_size, nodes=self.nodes, engine=self.engine, shard_size=self.shard_size)
         if self.is_model_parallel:  # (keys added to schema 2 by issue 13: present only for such a layout)
             out.update({name: getattr(self, name) for name in _MODEL_PARALLEL_FIELDS},
@@ -251,6 +255,7 @@ class Parallel:
 
 PP_SCHEDULES = ("1f1b", "interleaved")
 _MODEL_PARALLEL_FIELDS = ("tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep")
+_EXPERT_ROLES = ("expert", "expert_down")
 
 
 def _check_model_parallel(p: Parallel) -> None:
@@ -334,12 +339,32 @@ def _zero_partition(numel: int, world: int) -> int:
     return -(-numel // unit) * unit // world
 
 
-def fsdp_shard_numel(t: ParamTensor, world: int) -> int:
-    """Elements FSDP2 allocates on every rank for ``t``: ceil(dim0 / W) rows (torch.chunk's first chunk)."""
+def fsdp_shard_numel(t: ParamTensor, world: int, experts_split: int = 1) -> int:
+    """Elements FSDP2 allocates on every rank for ``t``: ceil(dim0 / W) rows (torch.chunk's first chunk). Under
+    expert parallelism a routed expert tensor is sharded over W / ep ranks, on dim 1 where it has fewer experts
+    than that (torchtitan's shard_placement_fn)."""
     if not t.shape:
         return 1
+    if experts_split > 1 and t.role in _EXPERT_ROLES:
+        world = max(1, world // experts_split)
+        if t.shape[0] < world and len(t.shape) > 1:
+            cols = t.shape[1]
+            return -(-cols // world) * (t.numel // cols)
     rows = t.shape[0]
     return -(-rows // world) * (t.numel // rows)
+
+
+def _expert_numel(spec: ModelSpec) -> int:
+    return sum(g.repeat * t.numel for g in spec.param_groups for t in g.tensors if t.role in _EXPERT_ROLES)
+
+
+def _zero_elements(spec: ModelSpec, numel: int, world: int, experts_split: int) -> int:
+    """One rank's ZeRO partition of ``numel`` elements: the routed experts of an expert-parallel rank are
+    partitioned over their own data-parallel group (world / ep), the rest over the world."""
+    if experts_split == 1:
+        return _zero_partition(numel, world)
+    experts = _expert_numel(spec)
+    return _zero_partition(numel - experts, world) + _zero_partition(experts, max(1, world // experts_split))
 
 
 def _groups(spec: ModelSpec) -> list[tuple[int, list[ParamTensor]]]:
@@ -384,7 +409,7 @@ def _zero_layout(spec: ModelSpec, recipe: Recipe, states_full: int, parallel: Pa
             buffers.append(Buffer("fp32 gradient accumulation buffer", 4 * n, "gradients", ALL_PHASES,
                                   "BF16_Optimizer.fp32_groups_gradients_flat"))
         return RankLayout(w * n, g * n, m * n, states_full, n, 1, tuple(buffers))
-    part = _zero_partition(n, world)
+    part = _zero_elements(spec, n, world, parallel.experts_split)
     states = -(-states_full * part // n)  # elementwise states follow the padded partition
     buffers: list[Buffer] = []
     persistent = 0
@@ -392,7 +417,8 @@ def _zero_layout(spec: ModelSpec, recipe: Recipe, states_full: int, parallel: Pa
         persistent = sum(g_.repeat * t.numel for g_ in spec.param_groups for t in g_.tensors
                          if t.numel < ds.stage3_param_persistence_threshold)
     offload = parallel.offload
-    weights = w * n if stage < 3 else w * (_zero_partition(n - persistent, world) + persistent)
+    weights = w * n if stage < 3 else w * (_zero_elements(spec, n - persistent, world, parallel.experts_split)
+                                           + persistent)
     grads = g * n if stage == 1 else g * part
     master = m * part
     host = host_pinned = 0
@@ -434,7 +460,7 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
     param_dtype = recipe.weight_bytes  # MixedPrecisionPolicy.param_dtype: the compute weights
     reduce_dtype = max(recipe.gradient_bytes, orig) if recipe.master_weights else recipe.gradient_bytes
     groups = _groups(spec)
-    shard = sum(r * fsdp_shard_numel(t, world) for r, ts in groups for t in ts)
+    shard = sum(r * fsdp_shard_numel(t, world, parallel.experts_split) for r, ts in groups for t in ts)
     states = -(-states_full * shard // n)
     unsharded = [sum(t.numel for t in ts) for _, ts in groups]
     largest = max(unsharded)
