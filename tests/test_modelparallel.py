@@ -261,3 +261,18 @@ def test_expert_parallel_ranks_shard_their_experts_over_the_expert_data_parallel
     assert weights(fsdp="full", ep=8) == pytest.approx(2 * (dense + experts) / 32, rel=1e-3)
     assert weights(fsdp="full") == pytest.approx(2 * (dense / 32 + experts / 8), rel=1e-3)
     assert weights(zero=3, ep=8) == pytest.approx(weights(zero=3), rel=1e-3)
+
+
+def test_expert_parallel_adds_the_all_to_all_buffers_to_forward_and_backward():
+    spec = catalog_spec("mixtral-8x7b")
+    settings = make_settings(recipe="pure-bf16", seq=2048, batch=2)
+    plain = estimate_model(spec, settings, parallel=Parallel(gpus=8, fsdp="full"))
+    split = estimate_model(spec, settings, parallel=Parallel(gpus=8, fsdp="full", ep=8))
+    buffers = 2 * 2 * 2 * 2048 * spec.hidden_size * 2  # sent and received, top-2 copies of 2 x 2048 tokens, bf16
+    rank = split.per_rank[0].estimate
+    alone = estimate_model(rank.rank_model, settings, parallel=Parallel(gpus=8, fsdp="full", experts_split=8))
+    for name in ("forward", "backward"):
+        with_buffers = next(p for p in split.phases if p.name == name)
+        without = next(p for p in alone.phases if p.name == name)
+        assert with_buffers.temporaries - without.temporaries == buffers
+    assert split.static_bytes == plain.static_bytes  # 8 experts over 8 ranks: one each, either way

@@ -238,3 +238,23 @@ def test_context_and_expert_parallel_layouts_are_searched_and_are_the_estimators
                                 checkpointing=L.checkpointing, gpus=L.gpus, fsdp=L.fsdp, zero=L.zero, tp=L.tp,
                                 sp=L.tp > 1, cp=L.cp, ep=L.ep, **pipeline)
         assert est.peak == plan.peak and est.fits(H100)
+
+
+def test_selective_checkpointing_is_searched_and_written_for_torchtitan(tmp_path):
+    from trainmem.engine_configs import write_configs
+
+    spec = catalog_spec("llama-3-8b")
+    none, selective, full = (step_time(spec, Layout("pure-bf16", "DDP", None, None, "none", c, 1, 4, 8, 8), 4096, H100)
+                             for c in ("none", "selective", "full"))
+    # half the layers (0, 2, ...) recompute their forward: (3 + 1/2) forward-equivalents against 3 and 4
+    assert selective.compute_seconds == pytest.approx(none.compute_seconds * 3.5 / 3)
+    assert full.compute_seconds == pytest.approx(none.compute_seconds * 4 / 3)
+    found = search(spec, H100, 8, 8192, global_batch=64, checkpointing=("selective",))
+    assert found.plans and all(p.layout.zero is None and p.layout.offload == "none" and
+                               p.layout.recipe != "amp-bf16" for p in found.plans)
+    layout = Layout("pure-bf16", "DDP", None, None, "none", "selective", 2, 4, 8, 8)
+    written = {p.name for p in write_configs(layout, 4096, "llama-3-8b", tmp_path / "sel")}
+    assert written == {"torchtitan.toml", "launch.sh"}  # (accelerate's and DeepSpeed's files have no such setting)
+    titan = tomllib.loads((tmp_path / "sel" / "torchtitan.toml").read_text())
+    assert titan["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "2"}
+    assert titan["parallelism"]["data_parallel_replicate_degree"] == 8

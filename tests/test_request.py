@@ -30,7 +30,8 @@ REFUSED = [
     (dict(model="gpt2", batch=0), ["gpt2", "--batch", "0"]),
     (dict(model="gpt2", dropout=1.5), ["gpt2", "--dropout", "1.5"]),
     (dict(model="gpt2", recipe="fp64"), ["gpt2", "--recipe", "fp64"]),
-    (dict(model="gpt2", checkpointing="selective"), ["gpt2", "--checkpointing", "selective"]),
+    (dict(model="gpt2", checkpointing="selective", recipe="amp-bf16"),
+     ["gpt2", "--checkpointing", "selective", "--recipe", "amp-bf16"]),
     (dict(model="llama-2-8b"), ["llama-2-8b"]),
     (dict(model=""), [""]),
 ]

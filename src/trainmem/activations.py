@@ -108,6 +108,9 @@ class LayerActivations:
     """AttentionTerms.matmul_backward of this layer."""
     recompute_locals: float = 0.0
     """AttentionTerms.recompute_locals of this layer."""
+    checkpointed: bool = False
+    """Whether these layers are checkpointed: every layer under --checkpointing full, every second one (0, 2,
+    ...) under selective."""
 
     @property
     def bytes_per_token(self) -> float:
@@ -1027,9 +1030,9 @@ class ActivationEstimate:
         return inputs + sum(copied(t.bytes_per_token) for t in inside)
 
     def layer_saved_bytes(self, layer: LayerActivations) -> int:
-        if self.checkpointing == "full" and self.offloaded:
+        if layer.checkpointed and self.offloaded:
             return 0
-        if self.checkpointing == "full":
+        if layer.checkpointed:
             return int(sum(t.bytes_per_token for t in layer.checkpoint_terms) * self.tokens)
         return int(layer.bytes_per_token * self.tokens) + layer.constant_bytes
 
@@ -1139,6 +1142,26 @@ def compiled_layer(la: LayerActivations, h: int, p: Precision) -> LayerActivatio
                    attention_bytes_per_token=sum(t.bytes_per_token for t in attention_terms))
 
 
+def checkpointed_runs(spec: ModelSpec, checkpointing: str) -> list[tuple[Layer, int, bool]]:
+    """The layer runs split where checkpointing starts or stops: (layer, count, checkpointed). Selective
+    checkpointing takes layers 0, 2, 4, ... (settings.SELECTIVE_EVERY)."""
+    from .settings import SELECTIVE_EVERY
+
+    if checkpointing != "selective":
+        return [(layer, count, checkpointing == "full") for layer, count in spec.layer_runs]
+    runs: list[tuple[Layer, int, bool]] = []
+    index = 0
+    for layer, count in spec.layer_runs:
+        for i in range(index, index + count):
+            flag = i % SELECTIVE_EVERY == 0
+            if runs and runs[-1][0] == layer and runs[-1][2] == flag:  # (never, with every second layer: kept
+                runs[-1] = (layer, runs[-1][1] + 1, flag)              # general for other periods)
+            else:
+                runs.append((layer, 1, flag))
+        index += count
+    return runs
+
+
 def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings) -> ActivationEstimate:
     """Saved activations of one micro-batch of ``settings.batch`` x ``settings.seq`` tokens."""
     from dataclasses import replace
@@ -1147,7 +1170,15 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     p = Precision.of(recipe)
     h, v, s = spec.hidden_size, spec.vocab_size, settings.seq
     tokens = settings.batch * s
-    layers = tuple(layer_activations(spec, layer, count, recipe, settings) for layer, count in spec.layer_runs)
+    computed: dict[tuple, LayerActivations] = {}  # (selective checkpointing splits a run into a run per layer)
+    runs = []
+    for layer, count, checkpointed in checkpointed_runs(spec, settings.checkpointing):
+        if (layer, count, checkpointed) not in computed:
+            base = computed.get((layer, 1, False)) or layer_activations(spec, layer, 1, recipe, settings)
+            computed[(layer, 1, False)] = base
+            computed[(layer, count, checkpointed)] = replace(base, count=count, checkpointed=checkpointed)
+        runs.append(computed[(layer, count, checkpointed)])
+    layers = tuple(runs)
     if settings.compile:
         layers = tuple(compiled_layer(la, h, p) for la in layers)
     emb_dropout = spec.dropout.embedding if settings.dropout is None else settings.dropout
@@ -1182,7 +1213,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         constant.append(Term("rotary cos, sin", tables * 2 * p.residual * s * max(rotary_dims)))
 
     masks_built, masks_used = _mask_bytes(spec, settings, p)
-    if masks_used and settings.checkpointing == "full":
+    if masks_used and settings.checkpointing != "none":
         # Checkpointed layers receive the masks as keyword arguments, which the checkpoints keep for the recompute,
         # so they live until the first layer's backward (traced); without checkpointing they die with the forward.
         constant.append(Term("attention masks kept for the recompute", masks_used))
@@ -1264,7 +1295,7 @@ def _activation_estimate(spec: ModelSpec, settings: TrainingSettings, layers, to
         tokens=tokens, layers=layers, embedding_terms=tuple(embedding), head_terms=tuple(head),
         constant_terms=tuple(constant), logits_bytes=logits_bytes, loss_transient_bytes=loss_transient,
         checkpointing=settings.checkpointing, kv_cache_bytes=kv_cache,
-        mask_bytes=masks_built if settings.checkpointing != "full" else masks_built - masks_used,
+        mask_bytes=masks_built if settings.checkpointing == "none" else masks_built - masks_used,
         decoder_locals_bytes=_decoder_locals(spec, p, emb_dropout) * tokens if spec.has_embedding else 0,
         offloaded=settings.offload_activations,
     )

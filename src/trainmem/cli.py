@@ -148,7 +148,8 @@ def _workload_options(f):
                      help="foreach | fused | auto (fused for mixed-* recipes)."),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
         click.option("--attention", default="sdpa", show_default=True, help="eager | sdpa | flash."),
-        click.option("--checkpointing", default="none", show_default=True, help="none | full (every decoder layer)."),
+        click.option("--checkpointing", default="none", show_default=True,
+                     help="none | selective (every second decoder layer, torchtitan's layer SAC) | full (every one)."),
         click.option("--dropout", type=float, default=None, help="Dropout probability (default: the config's)."),
         click.option("--loss", default="standard", show_default=True,
                      help="standard | chunked (Liger's fused linear CE) | chunked-output (torchtune's 8-slice CE)."),
@@ -803,7 +804,7 @@ def recipes(optimizer: Optional[str], as_json: bool) -> None:
 @click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
 @click.option("--global-batch", type=int, default=None, help="Sequences per optimizer step (default: one per GPU).")
 @click.option("--recipe", default=None, help="Search only this recipe (default: the bf16 recipes).")
-@click.option("--checkpointing", default=None, help="Search only none or full (default: both).")
+@click.option("--checkpointing", default=None, help="Search only none, selective or full (default: all three).")
 @click.option("--mfu", type=float, default=None, help="Fraction of peak FLOPS the time model assumes (default 0.4).")
 @click.option("--inter-node-gbps", type=float, default=None, help="Node-to-node GB/s per GPU (default 50).")
 @click.option("--host-memory-gib", type=float, default=None, help="Host memory per node for offload (default 2048).")

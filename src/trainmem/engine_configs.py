@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .plan import Layout
+from .settings import SELECTIVE_EVERY
 
 def mixed_precision(recipe: str) -> str:
     """accelerate's and DeepSpeed's name for the recipe's compute dtype: bf16, fp16, or no."""
@@ -76,8 +77,10 @@ def accelerate_config(layout: Layout) -> dict:
     return config
 
 
-def model_parallel(layout: Layout) -> bool:
-    return layout.tp * layout.pp * layout.cp * layout.ep > 1
+def torchtitan_only(layout: Layout) -> bool:
+    """Tensor, pipeline, context or expert parallelism, or layer-selective checkpointing: only torchtitan's file
+    says them here (accelerate's and DeepSpeed's configs have no such keys)."""
+    return layout.tp * layout.pp * layout.cp * layout.ep > 1 or layout.checkpointing == "selective"
 
 
 def torchtitan_toml(layout: Layout, seq: int, model_name: str) -> str | None:
@@ -86,7 +89,7 @@ def torchtitan_toml(layout: Layout, seq: int, model_name: str) -> str | None:
     None where the layout is not expressible there. torchtitan's TP plan is sequence parallel; its local batch is
     per data-parallel rank, split into ``pipeline_parallel_microbatch_size`` micro-batches with PP."""
     dp = layout.data_parallel
-    if layout.offload != "none" or not (layout.fsdp or model_parallel(layout)):
+    if layout.offload != "none" or not (layout.fsdp or torchtitan_only(layout)):
         return None
     if layout.fsdp:
         shard = layout.gpus_per_node if layout.fsdp == "hybrid" else dp
@@ -120,14 +123,16 @@ def torchtitan_toml(layout: Layout, seq: int, model_name: str) -> str | None:
     lines += [f"context_parallel_degree = {layout.cp}"]
     if layout.ep > 1:
         lines.append(f"expert_parallel_degree = {layout.ep}")
-    lines += ["", "[activation_checkpoint]",
-              f'mode = "{"full" if layout.checkpointing == "full" else "none"}"', ""]
+    lines += ["", "[activation_checkpoint]", f'mode = "{layout.checkpointing}"']
+    if layout.checkpointing == "selective":
+        lines.append(f'selective_ac_option = "{SELECTIVE_EVERY}"')
+    lines.append("")
     return "\n".join(lines)
 
 
 def launch_script(layout: Layout) -> str:
     nodes = -(-layout.gpus // layout.gpus_per_node)
-    if model_parallel(layout):
+    if torchtitan_only(layout):
         return "\n".join([
             "#!/usr/bin/env bash",
             f"# trainmem plan: {layout.gpus} GPUs ({nodes} node{'s' if nodes > 1 else ''} of {layout.gpus_per_node}), "
@@ -168,9 +173,9 @@ def write_configs(layout: Layout, seq: int, model_name: str, out: str | os.PathL
     if not target.parent.is_dir():
         raise ConfigError(f"--out: the folder {str(target.parent)!r} does not exist")
     files: dict[str, str] = {"launch.sh": launch_script(layout)}
-    if not model_parallel(layout):  # (accelerate and DeepSpeed's configs have no pipeline stages or TP plan here)
+    if not torchtitan_only(layout):
         files["accelerate.yaml"] = yaml.safe_dump(accelerate_config(layout), sort_keys=False)
-    if not layout.fsdp and layout.gpus > 1 and not model_parallel(layout):
+    if not layout.fsdp and layout.gpus > 1 and not torchtitan_only(layout):
         files["ds_config.json"] = json.dumps(deepspeed_config(layout), indent=2) + "\n"
     titan = torchtitan_toml(layout, seq, model_name)
     if titan is not None:

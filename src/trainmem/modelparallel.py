@@ -213,10 +213,11 @@ class LayoutStep:
         _, _, in_flight, step, s = entry
         local = self._local_seq(seq)
         phases = step.phases(batch, local)
-        held = self._held_extra(step, s, in_flight, batch, local) + self._all_to_all(s, batch, local)
-        if not held[0] and not held[1]:
+        held = self._held_extra(step, s, in_flight, batch, local)[0]
+        buffers = self._all_to_all(s, batch, local)[1]
+        if not held and not buffers:
             return phases
-        return tuple(replace(ph, activations=ph.activations + held[0], temporaries=ph.temporaries + held[1])
+        return tuple(replace(ph, activations=ph.activations + held, temporaries=ph.temporaries + buffers)
                      if ph.name in _STEP_PHASES else ph for ph in phases)
 
     def _held_extra(self, step, s: ModelSpec, in_flight: int, batch: int, seq: int) -> tuple[int, int]:
@@ -288,9 +289,9 @@ def layout_notes(parallel: Parallel) -> tuple[str, ...]:
         notes.append("sequence parallel as PyTorch's DTensor keeps it: the all-gathered input of each column-"
                      "parallel Linear is saved whole (Megatron-LM saves the 1/T shard and gathers it again)")
     if parallel.pp > 1:
-        notes.append("not validated: pipeline stages are estimated as the sub-model each holds with the in-flight "
-                     "micro-batches added; the p2p send/receive buffers (one micro-batch's hidden states) are not "
-                     "counted")
+        notes.append("not validated: the micro-batches in flight follow Megatron-LM's schedules, untraced (a stage "
+                     "as the transformers layers it holds is traced within 2%); the pipeline runtime's send and "
+                     "receive buffers (one micro-batch's hidden states) are not counted")
     if parallel.cp > 1:
         notes.append("not validated: context parallel (no trace; the all-gather variant, which keeps the gathered "
                      "keys and values)")

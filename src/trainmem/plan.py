@@ -1,7 +1,7 @@
 """``trainmem plan``: the layouts that fit a GPU, ranked by a stated time model.
 
-The search: recipe x engine (DDP, ZeRO 1-3, FSDP2 full / grad-op / hybrid) x activation checkpointing (none, full) x
-offload x micro-batch, for a global batch of sequences split evenly over the data-parallel ranks (micro-batch x
+The search: recipe x engine (DDP, ZeRO 1-3, FSDP2 full / grad-op / hybrid) x activation checkpointing (none,
+selective: every second layer, full) x offload x micro-batch, for a global batch of sequences split evenly over the data-parallel ranks (micro-batch x
 accumulation = global batch / data parallel); and tensor parallelism (with sequence parallelism, inside a node) x
 pipeline stages (1F1B, the accumulated micro-batches through the pipeline) x context parallelism (from 16k tokens)
 x expert parallelism (MoE), as torchtitan runs them: with FSDP2 full sharding or DDP over the data-parallel ranks
@@ -44,7 +44,7 @@ from .estimate import DeviceOptions, Estimate, Peak
 from .hardware import (DEFAULT_HOST_MEMORY_GIB, DEFAULT_INTER_NODE_GBPS, GPU, THROUGHPUT, Throughput)
 from .models import ModelSpec
 from .recipes import DTYPE_BYTES, get_recipe
-from .settings import make_settings
+from .settings import SELECTIVE_EVERY, make_settings
 from .sharding import Parallel
 from .stepmodel import StepModel, compile_step, evaluate
 
@@ -66,7 +66,8 @@ NOT_SEARCHED = ("context parallelism below 16,384 tokens (estimate it with --cp)
                 "the interleaved pipeline schedule (estimate it with --pp-schedule interleaved)",
                 "ZeRO with tensor, pipeline, context or expert parallelism (Megatron-DeepSpeed; trainmem writes no "
                 "config for it)",
-                "selective activation checkpointing (trainmem models none and full)")
+                "op-level selective checkpointing (torchtitan's 'op' option; layer-selective, every second "
+                "layer, is searched without autocast, ZeRO or offload)")
 MAX_PIPELINE_STAGES = 16
 CONTEXT_PARALLEL_FROM = 16_384
 """Context parallelism is searched for sequences this long or longer (below, its gathers cost more than the memory
@@ -260,7 +261,10 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
     sequences = layout.micro_batch * layout.grad_accum  # per data-parallel rank, i.e. per model replica
     tokens = sequences * seq
     split = layout.model_parallel
-    n, full = spec.num_active_parameters, layout.checkpointing == "full"
+    n = spec.num_active_parameters
+    # the share of the layers whose forward runs again in backward
+    full = {"none": 0.0, "full": 1.0}.get(layout.checkpointing) if layout.checkpointing != "selective" else \
+        -(-spec.num_layers // SELECTIVE_EVERY) / spec.num_layers
     # multiply-adds per token of q.k^T and p.v in forward, over the keys a query sees (half the sequence on
     # average under the causal mask, or the window)
     attention_macs = 0.0
@@ -328,7 +332,8 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
 def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | None = None,
            gpus_per_node: int = 8, recipes: tuple[str, ...] = PLAN_RECIPES, device: DeviceOptions | None = None,
            mfu: float = DEFAULT_MFU, inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS,
-           host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB, checkpointing: tuple[str, ...] = ("none", "full"),
+           host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB,
+           checkpointing: tuple[str, ...] = ("none", "selective", "full"),
            engines: tuple[str, ...] | None = None, model_parallel: bool = True) -> PlanSearch:
     """Every layout of ``gpus`` GPUs for ``global_batch`` sequences of ``seq`` tokens (default: one sequence per GPU),
     the fitting ones ranked by step_time; ``model_parallel=False`` searches data parallelism alone."""
@@ -367,6 +372,9 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
                     continue
                 for offload in offloads:
                     for ckpt in checkpointing:
+                        if ckpt == "selective" and (get_recipe(recipe).autocast or zero is not None
+                                                    or offload != "none"):
+                            continue  # (modelled without autocast; written as torchtitan's, which has no ZeRO)
                         compiled: dict = {}
 
                         def step_for(b: int):
@@ -464,7 +472,7 @@ def run_plan(model, gpu: str, gpus: int | None = None, seq: int = 2048, global_b
                        checkpointing=checkpointing or "none")
     options.setdefault("device", req.device)
     options["recipes"] = (recipe,) if recipe else PLAN_RECIPES
-    options["checkpointing"] = (checkpointing,) if checkpointing else ("none", "full")
+    options["checkpointing"] = (checkpointing,) if checkpointing else ("none", "selective", "full")
     if min_gpus_wanted:
         if global_batch is not None:
             raise ConfigError("--min-gpus answers a GPU count (one sequence per GPU): it takes no --global-batch")

@@ -15,7 +15,12 @@ from .optimizers import get_optimizer
 from .recipes import get_recipe
 
 ATTENTION_KERNELS = ("eager", "sdpa", "flash")
-CHECKPOINTING = ("none", "full")
+CHECKPOINTING = ("none", "selective", "full")
+SELECTIVE_EVERY = 2
+"""--checkpointing selective checkpoints every second decoder layer (0, 2, 4, ...): torchtitan's selective
+activation checkpointing with its default ``selective_ac_option = "2"`` (torchtitan/distributed/
+activation_checkpoint.py, ``_apply_layer_sac``), not Megatron's recompute of the attention core, which flash
+attention already leaves nothing to save for."""
 LOSSES = ("standard", "chunked", "chunked-output")
 OFFLOAD_MIN_BYTES = 1024
 """torchtune's OffloadActivations min_offload_size: smaller saved tensors stay on the device."""
@@ -41,7 +46,8 @@ class TrainingSettings:
     attention: str = "sdpa"
     """Attention kernel: eager (materialises the s x s scores), sdpa (transformers' default) or flash."""
     checkpointing: str = "none"
-    """Activation checkpointing: none or full (transformers' gradient_checkpointing_enable: every decoder layer)."""
+    """Activation checkpointing: none, selective (every second decoder layer, torchtitan's layer SAC) or full
+    (transformers' gradient_checkpointing_enable: every decoder layer)."""
     dropout: float | None = None
     """Dropout probability override; None keeps the config's."""
     loss: str = "standard"
@@ -85,10 +91,6 @@ class TrainingSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.checkpointing == "selective":
-            # Megatron's selective recompute (attention core only) has no transformers counterpart to trace.
-            raise ConfigError("checkpointing 'selective' is not supported: transformers checkpoints whole decoder "
-                              "layers; accepted: none, full")
         for name, accepted in (("attention", ATTENTION_KERNELS), ("checkpointing", CHECKPOINTING), ("loss", LOSSES),
                                ("optimizer_impl", OPTIMIZER_IMPLS)):
             if getattr(self, name) not in accepted:
@@ -109,6 +111,13 @@ class TrainingSettings:
             raise ConfigError("--activation-k replaces the activation model with one number; --compile, "
                               "--offload-activations and --loss change what that model computes: give one or the "
                               "other")
+        if self.checkpointing == "selective" and get_recipe(self.recipe).autocast:
+            raise ConfigError("checkpointing 'selective' is modelled for recipes without autocast (fp32, mixed-*, "
+                              "pure-*): autocast's cast cache under a part-checkpointed model is not; give "
+                              "--checkpointing full or none")
+        if self.checkpointing == "selective" and self.compile:
+            raise ConfigError("checkpointing 'selective' with --compile is not modelled; give --checkpointing full "
+                              "or none")
         if self.offload_activations and self.checkpointing != "full":
             raise ConfigError("--offload-activations is modelled with --checkpointing full (torchtune: it should be "
                               "used alongside activation checkpointing)")

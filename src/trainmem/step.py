@@ -66,13 +66,21 @@ class Fp32StateAdamW:
             p.grad = None
 
 
-def enable_checkpointing(model) -> None:
-    """Non-reentrant activation checkpointing of every decoder layer (transformers renamed
-    ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` in 5.x and deprecated the old name)."""
+def enable_checkpointing(model, every: int = 1) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer, or with ``every`` = N of layers 0, N, 2N, ...
+    (torchtitan's layer-selective checkpointing: transformers' GradientCheckpointingLayer checks its own
+    ``gradient_checkpointing``, so the others are switched back off). transformers renamed
+    ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` in 5.x and deprecated the old name."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if every > 1:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+        for index, layer in enumerate(layers):
+            if index % every:
+                layer.gradient_checkpointing = False
 
 
 def make_optimizer(torch, name: str, params: list, fused: bool, fp32_states_for_half: bool = False):
@@ -181,8 +189,10 @@ class TrainingStep:
         """True while a checkpointed layer's forward is being recomputed inside backward."""
         if settings.compile:
             torch._dynamo.reset()  # a fresh cache per model: dynamo stops compiling a code object after 8 variants
-        if settings.checkpointing == "full":
-            enable_checkpointing(self.model)
+        if settings.checkpointing != "none":
+            from .settings import SELECTIVE_EVERY
+
+            enable_checkpointing(self.model, SELECTIVE_EVERY if settings.checkpointing == "selective" else 1)
             self._mark_recomputes()
         elif settings.compile:
             self._compile_layers()

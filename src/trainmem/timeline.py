@@ -391,7 +391,7 @@ class _LayerBytes:
     """One decoder layer, as the backward walk needs it."""
 
     kept: int
-    """What the layer keeps until its backward (everything saved, or its input under full checkpointing)."""
+    """What the layer keeps until its backward (everything saved, or its input when checkpointed)."""
     full: int
     """Its full saved activations (recreated by the recompute under full checkpointing)."""
     product: int
@@ -479,6 +479,8 @@ class _LayerBytes:
     returned_to_model: int = 0
     """The attention probabilities the layer returns to a base model that holds them through the next layer
     (LayerActivations.returned_to_model), in bytes."""
+    checkpointed: bool = False
+    """Checkpointed (every layer under --checkpointing full, every second one under selective)."""
 
 
 def casts_cached(spec: ModelSpec, p: Precision, settings: TrainingSettings) -> bool:
@@ -510,7 +512,12 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         gradients_of = replaced(recipe, gradients={4: "fp32", 2: "bf16"}[ab], weights={4: "fp32", 2: "bf16"}[ab])
         adapted = adapted_names(spec, finetune.lora)
     out = []
+    made: dict[tuple, _LayerBytes] = {}  # (selective checkpointing makes a run of every layer: alike ones once)
     for la in acts.layers:
+        key = (la.layer, la.checkpointed, la.terms, la.constant_bytes, la.checkpoint_terms)
+        if key in made:
+            out.extend([made[key]] * la.count)
+            continue
         tensors = layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors)
         if finetune is not None:
             tensors = _adapter_view(tensors, adapted, finetune.lora.rank)
@@ -521,7 +528,7 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         # Under full checkpointing the recompute's first norm reads the kept layer input. Where it saves that
         # tensor itself (LayerNorm; RMSNorm when the stream is already fp32, so its upcast is a no-op) the
         # recomputed activations share it with what the checkpoint kept.
-        shared_input = (p.residual * spec.hidden_size * tokens if acts.checkpointing == "full"
+        shared_input = (p.residual * spec.hidden_size * tokens if la.checkpointed
                         and (spec.norm == "layer" or p.residual == FP32) else 0)
         full -= shared_input
         # (grouped_mm experts are not autocast: their weights get no half copy)
@@ -542,7 +549,7 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         first_norm = _numel(tensors, "input_norm")
         attention_part = int(la.attention_bytes_per_token * tokens) + (p.compute * projections if p.autocast else 0)
         attention_live = attention_part - int(la.attention_released * tokens)
-        if acts.checkpointing == "full":
+        if la.checkpointed:
             attention_live += kept + (full - int(la.bytes_per_token * tokens) - la.constant_bytes)
         item = _LayerBytes(
             kept=kept, full=full, product=(_mlp_bytes(layer, p) * _mlp_width(layer) * tokens if finetune is None else
@@ -578,7 +585,7 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens),
             recompute_adapters=(_adapter_recompute_moments(spec, la, p, tokens, finetune)
-                                if finetune is not None and acts.checkpointing == "full" else ()),
+                                if finetune is not None and la.checkpointed else ()),
             recompute_attention_end=(kept + int((la.attention_bytes_per_token + la.recompute_locals) * tokens)
                                      + (p.compute * sum(t.numel for t in tensors if len(t.shape) == 2
                                                         and t.role not in MLP_ROLES) if p.autocast else 0)
@@ -599,7 +606,9 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                or output_norm else 0)) * tokens,
             freed_before_down=freed_before_mlp,
             returned_to_model=int(la.returned_to_model * tokens),
+            checkpointed=la.checkpointed,
         )
+        made[key] = item
         out.extend([item] * la.count)
     return out
 
@@ -755,7 +764,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
 
         layers = [replaced(x, grads=0, down_grad=0, attention_grads_pending=0, experts_weighting_grads=0,
                            norm_moment=(x.norm_moment[0], 0, x.norm_moment[2])) for x in layers]
-    checkpointed = acts.checkpointing == "full" and bool(layers)
+    # (under selective checkpointing: whether the last layer is one of the checkpointed ones)
+    checkpointed = bool(layers) and layers[-1].checkpointed
     cached = checkpointed and casts_cached(spec, p, settings) and finetune is None
     cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if cached else 0
     # The CausalLM forward holds the base model's output (the final norm's) while it computes the logits and the
@@ -877,9 +887,9 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     first_layer_moment = len(candidates)
     for index in range(len(layers) - 1, -1, -1):
         x = layers[index]
-        live_acts = base_kept + kept_below[index] + (x.kept + x.full if acts.checkpointing == "full" else x.full)
+        live_acts = base_kept + kept_below[index] + (x.kept + x.full if x.checkpointed else x.full)
         # In the order they happen: on a tie the earlier moment is the peak, as a peak counter sees it.
-        if acts.checkpointing == "full":
+        if x.checkpointed:
             if x.recompute_attention_end:
                 candidates.append(Phase(
                     "backward", f"layer {index} recomputed attention's end", weights,
