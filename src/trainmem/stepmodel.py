@@ -42,10 +42,11 @@ _SAMPLES = (2, 3)
 _CHECKS = (4, 5, 8, 61)
 """More batches the lines must reproduce exactly."""
 _DIRECT = "direct"
-COMPILE_AFTER = 4
-"""A sequence length's forms are compiled when it is asked for the fourth time: compiling costs about six direct
+COMPILE_AFTER = 6
+"""A sequence length's forms are compiled when it is asked for the sixth time: compiling costs about six direct
 evaluations (two samples, four checks), which a plan's bisection over a few micro-batches never earns back and a
-max-batch search or a sweep does."""
+max-batch search or a long sweep does (benchmarks/plan_speed.py: 2,078 layouts/s compiling at the fourth request,
+2,559 at the sixth)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ class StepModel:
         if settings.activation_k is not None and not spec.has_architecture:
             raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
                               f"{spec.source or spec.name} has none (give a model name or config.json)")
+        self._last_activations: tuple[tuple[int, int], ActivationEstimate] | None = None
         self._forms: dict[int, tuple[_PhaseForm, ...] | str | int] = {}
         """Per sequence length: its compiled phases, or _DIRECT, or the number of times it was asked for."""
 
@@ -152,9 +154,15 @@ class StepModel:
                                      self.rank, self.finetune)
 
     def activations(self, settings: TrainingSettings) -> ActivationEstimate:
+        """The activations at ``settings`` (this step's, at some batch and seq); the last one is kept, since a
+        pipeline role asks for the same (batch, seq) twice (its phases and its in-flight micro-batches)."""
+        key = (settings.batch, settings.seq)
+        if self._last_activations is not None and self._last_activations[0] == key:
+            return self._last_activations[1]
         acts = estimate_activations(self.spec, self.recipe, settings)
         if self.finetune is not None:
             acts = lora_activations(acts, self.spec, Precision.of(self.recipe), self.finetune)
+        self._last_activations = (key, acts)
         return acts
 
     # -- compiled forms ----------------------------------------------------------------------------------------
