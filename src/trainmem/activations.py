@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .kernels import (EAGER, EFFICIENT, EFFICIENT_MASK_MULTIPLE, FLASH, FLASH_MAX_HEAD_DIM, MATH,
                       efficient_lse_per_token, efficient_mask_width, flash_head_dim, sdpa_backend)
-from .models import MLP, Attention, Layer, ModelSpec, MoE
+from .models import MLP, Attention, Layer, ModelSpec, MoE, runs_of
 from .recipes import DTYPE_BYTES, Recipe
 from .settings import OFFLOAD_MIN_BYTES, OUTPUT_CHUNKS, TrainingSettings
 
@@ -1149,17 +1149,8 @@ def checkpointed_runs(spec: ModelSpec, checkpointing: str) -> list[tuple[Layer, 
 
     if checkpointing != "selective":
         return [(layer, count, checkpointing == "full") for layer, count in spec.layer_runs]
-    runs: list[tuple[Layer, int, bool]] = []
-    index = 0
-    for layer, count in spec.layer_runs:
-        for i in range(index, index + count):
-            flag = i % SELECTIVE_EVERY == 0
-            if runs and runs[-1][0] == layer and runs[-1][2] == flag:  # (never, with every second layer: kept
-                runs[-1] = (layer, runs[-1][1] + 1, flag)              # general for other periods)
-            else:
-                runs.append((layer, 1, flag))
-        index += count
-    return runs
+    flagged = runs_of((layer, i % SELECTIVE_EVERY == 0) for i, layer in enumerate(spec.layers))
+    return [(layer, count, flag) for (layer, flag), count in flagged]
 
 
 def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings) -> ActivationEstimate:

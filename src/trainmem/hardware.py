@@ -61,11 +61,12 @@ class Throughput:
     source: str
 
 
+_A100 = Throughput(312, 300, 32, "NVIDIA A100 Tensor Core GPU data sheet (SXM): BF16 312 TFLOPS, NVLink 600 GB/s")
+"""Both A100 sizes: the sheet gives one set of figures."""
+
 THROUGHPUT: dict[str, Throughput] = {
-    "A100-40GB": Throughput(312, 300, 32, "NVIDIA A100 Tensor Core GPU data sheet (SXM): BF16 312 TFLOPS, "
-                            "NVLink 600 GB/s"),
-    "A100-80GB": Throughput(312, 300, 32, "NVIDIA A100 Tensor Core GPU data sheet (SXM): BF16 312 TFLOPS, "
-                            "NVLink 600 GB/s"),
+    "A100-40GB": _A100,
+    "A100-80GB": _A100,
     "H100-80GB": Throughput(989.4, 450, 64, "NVIDIA H100 Tensor Core GPU data sheet (SXM5): BF16 1,979 TFLOPS with "
                             "sparsity (989.4 dense), NVLink 900 GB/s, PCIe Gen5 128 GB/s"),
     "H200": Throughput(989.4, 450, 64, "NVIDIA H200 Tensor Core GPU data sheet (SXM): BF16 1,979 TFLOPS with sparsity, "

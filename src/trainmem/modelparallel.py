@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import ConfigError
 from .estimate import DeviceOptions, Estimate, peak_of_phases
-from .models import Layer, ModelSpec
+from .models import Layer, ModelSpec, runs_of
 from .settings import TrainingSettings
 from .sharding import Parallel
 from .timeline import Phase
@@ -52,7 +52,7 @@ def check_layout(spec: ModelSpec, parallel: Parallel, seq: int | None = None) ->
             raise ConfigError(f"--tp {tp} must divide the attention heads ({att.num_heads})")
         if att.kind == "mha" and att.num_kv_heads % tp:
             raise ConfigError(f"--tp {tp} must divide the key/value heads ({att.num_kv_heads}); accepted: "
-                              + ", ".join(str(t) for t in _divisors(math.gcd(att.num_heads, att.num_kv_heads))))
+                              + ", ".join(str(t) for t in divisors(math.gcd(att.num_heads, att.num_kv_heads))))
         widths = [("MLP width (intermediate_size)", layer.mlp.intermediate_size)] if layer.mlp else [
             ("expert width", layer.moe.expert_intermediate_size),  # type: ignore[union-attr]
             ("shared expert width", layer.moe.shared_intermediate_size)]  # type: ignore[union-attr]
@@ -75,8 +75,10 @@ def check_layout(spec: ModelSpec, parallel: Parallel, seq: int | None = None) ->
                               f"length that is a multiple of {tp * cp}")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """Every divisor of n, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def tensor_parallel_spec(spec: ModelSpec, parallel: Parallel) -> ModelSpec:
@@ -96,20 +98,6 @@ def tensor_parallel_spec(spec: ModelSpec, parallel: Parallel) -> ModelSpec:
     return replace(spec, layer_runs=tuple((split(layer), count) for layer, count in spec.layer_runs),
                    vocab_size=-(-spec.vocab_size // tp), vocab_shards=tp, sequence_shards=tp if parallel.sp else 1,
                    context_shards=parallel.cp)
-
-
-def _layers(spec: ModelSpec) -> list[Layer]:
-    return [layer for layer, count in spec.layer_runs for _ in range(count)]
-
-
-def _runs(layers: list[Layer]) -> tuple[tuple[Layer, int], ...]:
-    runs: list[tuple[Layer, int]] = []
-    for layer in layers:
-        if runs and runs[-1][0] == layer:
-            runs[-1] = (layer, runs[-1][1] + 1)
-        else:
-            runs.append((layer, 1))
-    return tuple(runs)
 
 
 def in_flight_chunks(parallel: Parallel, stage: int) -> int:
@@ -145,12 +133,12 @@ def stage_spec(rank: ModelSpec, parallel: Parallel, stage: int) -> ModelSpec:
     last; a tied embedding becomes two tensors, one on each end."""
     if parallel.pp == 1:
         return rank
-    layers = _layers(rank)
+    layers = rank.layers
     p, v = parallel.pp, parallel.virtual_stages
     size = len(layers) // (p * v)
     held = [layer for chunk in range(v) for layer in layers[(chunk * p + stage) * size:(chunk * p + stage + 1) * size]]
     first, last = stage == 0, stage == p - 1
-    return replace(rank, layer_runs=_runs(held), has_embedding=first, has_head=last,
+    return replace(rank, layer_runs=runs_of(held), has_embedding=first, has_head=last,
                    tied_embeddings=rank.tied_embeddings and not (first or last))
 
 
@@ -162,6 +150,16 @@ def _role_stages(parallel: Parallel) -> list[tuple[str, tuple[int, ...]]]:
     if p > 2:
         roles.append(("middle stages", tuple(range(1, p - 1))))
     return roles + [("last stage", (p - 1,))]
+
+
+class _Stage(NamedTuple):
+    """One pipeline stage a LayoutStep evaluates: the role it stands for, its compiled step and what it holds."""
+
+    role: str
+    index: int
+    in_flight: int
+    step: Any
+    spec: ModelSpec
 
 
 class LayoutStep:
@@ -182,7 +180,7 @@ class LayoutStep:
         micro = parallel.in_flight_micro_batches if parallel.pp > 1 else 1
         # a pipeline's micro-batches accumulate their gradients as --grad-accum does
         stage_settings = replace(settings, grad_accum=max(settings.grad_accum, micro))
-        self._stages: list[tuple[str, int, int, Any, ModelSpec]] = []
+        self._stages: list[_Stage] = []
         compiled: dict[ModelSpec, Any] = {}
         for name, stages in _role_stages(parallel):
             held: set[ModelSpec] = set()
@@ -193,87 +191,82 @@ class LayoutStep:
                 held.add(s)
                 if s not in compiled:
                     compiled[s] = compile_step(s, stage_settings, self.device, view)
-                self._stages.append((name, stage, in_flight_chunks(parallel, stage) if parallel.pp > 1 else 1,
-                                     compiled[s], s))
+                in_flight = in_flight_chunks(parallel, stage) if parallel.pp > 1 else 1
+                self._stages.append(_Stage(name, stage, in_flight, compiled[s], s))
 
     @property
     def static(self):
         """The model states of the rank that holds the most (the search's floor)."""
-        return max((entry[3].static for entry in self._stages), key=lambda st: sum(c.bytes for c in st))
+        return max((stage.step.static for stage in self._stages), key=lambda st: sum(c.bytes for c in st))
 
     @property
     def rank(self):
         """The data-parallel engine's layout on the first stage's rank (its buffers, its host memory)."""
-        return self._stages[0][3].rank
+        return self._stages[0].step.rank
 
     def _local_seq(self, seq: int) -> int:
         return -(-seq // self.parallel.cp)
 
-    def _stage_phases(self, entry, batch: int, seq: int) -> tuple[Phase, ...]:
-        _, _, in_flight, step, s = entry
+    def _stage_phases(self, stage: _Stage, batch: int, seq: int) -> tuple[Phase, ...]:
         local = self._local_seq(seq)
-        phases = step.phases(batch, local)
-        held = self._held_extra(step, s, in_flight, batch, local)[0]
-        buffers = self._all_to_all(s, batch, local)[1]
+        phases = stage.step.phases(batch, local)
+        held = self._held_extra(stage.step, stage.in_flight, batch, local)
+        buffers = self._all_to_all(stage.spec, batch, local)
         if not held and not buffers:
             return phases
         return tuple(replace(ph, activations=ph.activations + held, temporaries=ph.temporaries + buffers)
                      if ph.name in _STEP_PHASES else ph for ph in phases)
 
-    def _held_extra(self, step, s: ModelSpec, in_flight: int, batch: int, seq: int) -> tuple[int, int]:
+    def _held_extra(self, step, in_flight: int, batch: int, seq: int) -> int:
         """Activations of the other micro-batches in flight on this stage: (in_flight - V) chunks' worth."""
         chunks = self.parallel.virtual_stages
         if in_flight <= chunks:
-            return (0, 0)
+            return 0
         acts = step.activations(replace(step.settings, batch=batch, seq=seq))
         per_micro = acts.layers_bytes + acts.embedding_bytes  # (the head's is in flight once: 1F1B's last stage)
-        return (per_micro * (in_flight - chunks) // chunks, 0)
+        return per_micro * (in_flight - chunks) // chunks
 
-    def _all_to_all(self, s: ModelSpec, batch: int, seq: int) -> tuple[int, int]:
+    def _all_to_all(self, s: ModelSpec, batch: int, seq: int) -> int:
         """EP's dispatch and combine buffers: each routed copy of the rank's tokens, sent and received, in the
         compute dtype, while a MoE layer runs (Megatron's MoEAlltoAllTokenDispatcher; torchtitan's all_to_all)."""
         if self.parallel.ep == 1:
-            return (0, 0)
+            return 0
         from .activations import Precision
         from .recipes import get_recipe
 
         k = max((layer.moe.top_k for layer, _ in s.layer_runs if layer.moe), default=0)
         compute = Precision.of(get_recipe(self.settings.recipe)).compute
-        return (0, 2 * k * batch * seq * s.hidden_size * compute)
-
-    def _loaded(self, batch: int, seq: int) -> tuple[tuple[Phase, ...], list[tuple[str, tuple[Phase, ...]]]]:
-        per_stage = [(entry, self._stage_phases(entry, batch, seq)) for entry in self._stages]
-        top = max(per_stage, key=lambda x: max(ph.allocated_bytes for ph in x[1]))
-        return top[1], per_stage
+        return 2 * k * batch * seq * s.hidden_size * compute
 
     def phases(self, batch: int, seq: int) -> tuple[Phase, ...]:
-        return self._loaded(batch, seq)[0]
+        """The phases of the most loaded stage."""
+        return max((self._stage_phases(stage, batch, seq) for stage in self._stages),
+                   key=lambda phases: max(ph.allocated_bytes for ph in phases))
 
     def estimate(self, batch: int, seq: int) -> Estimate:
         check_layout(self.spec, self.parallel, seq)
         settings = replace(self.settings, batch=batch, seq=seq)
         local = self._local_seq(seq)
         roles: list[RankRole] = []
-        by_role: dict[str, tuple[int, Any, tuple[Phase, ...], int]] = {}
-        for entry in self._stages:
-            name, stage, in_flight, step, s = entry
-            phases = self._stage_phases(entry, batch, seq)
+        by_role: dict[str, tuple[int, _Stage, tuple[Phase, ...]]] = {}  # (its most loaded stage)
+        for stage in self._stages:
+            phases = self._stage_phases(stage, batch, seq)
             load = max(ph.allocated_bytes for ph in phases)
-            if name not in by_role or load > by_role[name][0]:
-                by_role[name] = (load, entry, phases, stage)
+            if stage.role not in by_role or load > by_role[stage.role][0]:
+                by_role[stage.role] = (load, stage, phases)
         for name, stages in _role_stages(self.parallel):
-            _, entry, phases, stage = by_role[name]
-            _, _, in_flight, step, s = entry
-            base = step.estimate(batch, local)
-            held = self._held_extra(step, s, in_flight, batch, local)[0]
+            _, stage, phases = by_role[name]
+            in_flight = stage.in_flight
+            base = stage.step.estimate(batch, local)
+            held = self._held_extra(stage.step, in_flight, batch, local)
             acts_note = (f"{name}: the activations of {in_flight} micro-batches in flight"
                          if self.parallel.virtual_stages == 1 else
                          f"{name}: the activations of {in_flight} model chunks x micro-batches in flight") \
                 if in_flight > self.parallel.virtual_stages else ""
             e = replace(base, settings=settings, phases=phases, peak=peak_of_phases(phases, self.device),
-                        in_flight_bytes=held, parallel=self.parallel, rank_model=s,
+                        in_flight_bytes=held, parallel=self.parallel, rank_model=stage.spec,
                         notes=base.notes + ((acts_note,) if acts_note else ()))
-            roles.append(RankRole(name, stages if name != "middle stages" else (stage,), in_flight, e))
+            roles.append(RankRole(name, stages if name != "middle stages" else (stage.index,), in_flight, e))
         top = max(roles, key=lambda r: r.estimate.peak.allocated_bytes if r.estimate.peak else 0)
         notes = top.estimate.notes + layout_notes(self.parallel)
         return replace(top.estimate, model=self.spec, per_rank=tuple(roles), notes=notes)

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterable, Literal, TypeVar
 
 from .config_defaults import CONFIG_DEFAULTS, Derived, default_for
 from .errors import ModelError
@@ -297,6 +297,11 @@ class ModelSpec:
         return sum(count for _, count in self.layer_runs)
 
     @property
+    def layers(self) -> list[Layer]:
+        """Every decoder layer in order (layer_runs expanded)."""
+        return [layer for layer, count in self.layer_runs for _ in range(count)]
+
+    @property
     def is_moe(self) -> bool:
         return any(layer.moe is not None for layer, _ in self.layer_runs)
 
@@ -511,13 +516,17 @@ class _Config:
         return value
 
 
-def _runs(layers: list[Layer]) -> tuple[tuple[Layer, int], ...]:
-    runs: list[tuple[Layer, int]] = []
-    for layer in layers:
-        if runs and runs[-1][0] == layer:
-            runs[-1] = (layer, runs[-1][1] + 1)
+T = TypeVar("T")
+
+
+def runs_of(items: Iterable[T]) -> tuple[tuple[T, int], ...]:
+    """Consecutive equal items as (item, count): layers as ModelSpec.layer_runs holds them."""
+    runs: list[tuple[T, int]] = []
+    for item in items:
+        if runs and runs[-1][0] == item:
+            runs[-1] = (item, runs[-1][1] + 1)
         else:
-            runs.append((layer, 1))
+            runs.append((item, 1))
     return tuple(runs)
 
 
@@ -632,7 +641,7 @@ def _llama_like(
     return dict(
         hidden_size=hidden,
         vocab_size=c.req("vocab_size"),
-        layer_runs=_runs(layers),
+        layer_runs=runs_of(layers),
         norm="rms",
         norm_vectors=1,
         tied_embeddings=bool(c.get("tie_word_embeddings")),
@@ -787,7 +796,7 @@ def _parse_deepseek_v3(c: _Config) -> dict[str, Any]:
     layers = [Layer(att, MLP(c.req("intermediate_size"), True, act) if i < first_dense else None,
                     None if i < first_dense else moe, 2) for i in range(n_layers)]
     return dict(
-        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=_runs(layers), norm="rms", norm_vectors=1,
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=runs_of(layers), norm="rms", norm_vectors=1,
         tied_embeddings=bool(c.get("tie_word_embeddings")), dropout=Dropout(attention=c.get("attention_dropout")),
         **_positions(c),
     )

@@ -1,14 +1,14 @@
 """``trainmem plan``: the layouts that fit a GPU, ranked by a stated time model.
 
 The search: recipe x engine (DDP, ZeRO 1-3, FSDP2 full / grad-op / hybrid) x activation checkpointing (none,
-selective: every second layer, full) x offload x micro-batch, for a global batch of sequences split evenly over the data-parallel ranks (micro-batch x
-accumulation = global batch / data parallel); and tensor parallelism (with sequence parallelism, inside a node) x
-pipeline stages (1F1B, the accumulated micro-batches through the pipeline) x context parallelism (from 16k tokens)
-x expert parallelism (MoE), as torchtitan runs them: with FSDP2 full sharding or DDP over the data-parallel ranks
-(modelparallel.py). Each layout's memory is the estimator's
-(stepmodel.py: compiled once per recipe, engine, checkpointing and offload, then evaluated per micro-batch in
-microseconds); memory grows with the micro-batch, so the largest that fits is found by bisection over the divisors
-and the larger ones are counted as searched without being evaluated. What is not searched is listed in NOT_SEARCHED.
+selective: every second layer, full) x offload x micro-batch, for a global batch of sequences split evenly over the
+data-parallel ranks (micro-batch x accumulation = global batch / data parallel); and tensor parallelism (with
+sequence parallelism, inside a node) x pipeline stages (1F1B, the accumulated micro-batches through the pipeline) x
+context parallelism (from 16k tokens) x expert parallelism (MoE), as torchtitan runs them: with FSDP2 full sharding
+or DDP over the data-parallel ranks (modelparallel.py). Each layout's memory is the estimator's (stepmodel.py:
+compiled once per recipe, engine, checkpointing and offload, then evaluated per micro-batch in microseconds); memory
+grows with the micro-batch, so the largest that fits is found by bisection over the divisors and the larger ones are
+counted as searched without being evaluated. What is not searched is listed in NOT_SEARCHED.
 
 The time model ranks; it does not promise seconds (docs/method.md, "The plan's time model"):
 
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 from .estimate import DeviceOptions, Estimate, Peak
 from .hardware import (DEFAULT_HOST_MEMORY_GIB, DEFAULT_INTER_NODE_GBPS, GPU, THROUGHPUT, Throughput)
+from .modelparallel import check_layout, divisors, tensor_parallel_spec
 from .models import ModelSpec
 from .recipes import DTYPE_BYTES, get_recipe
 from .settings import SELECTIVE_EVERY, make_settings
@@ -52,8 +53,8 @@ TIME_MODEL = ("step = max(compute, communication) + offload + exposed; compute =
               "+ the forward again under full checkpointing) / (tp x pp) at mfu x peak dense bf16 FLOPS, x (1 + "
               "(pp - 1) / micro-batches) for the 1F1B bubble; communication = ring collectives of the data-parallel "
               "engine over the node's link or the inter-node bandwidth; offload = PCIe traffic of offloaded states; "
-              "exposed = tensor-parallel collectives (4 per layer each way), pipeline sends, context-parallel key/value "
-              "gathers and expert-parallel all-to-alls, not overlapped")
+              "exposed = tensor-parallel collectives (4 per layer each way), pipeline sends, context-parallel "
+              "key/value gathers and expert-parallel all-to-alls, not overlapped")
 """The time model in one line, for the JSON document (the module docstring and docs/method.md in full)."""
 
 PLAN_RECIPES = ("mixed-bf16", "pure-bf16", "amp-bf16", "pure-bf16-bf16states")
@@ -200,8 +201,6 @@ def _rank_parameters(spec: ModelSpec, layout: Layout) -> float:
     """Parameters one GPU's data-parallel engine reduces: the rank's share under TP and EP, over P stages."""
     if layout.tp == layout.ep == 1:
         return spec.num_parameters / layout.pp
-    from .modelparallel import tensor_parallel_spec
-
     return tensor_parallel_spec(spec, Parallel(gpus=layout.gpus, tp=layout.tp, ep=layout.ep, cp=layout.cp,
                                                pp=layout.pp)).num_parameters / layout.pp
 
@@ -219,18 +218,16 @@ def model_parallel_degrees(spec: ModelSpec, gpus: int, gpus_per_node: int,
     sequence; PP dividing the layers, up to MAX_PIPELINE_STAGES; CP (up to 8) from CONTEXT_PARALLEL_FROM tokens on;
     EP (MoE only) dividing the experts and the data-parallel x context-parallel ranks; tp x pp x cp dividing the
     GPUs."""
-    from .modelparallel import check_layout
-
     contexts = [c for c in (1, 2, 4, 8) if c == 1 or seq >= CONTEXT_PARALLEL_FROM]
     experts = min((layer.moe.num_experts for layer, _ in spec.layer_runs if layer.moe), default=1)
     out = []
-    for tp in _divisors(gpus_per_node):
-        for pp in [d for d in _divisors(spec.num_layers) if d <= MAX_PIPELINE_STAGES]:
+    for tp in divisors(gpus_per_node):
+        for pp in [d for d in divisors(spec.num_layers) if d <= MAX_PIPELINE_STAGES]:
             for cp in contexts:
                 if gpus % (tp * pp * cp):
                     continue
                 group = gpus // (tp * pp * cp) * cp
-                for ep in [e for e in _divisors(experts) if group % e == 0]:
+                for ep in [e for e in divisors(experts) if group % e == 0]:
                     if (tp, pp, cp, ep) != (1, 1, 1, 1):
                         try:
                             check_layout(spec, Parallel(gpus=gpus, tp=tp, sp=tp > 1, pp=pp, cp=cp, ep=ep), seq)
@@ -238,11 +235,6 @@ def model_parallel_degrees(spec: ModelSpec, gpus: int, gpus_per_node: int,
                             continue
                     out.append((tp, pp, cp, ep))
     return out
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 def throughput_of(gpu: GPU) -> Throughput:
@@ -292,7 +284,8 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
         exposed += collectives * hidden_states * (layout.tp - 1) / layout.tp / (sheet.link_gbps * 1e9)
     if layout.cp > 1:  # keys and values all-gathered per layer in forward (and recomputing), dK dV reduce-scattered
         att = spec.layer_runs[0][0].attention
-        kv = layout.micro_batch * seq * (att.num_kv_heads * (att.head_dim + att.v_head_dim)) // layout.tp * compute_bytes
+        kv_width = att.num_kv_heads * (att.head_dim + att.v_head_dim) // layout.tp
+        kv = layout.micro_batch * seq * kv_width * compute_bytes
         cp_link = sheet.link_gbps if layout.tp * layout.cp <= node else min(sheet.link_gbps, inter_node_gbps)
         exposed += micro * layers * (2 + full) * kv * (layout.cp - 1) / layout.cp / (cp_link * 1e9)
     if layout.ep > 1:  # all-to-all dispatch and combine per MoE layer, forward and backward (+2 recomputing)
@@ -362,7 +355,7 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     for tp, pp, cp, ep in (model_parallel_degrees(spec, gpus, node, seq) if model_parallel else [(1, 1, 1, 1)]):
         data_parallel = gpus // (tp * pp * cp)
         per_rank = global_batch // data_parallel  # sequences per model replica and step
-        micro_batches = _divisors(per_rank)
+        micro_batches = divisors(per_rank)
         engine_list = _engines(gpus, node) if (tp, pp, cp, ep) == (1, 1, 1, 1) else \
             _model_parallel_engines(data_parallel * cp)
         for recipe in recipes:

@@ -328,6 +328,45 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
     return TraceResult(phases, time.perf_counter() - started, round_to_cuda, run.offloaded_peak_bytes)
 
 
+@contextlib.contextmanager
+def _fake_process_group(world: int):
+    """Rank 0 of ``world`` ranks on PyTorch's fake process group, whose collectives move no data, and its 1-D device
+    mesh (made outside FakeTensorMode: it computes the rank's coordinates)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _tracked_optimizer_step(tracker, optimizer) -> tuple[dict, dict, dict]:
+    """What ``tracker`` sees before ``optimizer.step()``, at its peak, and after ``zero_grad(set_to_none=True)``."""
+    with tracker:
+        before = _device_snapshot(tracker.get_tracker_snapshot("current"))
+        optimizer.step()
+        peak = _device_snapshot(tracker.get_tracker_snapshot("peak"))
+        optimizer.zero_grad(set_to_none=True)
+        after = _device_snapshot(tracker.get_tracker_snapshot("current"))
+    return before, peak, after
+
+
+def _rank_phases(load: Phase, forward: Phase, backward: Phase, before: dict, peak: dict,
+                 after: dict) -> tuple[Phase, ...]:
+    """The five phases of one traced rank: the optimizer step's peak holds the gradients it started with and the
+    states it ends with; the rest of what it allocated is its temporaries."""
+    states, gradients = after.get("Optstate", 0), before.get("Gradient", 0)
+    step = _phase("optimizer", "step()", peak)
+    step = Phase("optimizer", "step()", step.parameters, gradients, states, 0,
+                 step.allocated_bytes - step.parameters - gradients - states)
+    return load, forward, backward, step, _phase("between_steps", "after zero_grad", after)
+
+
 FSDP_TRACE_RECIPES = {"fp32": None, "amp-bf16": None, "mixed-bf16": "bfloat16", "mixed-fp16": "float16",
                       "pure-bf16-bf16states": None}
 """The recipes an FSDP2 trace runs, with MixedPrecisionPolicy's param_dtype: the mixed recipes keep fp32 shards
@@ -373,79 +412,58 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
     buffers included, with the trace's corrections (what a GPU runs in place); a warm-up step first creates the
     sharded optimizer states, as torchtitan's estimation script does."""
     import torch
-    import torch.distributed as dist
     from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .probe import build_model
     from .step import enable_checkpointing
 
     check_fsdp_traceable(settings, parallel)
     started = time.perf_counter()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=parallel.gpus, store=FakeStore())
-    mesh = init_device_mesh("cpu", (parallel.gpus,))  # outside FakeTensorMode: it computes the rank's coordinates
-    try:
-        with _cuda_block_sizes(round_to_cuda), fake_gpu():
-            recipe = get_recipe(settings.recipe)
-            half = FSDP_TRACE_RECIPES[settings.recipe]
-            model = build_model(config, get_recipe("fp32") if half else recipe, settings.attention, settings.dropout)
-            if settings.checkpointing == "full":
-                enable_checkpointing(model)
-            policy = MixedPrecisionPolicy(param_dtype=getattr(torch, half), reduce_dtype=torch.float32) if half \
-                else MixedPrecisionPolicy()
-            reshard = parallel.fsdp == "full"
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
-            optimizer_class = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-            fused = settings.fused_optimizer
-            optimizer = optimizer_class[settings.optimizer](model.parameters(), lr=1e-4, foreach=not fused,
-                                                            fused=fused or None)
-            ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq))
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if recipe.autocast else contextlib.nullcontext()
+    with _fake_process_group(parallel.gpus) as mesh, _cuda_block_sizes(round_to_cuda), fake_gpu():
+        recipe = get_recipe(settings.recipe)
+        half = FSDP_TRACE_RECIPES[settings.recipe]
+        model = build_model(config, get_recipe("fp32") if half else recipe, settings.attention, settings.dropout)
+        if settings.checkpointing == "full":
+            enable_checkpointing(model)
+        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, half), reduce_dtype=torch.float32) if half \
+            else MixedPrecisionPolicy()
+        reshard = parallel.fsdp == "full"
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        optimizer_class = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+        fused = settings.fused_optimizer
+        optimizer = optimizer_class[settings.optimizer](model.parameters(), lr=1e-4, foreach=not fused,
+                                                        fused=fused or None)
+        ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq))
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if recipe.autocast else contextlib.nullcontext()
 
-            class Run:  # what the corrections need to know (no recompute marker: every checkpointed op is tagged)
-                recomputing = False
+        class Run:  # what the corrections need to know (no recompute marker: every checkpointed op is tagged)
+            recomputing = False
 
-            tracker = _recompute_aware_tracker(mem_tracker, Run, fsdp2_mem_tracker.FSDPMemTracker,
-                                               fsdp2_mem_tracker._FSDPRefType.TEMP, mod=model, optm=optimizer)
-            tracker.track_inputs((ids,))
-            with tracker:
-                for iteration in range(2):
-                    with autocast:
-                        loss = model(input_ids=ids, labels=ids).loss
-                    loss.backward()
-                    del loss
-                    if iteration == 0:
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                        tracker.reset_mod_stats()
-                snapshots = tracker.memory_tracking[model].snapshots
-                forward = snapshots[fsdp2_mem_tracker._FSDPModState.PEAK_FW][-1]
-                backward = max(snapshots[fsdp2_mem_tracker._FSDPModState.PEAK_BW],
-                               key=lambda s: sum(v for d in s.values() for k, v in d.items() if str(k) == "Total"))
-            step_tracker = mem_tracker.MemTracker()
-            step_tracker.track_external(model, optimizer)
-            with step_tracker:
-                before = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
-                optimizer.step()
-                peak = _device_snapshot(step_tracker.get_tracker_snapshot("peak"))
-                optimizer.zero_grad(set_to_none=True)
-                after = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
-    finally:
-        dist.destroy_process_group()
-    states = after.get("Optstate", 0)
-    load = _phase("load", "static state", after)
-    step = _phase("optimizer", "step()", peak)
-    step = Phase("optimizer", "step()", step.parameters, before.get("Gradient", 0), states, 0,
-                 step.allocated_bytes - step.parameters - before.get("Gradient", 0) - states)
-    phases = (load, _fsdp_phase("forward", "peak of forward", forward),
-              _fsdp_phase("backward", "peak of backward", backward), step,
-              _phase("between_steps", "after zero_grad", after))
+        tracker = _recompute_aware_tracker(mem_tracker, Run, fsdp2_mem_tracker.FSDPMemTracker,
+                                           fsdp2_mem_tracker._FSDPRefType.TEMP, mod=model, optm=optimizer)
+        tracker.track_inputs((ids,))
+        with tracker:
+            for iteration in range(2):
+                with autocast:
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                del loss
+                if iteration == 0:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    tracker.reset_mod_stats()
+            snapshots = tracker.memory_tracking[model].snapshots
+            forward = snapshots[fsdp2_mem_tracker._FSDPModState.PEAK_FW][-1]
+            backward = max(snapshots[fsdp2_mem_tracker._FSDPModState.PEAK_BW],
+                           key=lambda s: sum(v for d in s.values() for k, v in d.items() if str(k) == "Total"))
+        step_tracker = mem_tracker.MemTracker()
+        step_tracker.track_external(model, optimizer)
+        before, peak, after = _tracked_optimizer_step(step_tracker, optimizer)
+    phases = _rank_phases(_phase("load", "static state", after), _fsdp_phase("forward", "peak of forward", forward),
+                          _fsdp_phase("backward", "peak of backward", backward), before, peak, after)
     return TraceResult(phases, time.perf_counter() - started, round_to_cuda)
 
 
@@ -541,89 +559,69 @@ def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel, 
     process group, the loss computed on the vocabulary-sharded logits under ``loss_parallel`` (transformers' loss
     cannot take a DTensor). MemTracker follows rank 0's local tensors; a warm-up step creates the states."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed._tools import mem_tracker
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .probe import build_model
 
     check_tp_traceable(settings, parallel, spec)
     started = time.perf_counter()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=parallel.tp, store=FakeStore())
-    mesh = init_device_mesh("cpu", (parallel.tp,))
-    try:
-        with _cuda_block_sizes(round_to_cuda), fake_gpu(), _sharding_propagation_untracked() as propagating:
-            model = build_model(config, get_recipe(settings.recipe), settings.attention, settings.dropout)
-            root, layer_plan = _tp_plan(parallel.sp)
-            for layer in model.model.layers:
-                parallelize_module(layer, mesh, layer_plan)
-            parallelize_module(model, mesh, root)
-            optimizer_class = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-            fused = settings.fused_optimizer
-            # foreach kernels take DTensors or plain tensors, not both: the replicated norms (plain tensors without
-            # sequence parallelism) are a second parameter group, stepped after the split weights
-            split = [p for p in model.parameters() if isinstance(p, DTensor)]
-            whole = [p for p in model.parameters() if not isinstance(p, DTensor)]
-            optimizer = optimizer_class[settings.optimizer](
-                [g for g in ({"params": split}, {"params": whole}) if g["params"]], lr=1e-4, foreach=not fused,
-                fused=fused or None)
-            ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq))
-            labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    with (_fake_process_group(parallel.tp) as mesh, _cuda_block_sizes(round_to_cuda), fake_gpu(),
+          _sharding_propagation_untracked() as propagating):
+        model = build_model(config, get_recipe(settings.recipe), settings.attention, settings.dropout)
+        root, layer_plan = _tp_plan(parallel.sp)
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh, layer_plan)
+        parallelize_module(model, mesh, root)
+        optimizer_class = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+        fused = settings.fused_optimizer
+        # foreach kernels take DTensors or plain tensors, not both: the replicated norms (plain tensors without
+        # sequence parallelism) are a second parameter group, stepped after the split weights
+        split = [p for p in model.parameters() if isinstance(p, DTensor)]
+        whole = [p for p in model.parameters() if not isinstance(p, DTensor)]
+        optimizer = optimizer_class[settings.optimizer](
+            [g for g in ({"params": split}, {"params": whole}) if g["params"]], lr=1e-4, foreach=not fused,
+            fused=fused or None)
+        ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq))
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
 
-            # (with sequence parallelism the layers see 1/T of the sequence: the positions are given whole)
-            positions = torch.arange(settings.seq).unsqueeze(0)
+        # (with sequence parallelism the layers see 1/T of the sequence: the positions are given whole)
+        positions = torch.arange(settings.seq).unsqueeze(0)
 
-            class WithLoss(torch.nn.Module):
-                """The model and torchtitan's loss in one module, so that MemTracker's forward and backward
-                peaks take the loss in, as the one-GPU trace's ``model(labels=...)`` does."""
+        class WithLoss(torch.nn.Module):
+            """The model and torchtitan's loss in one module, so that MemTracker's forward and backward
+            peaks take the loss in, as the one-GPU trace's ``model(labels=...)`` does."""
 
-                def __init__(self, model):
-                    super().__init__()
-                    self.model = model
+            def __init__(self, model):
+                super().__init__()
+                self.model = model
 
-                def forward(self):
-                    logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
-                    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=-100)
+            def forward(self):
+                logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
+                return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=-100)
 
-            step_module = WithLoss(model)
+        step_module = WithLoss(model)
 
-            def micro_batch():
-                with loss_parallel():
-                    step_module().backward()
+        def micro_batch():
+            with loss_parallel():
+                step_module().backward()
 
+        micro_batch()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tracker = _tp_tracker(mem_tracker, propagating)
+        tracker.track_external(step_module, optimizer)
+        with tracker:
+            load = _device_snapshot(tracker.get_tracker_snapshot("current"))
             micro_batch()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            tracker = _tp_tracker(mem_tracker, propagating)
-            tracker.track_external(step_module, optimizer)
-            with tracker:
-                load = _device_snapshot(tracker.get_tracker_snapshot("current"))
-                micro_batch()
-                stats = tracker.memory_tracking[step_module].snapshots
-                forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
-                backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
-            step_tracker = _tp_tracker(mem_tracker, propagating)
-            step_tracker.track_external(model, optimizer)
-            with step_tracker:
-                before = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
-                optimizer.step()
-                peak = _device_snapshot(step_tracker.get_tracker_snapshot("peak"))
-                optimizer.zero_grad(set_to_none=True)
-                after = _device_snapshot(step_tracker.get_tracker_snapshot("current"))
-    finally:
-        dist.destroy_process_group()
-    load_phase = _phase("load", "static state", load)
-    step = _phase("optimizer", "step()", peak)
-    states = after.get("Optstate", 0)
-    step = Phase("optimizer", "step()", step.parameters, before.get("Gradient", 0), states, 0,
-                 step.allocated_bytes - step.parameters - before.get("Gradient", 0) - states)
-    phases = (load_phase, _phase("forward", "peak of forward", forward),
-              _phase("backward", "peak of backward", backward), step,
-              _phase("between_steps", "after zero_grad", after))
+            stats = tracker.memory_tracking[step_module].snapshots
+            forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
+            backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
+        step_tracker = _tp_tracker(mem_tracker, propagating)
+        step_tracker.track_external(model, optimizer)
+        before, peak, after = _tracked_optimizer_step(step_tracker, optimizer)
+    phases = _rank_phases(_phase("load", "static state", load), _phase("forward", "peak of forward", forward),
+                          _phase("backward", "peak of backward", backward), before, peak, after)
     return TraceResult(phases, time.perf_counter() - started, round_to_cuda)
