@@ -6,6 +6,7 @@ import subprocess
 import tomllib
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from trainmem.catalog import catalog_spec
 from trainmem.errors import ConfigError
@@ -258,3 +259,43 @@ def test_selective_checkpointing_is_searched_and_written_for_torchtitan(tmp_path
     titan = tomllib.loads((tmp_path / "sel" / "torchtitan.toml").read_text())
     assert titan["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "2"}
     assert titan["parallelism"]["data_parallel_replicate_degree"] == 8
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(count=st.integers(0, 40), fitting=st.integers(0, 40), guess=st.one_of(st.none(), st.integers(0, 60)))
+def test_largest_fitting_finds_the_last_that_fits_from_any_guess(count, fitting, guess):
+    """The search's micro-batch lookup: the ones that fit are a prefix (memory grows with the micro-batch); from
+    any guess it returns the prefix's last index and the peak found there, having probed no more than a guess's
+    two and a bisection's."""
+    from trainmem.plan import largest_fitting
+
+    fitting = min(fitting, count)  # indices 0 .. fitting - 1 fit
+    asked = []
+
+    def peak_at(index):
+        assert 0 <= index < count and index not in asked
+        asked.append(index)
+        return f"peak {index}" if index < fitting else None
+
+    index, peak, probes = largest_fitting(count, peak_at, guess)
+    assert (index, peak) == ((fitting - 1, f"peak {fitting - 1}") if fitting else (-1, None))
+    assert probes == len(asked) <= 2 * max(count, 1).bit_length() + 2
+
+
+def test_a_layouts_fitting_peak_is_its_estimate_where_it_fits():
+    """What the search asks of a layout at each micro-batch (fitting_peak: a lower bound first, then the stages,
+    stopping at the first that does not fit) agrees with the layout's full estimate at every micro-batch."""
+    from trainmem.settings import make_settings
+    from trainmem.sharding import Parallel
+    from trainmem.stepmodel import compile_step, evaluate
+
+    spec = catalog_spec("llama-3-8b")
+    for parallel in (Parallel(gpus=16, fsdp="full", tp=2, sp=True, pp=4, micro_batches=4),
+                     Parallel(gpus=16, fsdp="full"), Parallel(gpus=16, zero=3, offload="optimizer")):
+        for ckpt in ("none", "full"):
+            settings = make_settings(recipe="mixed-bf16", checkpointing=ckpt, grad_accum=4)
+            search_step = compile_step(spec, settings, None, parallel, cache={})
+            fresh = compile_step(spec, settings, None, parallel)
+            for batch in (1, 2, 3, 4, 6, 8, 12, 16, 32):
+                peak = evaluate(fresh, batch, 4096).peak
+                assert search_step.fitting_peak(batch, 4096, H100) == (peak if peak.fits(H100) else None)

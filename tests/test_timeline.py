@@ -180,7 +180,8 @@ def test_timeline_reads_term_kinds_and_parameter_roles_never_names(monkeypatch):
         static = {x.name: x.bytes for x in static_components(spec, settings)}
         acts = estimate_activations(spec, get_recipe(r), settings)
         cases.append((name, settings, static, acts,
-                      step_candidates(spec, static, acts, get_recipe(r), get_optimizer("adamw"), settings)))
+                      step_candidates(spec, static, acts, get_recipe(r), get_optimizer("adamw"), settings,
+                                      every_layer=True)))
     original = models.ParamTensor
     monkeypatch.setattr(models, "ParamTensor", lambda name, *args: original(f"p{next(counter)}", *args))
     for name, settings, static, acts, before in cases:
@@ -188,7 +189,9 @@ def test_timeline_reads_term_kinds_and_parameter_roles_never_names(monkeypatch):
         assert spec.param_groups[0].tensors[0].name.startswith("p")
         relabelled = relabel(acts)
         assert relabelled.layers[0].terms[0].name.startswith("label")
-        after = step_candidates(spec, static, relabelled, get_recipe(settings.recipe), get_optimizer("adamw"), settings)
+        # (every layer: relabelled, alike layers are no longer alike objects, which _interior_layers looks for)
+        after = step_candidates(spec, static, relabelled, get_recipe(settings.recipe), get_optimizer("adamw"), settings,
+                                every_layer=True)
         assert after == before, (name, settings)
 
 
@@ -242,3 +245,49 @@ def test_optimizer_in_backward_matches_its_trace(name, recipe, checkpointing, op
     traced = trace_step(config, settings, spec)
     for e, t in zip(est.phases, traced.phases):
         assert abs(e.allocated_bytes - t.allocated_bytes) <= 0.005 * t.allocated_bytes, (e, t)
+
+
+@hyp_settings(max_examples=40, deadline=None, derandomize=True)
+@given(model=st.sampled_from(["llama-3-8b", "mixtral-8x7b", "gemma-2-9b", "qwen1.5-moe-a2.7b", "deepseek-v3",
+                              "falcon-7b", "gpt2", "phi-3-mini-4k", "gemma-3-1b", "bloom-560m"]),
+       recipe=st.sampled_from(["fp32", "amp-bf16", "mixed-bf16", "pure-bf16-bf16states"]),
+       checkpointing=st.sampled_from(["none", "selective", "full"]),
+       engine=st.sampled_from([None, "ddp", "fsdp", "zero3"]),
+       batch=st.integers(1, 6), seq=st.sampled_from([128, 1000, 4096]), stepped=st.booleans(),
+       lora=st.sampled_from([None, ("q", "v"), ("all-linear",)]))
+def test_pruned_walk_and_peaks_only_give_the_every_layer_peaks(model, recipe, checkpointing, engine, batch, seq,
+                                                                stepped, lora):
+    """The backward walk skips the layers inside a stretch of alike ones (timeline._interior_layers) and an
+    evaluation builds only each phase's peak (peaks_only): both must give byte for byte the peaks of the plain
+    every-layer walk, moment names included, for every engine's buffers and shards."""
+    from trainmem.sharding import Parallel
+    from trainmem.stepmodel import compile_step
+    from trainmem.timeline import forward_floor, peak_of, step_candidates
+
+    if checkpointing == "selective" and recipe == "amp-bf16":
+        checkpointing = "full"  # (refused: selective is modelled without autocast)
+    stepped = stepped and recipe in ("fp32", "amp-bf16", "pure-bf16-bf16states")
+    settings = make_settings(recipe=recipe, checkpointing=checkpointing, optimizer_in_backward=stepped)
+    parallel = {None: None, "ddp": Parallel(gpus=8), "fsdp": Parallel(gpus=8, fsdp="full"),
+                "zero3": Parallel(gpus=8, zero=3)}[engine]
+    from trainmem.activations import lora_layers_modelled
+    from trainmem.lora import FineTune, LoraOptions
+
+    spec = catalog_spec(model)
+    finetune = None
+    if lora and engine is None and lora_layers_modelled(spec) and checkpointing != "selective":
+        finetune = FineTune(LoraOptions(8, targets=lora))
+    step = compile_step(spec, settings, None, parallel, finetune)
+    at = step.settings_at(batch, seq)
+    acts = step.activations(at)
+    args = (step.spec, step._static_bytes, acts, step.recipe, step.optimizer, at, step.rank, finetune)
+    every = step_candidates(*args, every_layer=True)
+    pruned = step_candidates(*args)
+    peaks = [peak_of(c) for c in every]
+    assert [peak_of(c) for c in pruned] == peaks
+    assert [peak_of(c) for c in step_candidates(*args, peaks_only=True)] == peaks
+    assert step.phases(batch, seq) == tuple(peaks)
+    if step.spec.num_layers > 8 and checkpointing != "selective":  # (the pruning is there to be tested)
+        assert len(pruned[2]) < len(every[2])
+    # the search's lower bound is one
+    assert forward_floor(step._static_bytes, acts, step.recipe, at, step.rank) <= max(p.allocated_bytes for p in peaks)

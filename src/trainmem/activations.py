@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from .kernels import (EAGER, EFFICIENT, EFFICIENT_MASK_MULTIPLE, FLASH, FLASH_MAX_HEAD_DIM, MATH,
                       efficient_lse_per_token, efficient_mask_width, flash_head_dim, sdpa_backend)
@@ -1036,23 +1037,23 @@ class ActivationEstimate:
             return int(sum(t.bytes_per_token for t in layer.checkpoint_terms) * self.tokens)
         return int(layer.bytes_per_token * self.tokens) + layer.constant_bytes
 
-    @property
+    @cached_property  # (asked for at every moment of a timeline)
     def layers_bytes(self) -> int:
         return sum(self.layer_saved_bytes(la) * la.count for la in self.layers)
 
-    @property
+    @cached_property
     def embedding_bytes(self) -> int:
         return int(sum(t.bytes_per_token for t in self.embedding_terms) * self.tokens)
 
-    @property
+    @cached_property
     def head_bytes(self) -> int:
         return int(sum(t.bytes_per_token for t in self.head_terms) * self.tokens)
 
-    @property
+    @cached_property
     def constant_bytes(self) -> int:
         return int(sum(t.bytes_per_token for t in self.constant_terms))
 
-    @property
+    @cached_property
     def saved_bytes(self) -> int:
         """Saved for backward at the end of the forward pass (what saved_tensors_hooks would see)."""
         return self.layers_bytes + self.embedding_bytes + self.head_bytes + self.constant_bytes

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from .errors import ConfigError
-from .estimate import DeviceOptions, Estimate, peak_of_phases
+from .estimate import DeviceOptions, Estimate, Peak, peak_of_phases
 from .models import Layer, ModelSpec, runs_of
 from .settings import TrainingSettings
 from .sharding import Parallel
@@ -152,6 +152,28 @@ def _role_stages(parallel: Parallel) -> list[tuple[str, tuple[int, ...]]]:
     return roles + [("last stage", (p - 1,))]
 
 
+def _distinct_stages(spec: ModelSpec, parallel: Parallel,
+                     cache: dict | None = None) -> list[tuple[str, int, ModelSpec]]:
+    """(role, stage, what it holds) of each stage a layout is evaluated on: of a role's stages that hold the same,
+    the first (the most loaded: in flight falls with the stage). Kept in a search's ``cache`` by the degrees, which
+    alone decide it."""
+    key = ("stages", spec, parallel.tp, parallel.sp, parallel.pp, parallel.virtual_stages, parallel.cp, parallel.ep)
+    if cache is not None and key in cache:
+        return cache[key]
+    rank = tensor_parallel_spec(spec, parallel)
+    out = []
+    for name, stages in _role_stages(parallel):
+        held: set[ModelSpec] = set()
+        for stage in stages:
+            s = stage_spec(rank, parallel, stage)
+            if s not in held:
+                held.add(s)
+                out.append((name, stage, s))
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
 class _Stage(NamedTuple):
     """One pipeline stage a LayoutStep evaluates: the role it stands for, its compiled step and what it holds."""
 
@@ -167,7 +189,7 @@ class LayoutStep:
     ``phases``, ``estimate``) and answers for the most loaded rank."""
 
     def __init__(self, spec: ModelSpec, settings: TrainingSettings, device: DeviceOptions | None,
-                 parallel: Parallel, finetune=None):
+                 parallel: Parallel, finetune=None, cache: dict | None = None):
         from .stepmodel import compile_step
 
         if finetune is not None:
@@ -175,24 +197,19 @@ class LayoutStep:
         check_layout(spec, parallel)
         self.spec, self.settings, self.parallel = spec, settings, parallel
         self.device = device or DeviceOptions()
-        rank = tensor_parallel_spec(spec, parallel)
         view = parallel.data_parallel_view()
         micro = parallel.in_flight_micro_batches if parallel.pp > 1 else 1
         # a pipeline's micro-batches accumulate their gradients as --grad-accum does
         stage_settings = replace(settings, grad_accum=max(settings.grad_accum, micro))
         self._stages: list[_Stage] = []
         compiled: dict[ModelSpec, Any] = {}
-        for name, stages in _role_stages(parallel):
-            held: set[ModelSpec] = set()
-            for stage in stages:  # (in flight falls with the stage: of identical stages the first is the most loaded)
-                s = stage_spec(rank, parallel, stage)
-                if s in held:
-                    continue
-                held.add(s)
-                if s not in compiled:
-                    compiled[s] = compile_step(s, stage_settings, self.device, view)
-                in_flight = in_flight_chunks(parallel, stage) if parallel.pp > 1 else 1
-                self._stages.append(_Stage(name, stage, in_flight, compiled[s], s))
+        for name, stage, s in _distinct_stages(spec, parallel, cache):
+            if s not in compiled:
+                compiled[s] = compile_step(s, stage_settings, self.device, view, cache=cache)
+            in_flight = in_flight_chunks(parallel, stage) if parallel.pp > 1 else 1
+            self._stages.append(_Stage(name, stage, in_flight, compiled[s], s))
+        self._tightest = 0
+        """The stage that last did not fit (fitting_peak tries it first)."""
 
     @property
     def static(self):
@@ -214,7 +231,8 @@ class LayoutStep:
         buffers = self._all_to_all(stage.spec, batch, local)
         if not held and not buffers:
             return phases
-        return tuple(replace(ph, activations=ph.activations + held, temporaries=ph.temporaries + buffers)
+        return tuple(Phase(ph.name, ph.moment, ph.parameters, ph.gradients, ph.optimizer_states,
+                           ph.activations + held, ph.temporaries + buffers)
                      if ph.name in _STEP_PHASES else ph for ph in phases)
 
     def _held_extra(self, step, in_flight: int, batch: int, seq: int) -> int:
@@ -222,7 +240,7 @@ class LayoutStep:
         chunks = self.parallel.virtual_stages
         if in_flight <= chunks:
             return 0
-        acts = step.activations(replace(step.settings, batch=batch, seq=seq))
+        acts = step.activations(step.settings.at(batch, seq))
         per_micro = acts.layers_bytes + acts.embedding_bytes  # (the head's is in flight once: 1F1B's last stage)
         return per_micro * (in_flight - chunks) // chunks
 
@@ -237,6 +255,33 @@ class LayoutStep:
         k = max((layer.moe.top_k for layer, _ in s.layer_runs if layer.moe), default=0)
         compute = Precision.of(get_recipe(self.settings.recipe)).compute
         return 2 * k * batch * seq * s.hidden_size * compute
+
+    def fitting_peak(self, batch: int, seq: int, gpu) -> Peak | None:
+        """The layout's peak at (batch, seq) (that of :meth:`phases`) if every stage's fits ``gpu``, else None.
+        A search asks this: it stops at the first stage that does not fit, trying first the one that last did
+        not."""
+        order = list(range(len(self._stages)))
+        order.insert(0, order.pop(self._tightest))
+        top = None
+        from .stepmodel import fits_at_least
+
+        local = self._local_seq(seq)
+        for i in order:
+            stage = self._stages[i]
+            floor = stage.step.floor(batch, local)
+            if floor and not fits_at_least(floor + self._held_extra(stage.step, stage.in_flight, batch, local)
+                                           + self._all_to_all(stage.spec, batch, local), self.device, gpu):
+                self._tightest = i
+                return None
+            phases = self._stage_phases(stage, batch, seq)
+            if not peak_of_phases(phases, self.device).fits(gpu):
+                self._tightest = i
+                return None
+            load = max(ph.allocated_bytes for ph in phases)
+            # (the most loaded stage as phases() picks it: the first of the largest, in stage order)
+            if top is None or (load, -i) > (top[0], -top[1]):
+                top = (load, i, phases)
+        return peak_of_phases(top[2], self.device)
 
     def phases(self, batch: int, seq: int) -> tuple[Phase, ...]:
         """The phases of the most loaded stage."""

@@ -6,9 +6,10 @@ data-parallel ranks (micro-batch x accumulation = global batch / data parallel);
 sequence parallelism, inside a node) x pipeline stages (1F1B, the accumulated micro-batches through the pipeline) x
 context parallelism (from 16k tokens) x expert parallelism (MoE), as torchtitan runs them: with FSDP2 full sharding
 or DDP over the data-parallel ranks (modelparallel.py). Each layout's memory is the estimator's (stepmodel.py:
-compiled once per recipe, engine, checkpointing and offload, then evaluated per micro-batch in microseconds); memory
-grows with the micro-batch, so the largest that fits is found by bisection over the divisors and the larger ones are
-counted as searched without being evaluated. What is not searched is listed in NOT_SEARCHED.
+compiled once per recipe, engine, checkpointing and offload, each pipeline stage shared by the layouts that hold it);
+memory grows with the micro-batch, so the largest that fits is looked for by galloping from the last answer of the
+same degrees, then bisection (largest_fitting), each probe ruled out by a lower bound where it can be, and the
+larger ones are counted as searched without being evaluated. What is not searched is listed in NOT_SEARCHED.
 
 The time model ranks; it does not promise seconds (docs/method.md, "The plan's time model"):
 
@@ -35,6 +36,8 @@ The time model ranks; it does not promise seconds (docs/method.md, "The plan's t
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -47,7 +50,7 @@ from .models import ModelSpec
 from .recipes import DTYPE_BYTES, get_recipe
 from .settings import SELECTIVE_EVERY, make_settings
 from .sharding import Parallel
-from .stepmodel import StepModel, compile_step, evaluate
+from .stepmodel import StepModel, compile_step
 
 TIME_MODEL = ("step = max(compute, communication) + offload + exposed; compute = model FLOPs (6N + causal attention, "
               "+ the forward again under full checkpointing) / (tp x pp) at mfu x peak dense bf16 FLOPS, x (1 + "
@@ -322,6 +325,56 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
     return StepTime(compute, communication, offload, tokens // split, exposed)
 
 
+def largest_fitting(count: int, peak_at, guess: int | None = None) -> tuple[int, Peak | None, int]:
+    """The largest index in range(count) whose ``peak_at(index)`` is a Peak (it fits), given that the ones that fit
+    are those up to some index (memory grows with the micro-batch); (index, peak, probes made), or (-1, None,
+    probes) where none fits. With a ``guess`` it probes the guess and its neighbour first, so that a layout like
+    the last one is settled in two probes; the rest is bisection."""
+    low, high, best, probes = 0, count - 1, (-1, None), 0
+
+    def probe(index: int) -> bool:
+        nonlocal low, high, best, probes
+        probes += 1
+        peak = peak_at(index)
+        if peak is not None:
+            best, low = (index, peak), index + 1
+            return True
+        high = index - 1
+        return False
+
+    if guess is not None and count:
+        # gallop from the guess (1, 2, 4, ... away) until the answer is bracketed
+        guess, step = min(guess, count - 1), 1
+        if probe(guess):
+            while low <= high and probe(min(guess + step, high)):
+                step *= 2
+        else:
+            while low <= high and not probe(max(guess - step, low)):
+                step *= 2
+    while low <= high:
+        probe((low + high) // 2)
+    return best[0], best[1], probes
+
+
+def _cycle_collection_paused(function):
+    """Runs ``function`` with the cyclic garbage collector paused. A search makes and drops a few hundred thousand
+    small objects that reference counting frees (none is in a cycle); the collector would otherwise walk the ones
+    the search keeps again and again (about a tenth of a search's time, benchmarks/plan_speed.py)."""
+
+    @functools.wraps(function)
+    def paused(*args, **kwargs):
+        if not gc.isenabled():
+            return function(*args, **kwargs)
+        gc.disable()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
+
+
+@_cycle_collection_paused
 def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | None = None,
            gpus_per_node: int = 8, recipes: tuple[str, ...] = PLAN_RECIPES, device: DeviceOptions | None = None,
            mfu: float = DEFAULT_MFU, inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS,
@@ -352,6 +405,8 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     started = time.perf_counter()
     plans: list[Plan] = []
     candidates = evaluated = 0
+    cache: dict = {}  # compiled steps, shared by every layout that holds the same one (stepmodel.compile_step)
+    guesses: dict[tuple, int] = {}  # the last answer of these degrees (and checkpointing): where the next is looked for
     for tp, pp, cp, ep in (model_parallel_degrees(spec, gpus, node, seq) if model_parallel else [(1, 1, 1, 1)]):
         data_parallel = gpus // (tp * pp * cp)
         per_rank = global_batch // data_parallel  # sequences per model replica and step
@@ -368,21 +423,22 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
                         if ckpt == "selective" and (get_recipe(recipe).autocast or zero is not None
                                                     or offload != "none"):
                             continue  # (modelled without autocast; written as torchtitan's, which has no ZeRO)
-                        compiled: dict = {}
+                        steps: dict[int, StepModel] = {}
 
                         def step_for(b: int):
-                            """The compiled step at micro-batch b. Its accumulation steps (per_rank / b) matter only
-                            as more than one (the gradients then live through forward: timeline._static) and, with
-                            a pipeline, as what each stage holds in flight: one step per distinct min(M, P)."""
+                            """The compiled step at micro-batch b, from the search's cache. Its accumulation steps
+                            (per_rank / b) matter only as more than one (the gradients then live through forward:
+                            timeline._static) and, with a pipeline, as what each stage holds in flight: one step
+                            per distinct min(M, P), whose stages are shared with every layout that holds them."""
                             m = per_rank // b
-                            key = (min(m, pp), m > 1)
-                            if key not in compiled:
+                            m = min(m, pp) if pp > 1 else min(m, 2)
+                            if m not in steps:
                                 parallel = Layout(recipe, label, zero, fsdp, offload, ckpt, b, m, gpus, node, tp,
                                                   pp, cp, ep).parallel if gpus > 1 else None
                                 settings = make_settings(recipe=recipe, checkpointing=ckpt, seq=seq, batch=1,
-                                                         grad_accum=m)
-                                compiled[key] = compile_step(spec, settings, device, parallel)
-                            return compiled[key]
+                                                         grad_accum=min(m, 2))
+                                steps[m] = compile_step(spec, settings, device, parallel, cache=cache)
+                            return steps[m]
 
                         step = step_for(micro_batches[0])
                         candidates += len(micro_batches)
@@ -395,19 +451,19 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
                         if floor > gpu.memory_bytes:
                             continue
                         # memory grows with the micro-batch (with a pipeline too: b x min(P, M) activations):
-                        # bisect for the largest divisor that fits
-                        low, high, best = 0, len(micro_batches) - 1, None
-                        while low <= high:
-                            mid = (low + high) // 2
-                            evaluated += 1
-                            peak = evaluate(step_for(micro_batches[mid]), micro_batches[mid], seq).peak
-                            if peak.fits(gpu):
-                                best, low = (micro_batches[mid], peak), mid + 1
-                            else:
-                                high = mid - 1
-                        if best is None:
+                        # the largest divisor that fits, looked for first where the last layout of these degrees
+                        # and checkpointing found it
+                        def peak_at(index: int) -> Peak | None:
+                            b = micro_batches[index]
+                            return step_for(b).fitting_peak(b, seq, gpu)
+
+                        guess = guesses.get((tp, pp, cp, ep, ckpt), guesses.get((tp, pp, cp, ep)))
+                        index, peak, probes = largest_fitting(len(micro_batches), peak_at, guess)
+                        evaluated += probes
+                        guesses[(tp, pp, cp, ep, ckpt)] = guesses[(tp, pp, cp, ep)] = max(index, 0)
+                        if peak is None:
                             continue
-                        b, peak = best
+                        b = micro_batches[index]
                         layout = Layout(recipe, label, zero, fsdp, offload, ckpt, b, per_rank // b, gpus, node, tp,
                                         pp, cp, ep)
                         plans.append(Plan(layout, peak, step_time(spec, layout, seq, gpu, mfu, inter_node_gbps),

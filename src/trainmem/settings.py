@@ -130,6 +130,29 @@ class TrainingSettings:
                 raise ConfigError(f"--optimizer-in-backward is modelled for recipes without fp32 master weights "
                                   f"(fp32, amp-*, pure-bf16*); got {self.recipe!r}")
 
+    def at(self, batch: int, seq: int) -> "TrainingSettings":
+        """These settings at another micro-batch and sequence length, without validating again what was validated
+        when they were made (a search asks for thousands)."""
+        for name, value in (("batch", batch), ("seq", seq)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        moved = object.__new__(TrainingSettings)
+        moved.__dict__.update(self.__dict__, batch=batch, seq=seq)
+        return moved
+
+    @property
+    def activation_key(self) -> tuple:
+        """What the activations depend on: every field but the optimizer's, the recipe's name (its dtypes are the
+        caller's to add) and the accumulation steps."""
+        return tuple(getattr(self, name) for name in _ACTIVATION_FIELDS)
+
+    @property
+    def step_key(self) -> tuple:
+        """What a compiled step depends on (stepmodel.compile_step): every field but the batch and the sequence
+        length, with the accumulation steps counted only as one or more than one."""
+        return tuple(min(value, 2) if name == "grad_accum" else value for name, value in self.__dict__.items()
+                     if name not in ("batch", "seq"))
+
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         for name in _ADDED_IN_SCHEMA_2:  # keys added after schema 2's first documents appear when they are set
@@ -140,6 +163,8 @@ class TrainingSettings:
 
 _FIELDS = {f.name for f in fields(TrainingSettings)}
 _DEFAULTS = {f.name: f.default for f in fields(TrainingSettings)}
+_ACTIVATION_FIELDS = tuple(sorted(_FIELDS - {"recipe", "optimizer", "optimizer_impl", "optimizer_in_backward",
+                                             "grad_accum"}))
 _ADDED_IN_SCHEMA_2 = ("optimizer_in_backward", "compile", "offload_activations")
 _TEXT_FIELDS = ("recipe", "optimizer", "attention", "checkpointing", "loss", "optimizer_impl")
 

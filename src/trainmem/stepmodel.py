@@ -22,6 +22,7 @@ Where a check fails, that sequence length is evaluated directly (the full estima
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import OrderedDict
 from dataclasses import dataclass, fields, is_dataclass, replace
 
 from .activations import ActivationEstimate, estimate_activations
@@ -35,7 +36,8 @@ from .settings import TrainingSettings
 from .activations import Precision
 from .lora import FineTune, activations_modelled, base_weight_bytes, lora_activations, trainables
 from .sharding import Parallel, RankLayout, rank_layout
-from .timeline import Phase, peak_of, seed_activation_bytes, seed_rule_candidates, step_candidates
+from .timeline import (Phase, expanded_layers, forward_floor, peak_of, seed_activation_bytes, seed_rule_candidates,
+                       step_candidates)
 
 _SAMPLES = (2, 3)
 """The batches the lines are taken from (batch 1 differs: see the module docstring)."""
@@ -44,9 +46,9 @@ _CHECKS = (4, 5, 8, 61)
 _DIRECT = "direct"
 COMPILE_AFTER = 6
 """A sequence length's forms are compiled when it is asked for the sixth time: compiling costs about six direct
-evaluations (two samples, four checks), which a plan's bisection over a few micro-batches never earns back and a
-max-batch search or a long sweep does (benchmarks/plan_speed.py: 2,078 layouts/s compiling at the fourth request,
-2,559 at the sixth)."""
+evaluations (two samples, four checks), which a plan's one or two probes of a step never earn back and a max-batch
+search or a long sweep does (benchmarks/plan_speed.py on 2026-12-01: 9,600 layouts/s compiling at the third
+request, 11,300 at the sixth, 11,800 never)."""
 
 
 @dataclass(frozen=True)
@@ -134,45 +136,41 @@ class StepModel:
         if settings.activation_k is not None and not spec.has_architecture:
             raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
                               f"{spec.source or spec.name} has none (give a model name or config.json)")
-        self._last_activations: tuple[tuple[int, int], ActivationEstimate] | None = None
         self._forms: dict[int, tuple[_PhaseForm, ...] | str | int] = {}
         """Per sequence length: its compiled phases, or _DIRECT, or the number of times it was asked for."""
 
     # -- the direct computation (the reference the forms reproduce) -------------------------------------------
 
     def settings_at(self, batch: int, seq: int) -> TrainingSettings:
-        return replace(self.settings, batch=batch, seq=seq)
+        return self.settings.at(batch, seq)
 
-    def candidates(self, batch: int, seq: int) -> tuple[ActivationEstimate | None, tuple[tuple[Phase, ...], ...]]:
-        """The activations (None under the seed rule) and every phase's candidate moments at (batch, seq)."""
+    def candidates(self, batch: int, seq: int,
+                   peaks_only: bool = False) -> tuple[ActivationEstimate | None, tuple[tuple[Phase, ...], ...]]:
+        """The activations (None under the seed rule) and every phase's candidate moments at (batch, seq) (or fewer
+        of them, the peaks among them: ``peaks_only``)."""
         settings = self.settings_at(batch, seq)
         if settings.activation_k is not None:
             return None, seed_rule_candidates(self.spec, self._static_bytes, self.recipe, self.optimizer, settings,
                                               self.rank)
-        acts = self.activations(settings)
+        acts, layers = _activations_at(self.spec, self.recipe, settings, self.finetune)
         return acts, step_candidates(self.spec, self._static_bytes, acts, self.recipe, self.optimizer, settings,
-                                     self.rank, self.finetune)
+                                     self.rank, self.finetune, layers=layers, peaks_only=peaks_only)
 
     def activations(self, settings: TrainingSettings) -> ActivationEstimate:
-        """The activations at ``settings`` (this step's, at some batch and seq); the last one is kept, since a
-        pipeline role asks for the same (batch, seq) twice (its phases and its in-flight micro-batches)."""
-        key = (settings.batch, settings.seq)
-        if self._last_activations is not None and self._last_activations[0] == key:
-            return self._last_activations[1]
-        acts = estimate_activations(self.spec, self.recipe, settings)
-        if self.finetune is not None:
-            acts = lora_activations(acts, self.spec, Precision.of(self.recipe), self.finetune)
-        self._last_activations = (key, acts)
-        return acts
+        """The activations at ``settings`` (this step's, at some batch and seq)."""
+        return _activations_at(self.spec, self.recipe, settings, self.finetune, layers=False)[0]
 
     # -- compiled forms ----------------------------------------------------------------------------------------
 
-    def form(self, batch: int, seq: int) -> tuple[_PhaseForm, ...] | None:
+    def form(self, batch: int, seq: int, count: bool = True) -> tuple[_PhaseForm, ...] | None:
         """The compiled phases that answer for (batch, seq), or None where it is computed directly: batch 1, a
-        sequence length asked for the first time, or one whose bytes are not lines in the batch."""
+        sequence length asked for fewer than COMPILE_AFTER times (``count``: this asking counts), or one whose
+        bytes are not lines in the batch."""
         if batch < 2:
             return None
         form = self._forms.get(seq, 0)
+        if isinstance(form, int) and not count:
+            return None
         if isinstance(form, int) and form + 1 < COMPILE_AFTER:
             self._forms[seq] = form + 1
             return None
@@ -185,7 +183,22 @@ class StepModel:
         form = self.form(batch, seq)
         if form is not None:
             return tuple(f.phase(batch) for f in form)
-        return tuple(peak_of(c) for c in self.candidates(batch, seq)[1])
+        return tuple(peak_of(c) for c in self.candidates(batch, seq, peaks_only=True)[1])
+
+    def floor(self, batch: int, seq: int) -> int:
+        """A lower bound of the bytes allocated at the step's peak (timeline.forward_floor), for a search to rule
+        out a batch before it computes the timeline; 0 where it has none to offer."""
+        settings = self.settings_at(batch, seq)
+        if not self.spec.has_architecture or settings.activation_k is not None or self.form(batch, seq, count=False):
+            return 0  # (a compiled form answers in less time than the bound takes)
+        return forward_floor(self._static_bytes, self.activations(settings), self.recipe, settings, self.rank)
+
+    def fitting_peak(self, batch: int, seq: int, gpu) -> Peak | None:
+        """The peak at (batch, seq) if it fits ``gpu``, else None (what a search asks)."""
+        if not fits_at_least(self.floor(batch, seq), self.device, gpu):
+            return None
+        peak = peak_of_phases(self.phases(batch, seq), self.device)
+        return peak if peak.fits(gpu) else None
 
     def estimate(self, batch: int, seq: int) -> Estimate:
         """The full estimate at (batch, seq), activations and notes included."""
@@ -226,7 +239,7 @@ class StepModel:
             acts = self.activations(settings)
             phases = tuple(f.phase(batch) for f in form)
         else:
-            acts, candidates = self.candidates(batch, seq)
+            acts, candidates = self.candidates(batch, seq, peaks_only=True)
             phases = tuple(peak_of(c) for c in candidates)
         notes = list(self.unchecked)
         if self.optimizer.paged:
@@ -236,6 +249,41 @@ class StepModel:
                         activations=acts, phases=phases,
                         peak=peak_of_phases(phases, self.device), device=self.device, notes=tuple(notes),
                         warnings=warnings)
+
+
+_ACTIVATIONS: OrderedDict[tuple, list] = OrderedDict()
+_ACTIVATIONS_KEPT = 2048
+"""The most recently used are kept (a plan of a MoE model over 32 GPUs asks for about 1,200; each is a few kB)."""
+
+
+def _activations_at(spec: ModelSpec, recipe, settings: TrainingSettings, finetune: FineTune | None,
+                    layers: bool = True) -> tuple[ActivationEstimate, tuple | None]:
+    """The activations at ``settings`` and (``layers``) the timeline's per-layer bytes made from them (the layers'
+    gradient sizes included). They depend on the recipe's dtypes only, not on where the optimizer keeps its states
+    or masters, and not on the optimizer, the accumulation steps or how the model states are sharded: a search's
+    steps that differ in those (mixed-bf16, pure-bf16 and pure-bf16-bf16states; DDP and FSDP2; a pipeline role
+    asking for its phases and its in-flight micro-batches) compute them once."""
+    key = (spec, recipe.weights, recipe.gradients, recipe.compute, recipe.autocast, settings.activation_key,
+           finetune)
+    found = _ACTIVATIONS.get(key)
+    if found is None:
+        acts = estimate_activations(spec, recipe, settings)
+        if finetune is not None:
+            acts = lora_activations(acts, spec, Precision.of(recipe), finetune)
+        if len(_ACTIVATIONS) >= _ACTIVATIONS_KEPT:
+            _ACTIVATIONS.popitem(last=False)
+        found = _ACTIVATIONS[key] = [acts, None]
+    else:
+        _ACTIVATIONS.move_to_end(key)
+    if layers and found[1] is None:
+        found[1] = tuple(expanded_layers(spec, found[0], recipe, settings, finetune))
+    return found[0], found[1]
+
+
+def fits_at_least(allocated: int, device: DeviceOptions, gpu) -> bool:
+    """Whether a step whose peak allocates at least ``allocated`` bytes can fit ``gpu``: what the GPU must hold
+    for it (estimate.peak_of_phases, less the fragmentation of the part that changes) is within its memory."""
+    return int((allocated + device.cuda_overhead_bytes) * device.headroom) <= gpu.memory_bytes
 
 
 def rank_static_components(single: tuple[StaticComponent, ...], rank: RankLayout,
@@ -329,7 +377,7 @@ def _compile_seq(step: StepModel, seq: int) -> tuple[_PhaseForm, ...] | None:
         forms.append(_envelope(phase_a[0].name, moments))
     forms = tuple(forms)
     for batch in _CHECKS:  # the argument above, checked
-        direct = tuple(peak_of(c) for c in step.candidates(batch, seq)[1])
+        direct = tuple(peak_of(c) for c in step.candidates(batch, seq, peaks_only=True)[1])
         if tuple(f.phase(batch) for f in forms) != direct:
             return None
     return forms
@@ -366,15 +414,29 @@ def _envelope(name: str, moments: list[_Moment]) -> _PhaseForm:
 
 def compile_step(spec: ModelSpec, settings: TrainingSettings | None = None,
                  device: DeviceOptions | None = None, parallel: Parallel | None = None,
-                 finetune: FineTune | None = None) -> StepModel:
+                 finetune: FineTune | None = None, cache: dict | None = None) -> StepModel:
     """Compile ``spec`` trained with ``settings`` (whose batch and seq are ignored) on ``parallel``'s GPUs, fully or
     with ``finetune``'s adapters, for :func:`evaluate`. A model-parallel layout compiles each rank role
-    (modelparallel.LayoutStep)."""
+    (modelparallel.LayoutStep).
+
+    ``cache`` (a search's dict) shares one compiled step between the layouts that ask for the same one, so its
+    forms are compiled once and earned back over the whole search. Its key counts the accumulation steps only as
+    one or more than one, the only difference they make to a step's memory (timeline._static: the gradients live
+    through forward); the step it returns may therefore carry another count in its settings, which only a
+    search, which asks for phases and peaks, may ignore."""
+    settings = settings or TrainingSettings()
+    key = (spec, settings.step_key, device, parallel, finetune)
+    if cache is not None and key in cache:
+        return cache[key]
     if parallel is not None and parallel.is_model_parallel:
         from .modelparallel import LayoutStep
 
-        return LayoutStep(spec, settings or TrainingSettings(), device, parallel, finetune)  # type: ignore[return-value]
-    return StepModel(spec, settings or TrainingSettings(), device, parallel, finetune)
+        step = LayoutStep(spec, settings, device, parallel, finetune, cache)
+    else:
+        step = StepModel(spec, settings, device, parallel, finetune)
+    if cache is not None:
+        cache[key] = step
+    return step  # type: ignore[return-value]
 
 
 def evaluate(step: StepModel, batch: int, seq: int) -> Evaluation:

@@ -491,7 +491,7 @@ def casts_cached(spec: ModelSpec, p: Precision, settings: TrainingSettings) -> b
     return settings.checkpointing == "full" and p.autocast and spec.traits.weight_casts_cached
 
 
-def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
+def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                      settings: TrainingSettings, finetune=None) -> list[_LayerBytes]:
     if not spec.has_architecture:
         return []
@@ -613,6 +613,27 @@ def _expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
     return out
 
 
+def _interior_layers(layers) -> set[int]:
+    """The layers whose backward moments can be left out of the walk without changing any phase's peak: layer k
+    inside a stretch that repeats with period P (1, or 2 under selective checkpointing), layers[m] being
+    layers[m + P] for every m from k - P to k. Along such a stretch each moment's bytes are the larger of two lines
+    in the layer's position (what the layers below keep grows by one period's bytes per step, the finished
+    gradients above shrink by as much), so a convex function of it: f(k) <= max(f(k - P), f(k + P)), with equality
+    only where all three are equal, and then layer k + P's moment, which happens earlier, is the peak on the tie.
+    By induction only a stretch's ends can hold a phase's peak (tests/test_timeline.py checks it against the
+    every-layer walk)."""
+    memo = _memo(layers)
+    if "interior" in memo:
+        return memo["interior"]
+    interior: set[int] = set()
+    for period in (1, 2):
+        for k in range(period, len(layers) - period):
+            if all(layers[m] is layers[m + period] for m in range(k - period, k + 1)):
+                interior.add(k)
+    memo["interior"] = interior
+    return interior
+
+
 def _adapter_view(tensors, adapted: frozenset[str], rank: int) -> list:
     """A layer's tensors as a LoRA step's gradients see them: each adapted Linear's weight (named in ``adapted``)
     stands for its adapter pair (rank x (in + out) elements), the rest take none."""
@@ -732,14 +753,31 @@ def _outer_phases(spec: ModelSpec, st: _Static, recipe: Recipe, optimizer: Optim
             Phase("between_steps", "after zero_grad", st.weights, st.grads_between, st.states, 0, 0))
 
 
+def forward_floor(static: dict[str, int], acts: ActivationEstimate, recipe: Recipe, settings: TrainingSettings,
+                  rank: RankLayout | None = None) -> int:
+    """Bytes allocated at forward's moment "at the loss" (step_candidates) less what only some set-ups add there
+    (the KV cache, autocast's cached casts and held hidden states, the engine's buffers): a lower bound of the
+    step's peak, which a search compares with the GPU before it builds the timeline."""
+    st = _static(static, recipe, settings, rank)
+    return (st.weights + st.grads_in_forward + st.states + acts.saved_bytes + acts.logits_bytes
+            + acts.loss_transient_bytes)
+
+
 def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate, recipe: Recipe,
                     optimizer: Optimizer, settings: TrainingSettings,
-                    rank: RankLayout | None = None, finetune=None) -> tuple[tuple[Phase, ...], ...]:
+                    rank: RankLayout | None = None, finetune=None,
+                    every_layer: bool = False, layers: tuple[_LayerBytes, ...] | None = None,
+                    peaks_only: bool = False) -> tuple[tuple[Phase, ...], ...]:
     """Every moment that can be a phase's peak, per phase (load, forward, backward, optimizer, between_steps), in
     the order they happen. Each moment's bytes are linear in the batch for a fixed sequence length (stepmodel.py
     relies on it). ``rank``: one GPU of a data-parallel engine (sharding.py): ``static`` is then that rank's, the
     gradients of the layers backward has finished are reduce-scattered to its shard, and the engine's buffers are
-    added in the phases they exist in."""
+    added in the phases they exist in.
+
+    Of a stretch of alike layers, backward's moments in its end layers only, unless ``every_layer``
+    (_interior_layers: the same peaks, several times faster for deep models). ``layers``: expanded_layers' answer
+    for these arguments, where the caller has it. ``peaks_only``: where an engine's buffers are added, each phase
+    reduced to its peak moment (with_buffers)."""
     shards = rank.gradient_shards if rank else 1
     # a finished gradient shard's bytes per element, over the recipe's (FSDP2 casts shards to the masters' dtype)
     shard_scale = (rank.gradient_shard_bytes or recipe.gradient_bytes) / recipe.gradient_bytes if rank else 1
@@ -755,15 +793,21 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # (all created in forward, so counted as activations). With full checkpointing it can instead be inside the
     # last layer's forward, where that layer's activations exist until it returns.
     saved = acts.saved_bytes
-    layers = _expanded_layers(spec, acts, recipe, settings, finetune)
+    if layers is None:  # (else expanded_layers' answer for these arguments, shared by steps that differ in rank)
+        layers = expanded_layers(spec, acts, recipe, settings, finetune)
     stepped = settings.optimizer_in_backward
     if stepped:
         # Each parameter is stepped, and its gradient freed, as soon as backward has made it: no gradient of a
         # finished layer (or of the LM head) waits for the others.
         from dataclasses import replace as replaced
 
-        layers = [replaced(x, grads=0, down_grad=0, attention_grads_pending=0, experts_weighting_grads=0,
-                           norm_moment=(x.norm_moment[0], 0, x.norm_moment[2])) for x in layers]
+        stepped_layers: dict[int, _LayerBytes] = {}  # (alike layers stay one object: _interior_layers)
+        for x in layers:
+            if id(x) not in stepped_layers:
+                stepped_layers[id(x)] = replaced(x, grads=0, down_grad=0, attention_grads_pending=0,
+                                                 experts_weighting_grads=0,
+                                                 norm_moment=(x.norm_moment[0], 0, x.norm_moment[2]))
+        layers = [stepped_layers[id(x)] for x in layers]
     # (under selective checkpointing: whether the last layer is one of the checkpointed ones)
     checkpointed = bool(layers) and layers[-1].checkpointed
     cached = checkpointed and casts_cached(spec, p, settings) and finetune is None
@@ -885,8 +929,12 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         kept_below.append(kept_below[-1] + x.kept)
     grads_above = 0
     first_layer_moment = len(candidates)
+    interior = set() if every_layer else _interior_layers(layers)
     for index in range(len(layers) - 1, -1, -1):
         x = layers[index]
+        if index in interior:  # (its moments are never a phase's first peak: _interior_layers)
+            grads_above += -(-x.grads // shards) if shard_scale == 1 else -(-int(x.grads * shard_scale) // shards)
+            continue
         live_acts = base_kept + kept_below[index] + (x.kept + x.full if x.checkpointed else x.full)
         # In the order they happen: on a tie the earlier moment is the peak, as a peak counter sees it.
         if x.checkpointed:
@@ -977,8 +1025,9 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                                 acts.embedding_bytes, emb_grad + emb_input_grad))
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank, finetune)
     phases = (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
-    buffers = (rank.buffers if rank else ()) + (finetune.buffers(spec, p, settings.checkpointing == "full")
-                                                 if finetune is not None else ())
+    buffers = rank.buffers if rank else ()
+    if finetune is not None:
+        buffers += finetune.buffers(spec, p, settings.checkpointing == "full")
     if not buffers:
         return phases
     # Where each moment is: inside a decoder layer (all of forward's but the loss, which is last; backward's layer
@@ -986,34 +1035,62 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     places = ({}, {"start": range(starts), "layer": range(starts, len(candidates_fw) - 1)},
               {"head": range(first_layer_moment), "layer": layer_moments,
                "end": range(layer_moments.stop, len(candidates))}, {}, {})
-    return with_buffers(phases, buffers, places)
+    return with_buffers(phases, buffers, places, peaks_only)
 
 
-def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers,
-                 places: tuple = ({},) * 5) -> tuple[tuple[Phase, ...], ...]:
+def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers, places: tuple = ({},) * 5,
+                 peaks_only: bool = False) -> tuple[tuple[Phase, ...], ...]:
     """Every candidate moment with the engine's buffers alive then added to their categories: a buffer of phase
     ``name`` is alive at each of its moments; one of ``name:layer``, ``name:head`` or ``name:end`` only at the
     moments in that place (``places`` gives their positions per phase), such as the running layer's gathered
-    parameters."""
+    parameters. ``peaks_only``: each phase's peak moment alone (what an evaluation needs: no other moment is
+    built)."""
     out = []
+    memo = _memo(buffers)
     for candidates, where in zip(phases, places):
         name = candidates[0].name
-        everywhere = _buffer_sums(buffers, name)
-        # each moment's extra: that of the first place listing its position (places do not overlap)
-        added = [everywhere] * len(candidates)
-        for place, positions in reversed(list(where.items())):
-            extra = _buffer_sums(buffers, f"{name}:{place}")
-            if any(extra):
-                total = tuple(a + b for a, b in zip(everywhere, extra))
-                for i in positions:
-                    added[i] = total
-        out.append(tuple(_plus(ph, add) for ph, add in zip(candidates, added)))
+        key = (name, len(candidates), tuple(where.items()))
+        if key not in memo:
+            everywhere = _buffer_sums(buffers, name)
+            # each moment's extra: that of the first place listing its position (places do not overlap)
+            added = [everywhere] * len(candidates)
+            for place, positions in reversed(list(where.items())):
+                extra = _buffer_sums(buffers, f"{name}:{place}")
+                if any(extra):
+                    total = tuple(a + b for a, b in zip(everywhere, extra))
+                    for i in positions:
+                        added[i] = total
+            memo[key] = (added, [sum(add) for add in added])
+        added, extra_bytes = memo[key]
+        if peaks_only:  # (the first of the largest, as peak_of)
+            top = max(range(len(candidates)), key=lambda i: candidates[i].allocated_bytes + extra_bytes[i])
+            out.append((_plus(candidates[top], added[top]),))
+        else:
+            out.append(tuple(_plus(ph, add) for ph, add in zip(candidates, added)))
     return tuple(out)
 
 
-def _buffer_sums(buffers, when: str) -> tuple[int, ...]:
+_MEMO: dict[int, tuple[object, dict]] = {}
+
+
+def _memo(of: object) -> dict:
+    """A memo of answers about ``of``, kept by its identity (and ``of`` with it, so that the id is not reused): a
+    step's buffers and layers are the same tuples at every batch of a search, and hashing them costs as much as
+    the answers."""
+    kept = _MEMO.get(id(of))
+    if kept is None or kept[0] is not of:
+        if len(_MEMO) >= 4096:
+            _MEMO.clear()
+        kept = _MEMO[id(of)] = (of, {})
+    return kept[1]
+
+
+def _buffer_sums(buffers: tuple, when: str) -> tuple[int, ...]:
     """The bytes of the buffers alive ``when``, per category (CATEGORIES' order)."""
-    return tuple(sum(b.bytes for b in buffers if when in b.phases and b.category == c) for c in CATEGORIES)
+    memo = _memo(buffers)
+    if when not in memo:
+        memo[when] = tuple(sum(b.bytes for b in buffers if when in b.phases and b.category == c) for c in CATEGORIES)
+    return memo[when]
 
 
 def _plus(ph: Phase, add: tuple[int, ...]) -> Phase:
