@@ -299,3 +299,32 @@ def test_a_layouts_fitting_peak_is_its_estimate_where_it_fits():
             for batch in (1, 2, 3, 4, 6, 8, 12, 16, 32):
                 peak = evaluate(fresh, batch, 4096).peak
                 assert search_step.fitting_peak(batch, 4096, H100) == (peak if peak.fits(H100) else None)
+
+
+def test_tensor_and_pipeline_parallelism_with_zero_1_is_written_for_megatron_deepspeed(tmp_path, monkeypatch):
+    """ZeRO-1 under TP x PP is searched (DeepSpeed's pipeline engine takes ZeRO-1 only) and written as
+    Megatron-DeepSpeed's launch line and a DeepSpeed JSON whose batch counts the data-parallel ranks."""
+    from trainmem.engine_configs import deepspeed_config, write_configs
+
+    found = search(catalog_spec("llama-3-70b"), H100, 64, 4096, 512)
+    zero_1 = [p.layout for p in found.plans if p.layout.zero == 1 and p.layout.tp * p.layout.pp > 1]
+    assert zero_1 and not [p for p in found.plans if p.layout.zero in (2, 3) and p.layout.tp * p.layout.pp > 1]
+    layout = zero_1[0]
+    written = {p.name for p in write_configs(layout, 4096, "llama-3-70b", tmp_path)}
+    assert written == {"launch.sh", "ds_config.json"}
+    launch = (tmp_path / "launch.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(tmp_path / "launch.sh")]).returncode == 0
+    for flag in (f"--tensor-model-parallel-size {layout.tp}", f"--pipeline-model-parallel-size {layout.pp}",
+                 "--sequence-parallel", f"--micro-batch-size {layout.micro_batch}", "--global-batch-size 512",
+                 "--seq-length 4096", "--zero-stage 1", "--deepspeed_config", "pretrain_gpt.py"):
+        assert flag in launch, flag
+    ds = json.loads((tmp_path / "ds_config.json").read_text())
+    assert ds == deepspeed_config(layout) and ds["train_batch_size"] == 512
+    deepspeed = pytest.importorskip("deepspeed.runtime.config", reason="DeepSpeed is not installed here")
+    # with Megatron's mpu DeepSpeed counts the data-parallel ranks: TP x PP x DP = 64
+    monkeypatch.setattr(deepspeed.dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(deepspeed.dist, "get_world_size", lambda *a, **k: layout.data_parallel)
+    parsed = deepspeed.DeepSpeedConfig(str(tmp_path / "ds_config.json"))
+    assert parsed.zero_optimization_stage == 1 and parsed.train_batch_size == 512
+    assert (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == \
+        (layout.micro_batch, layout.grad_accum)

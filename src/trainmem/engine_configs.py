@@ -1,6 +1,7 @@
 """A planned layout written as the files the engines read: a DeepSpeed JSON, an accelerate config YAML (DeepSpeed or
 FSDP2), a torchtitan TOML where the layout is expressible there (FSDP2 without offload; tensor and pipeline
-parallelism, which only torchtitan's file expresses here), and a launch script.
+parallelism over FSDP2 or DDP), and a launch script (accelerate, torchtitan, or Megatron-DeepSpeed's pretrain_gpt.py
+for tensor and pipeline parallelism with ZeRO-1).
 
 Key names follow each engine's own parser: DeepSpeed's config keys (deepspeed/runtime/config.py and
 runtime/zero/config.py: ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
@@ -31,7 +32,8 @@ def mixed_precision(recipe: str) -> str:
 
 
 def deepspeed_config(layout: Layout) -> dict:
-    """DeepSpeed's JSON for a DDP (stage 0) or ZeRO layout."""
+    """DeepSpeed's JSON for a DDP (stage 0) or ZeRO layout, or Megatron-DeepSpeed's with tensor and pipeline
+    parallelism (the batch is counted over the data-parallel ranks, as DeepSpeed does with Megatron's mpu)."""
     stage = layout.zero or 0
     zero: dict = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
     if layout.offload in ("optimizer", "optimizer+params"):
@@ -40,7 +42,7 @@ def deepspeed_config(layout: Layout) -> dict:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     precision = mixed_precision(layout.recipe)
     return {
-        "train_batch_size": layout.micro_batch * layout.grad_accum * layout.gpus,
+        "train_batch_size": layout.micro_batch * layout.grad_accum * layout.data_parallel,
         "train_micro_batch_size_per_gpu": layout.micro_batch,
         "gradient_accumulation_steps": layout.grad_accum,
         "bf16": {"enabled": precision == "bf16"},
@@ -77,10 +79,16 @@ def accelerate_config(layout: Layout) -> dict:
     return config
 
 
+def megatron_deepspeed(layout: Layout) -> bool:
+    """Tensor and pipeline parallelism with ZeRO: Megatron-DeepSpeed's pretrain_gpt.py with a DeepSpeed JSON."""
+    return layout.zero is not None and layout.tp * layout.pp > 1
+
+
 def torchtitan_only(layout: Layout) -> bool:
-    """Tensor, pipeline, context or expert parallelism, or layer-selective checkpointing: only torchtitan's file
-    says them here (accelerate's and DeepSpeed's configs have no such keys)."""
-    return layout.tp * layout.pp * layout.cp * layout.ep > 1 or layout.checkpointing == "selective"
+    """Tensor, pipeline, context or expert parallelism over FSDP2 or DDP, or layer-selective checkpointing: only
+    torchtitan's file says them here (accelerate's and DeepSpeed's configs have no such keys)."""
+    return ((layout.tp * layout.pp * layout.cp * layout.ep > 1 or layout.checkpointing == "selective")
+            and not megatron_deepspeed(layout))
 
 
 def torchtitan_toml(layout: Layout, seq: int, model_name: str) -> str | None:
@@ -130,8 +138,34 @@ def torchtitan_toml(layout: Layout, seq: int, model_name: str) -> str | None:
     return "\n".join(lines)
 
 
-def launch_script(layout: Layout) -> str:
+def launch_script(layout: Layout, seq: int = 0) -> str:
     nodes = -(-layout.gpus // layout.gpus_per_node)
+    rendezvous = (f"torchrun --nnodes {nodes} --nproc-per-node {layout.gpus_per_node} --node-rank \"${{NODE_RANK:-0}}\" "
+                  '--rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \\')
+    if megatron_deepspeed(layout):
+        # Megatron-DeepSpeed's arguments (megatron/arguments.py): its recompute flags, ZeRO stage and DeepSpeed JSON
+        precision = {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(mixed_precision(layout.recipe), [])
+        recompute = ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"] \
+            if layout.checkpointing == "full" else []
+        flags = [f"--tensor-model-parallel-size {layout.tp}", f"--pipeline-model-parallel-size {layout.pp}",
+                 *(["--sequence-parallel"] if layout.tp > 1 else []), f"--micro-batch-size {layout.micro_batch}",
+                 f"--global-batch-size {layout.micro_batch * layout.grad_accum * layout.data_parallel}",
+                 f"--seq-length {seq}", *precision, *recompute, f"--zero-stage {layout.zero}", "--deepspeed",
+                 '--deepspeed_config "$(dirname "$0")/ds_config.json"']
+        return "\n".join([
+            "#!/usr/bin/env bash",
+            f"# trainmem plan: {layout.gpus} GPUs ({nodes} node{'s' if nodes > 1 else ''} of {layout.gpus_per_node}), "
+            f"TP {layout.tp} x PP {layout.pp} x DP {layout.data_parallel}, {layout.engine}: Megatron-DeepSpeed with "
+            "ds_config.json.",
+            "# Run from Megatron-DeepSpeed's checkout on every node, with NODE_RANK and MASTER_ADDR set; give the "
+            "model's",
+            "# architecture (--num-layers, --hidden-size, ...) and data (--data-path, --tokenizer-type, ...) as "
+            "arguments.",
+            "set -euo pipefail",
+            rendezvous,
+            "    pretrain_gpt.py " + " \\\n    ".join(flags) + ' \\\n    "$@"',
+            "",
+        ])
     if torchtitan_only(layout):
         return "\n".join([
             "#!/usr/bin/env bash",
@@ -140,8 +174,7 @@ def launch_script(layout: Layout) -> str:
             "torchtitan.toml.",
             "# Run from torchtitan's checkout on every node, with NODE_RANK and MASTER_ADDR set.",
             "set -euo pipefail",
-            f"torchrun --nnodes {nodes} --nproc-per-node {layout.gpus_per_node} --node-rank \"${{NODE_RANK:-0}}\" "
-            '--rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \\',
+            rendezvous,
             '    -m torchtitan.train --job.config_file "$(dirname "$0")/torchtitan.toml" "$@"',
             "",
         ])
@@ -172,8 +205,8 @@ def write_configs(layout: Layout, seq: int, model_name: str, out: str | os.PathL
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder")
     if not target.parent.is_dir():
         raise ConfigError(f"--out: the folder {str(target.parent)!r} does not exist")
-    files: dict[str, str] = {"launch.sh": launch_script(layout)}
-    if not torchtitan_only(layout):
+    files: dict[str, str] = {"launch.sh": launch_script(layout, seq)}
+    if not torchtitan_only(layout) and not megatron_deepspeed(layout):
         files["accelerate.yaml"] = yaml.safe_dump(accelerate_config(layout), sort_keys=False)
     if not layout.fsdp and layout.gpus > 1 and not torchtitan_only(layout):
         files["ds_config.json"] = json.dumps(deepspeed_config(layout), indent=2) + "\n"

@@ -5,7 +5,8 @@ selective: every second layer, full) x offload x micro-batch, for a global batch
 data-parallel ranks (micro-batch x accumulation = global batch / data parallel); and tensor parallelism (with
 sequence parallelism, inside a node) x pipeline stages (1F1B, the accumulated micro-batches through the pipeline) x
 context parallelism (from 16k tokens) x expert parallelism (MoE), as torchtitan runs them: with FSDP2 full sharding
-or DDP over the data-parallel ranks (modelparallel.py). Each layout's memory is the estimator's (stepmodel.py:
+or DDP over the data-parallel ranks (modelparallel.py), and tensor x pipeline parallelism with ZeRO-1 as
+Megatron-DeepSpeed runs them. Each layout's memory is the estimator's (stepmodel.py:
 compiled once per recipe, engine, checkpointing and offload, each pipeline stage shared by the layouts that hold it);
 memory grows with the micro-batch, so the largest that fits is looked for by galloping from the last answer of the
 same degrees, then bisection (largest_fitting), each probe ruled out by a lower bound where it can be, and the
@@ -68,8 +69,9 @@ et al. 2022 report 46% for PaLM 540B; Megatron-LM reports 41-48% on A100/H100)."
 MAX_MIN_GPUS = 1 << 16
 NOT_SEARCHED = ("context parallelism below 16,384 tokens (estimate it with --cp)",
                 "the interleaved pipeline schedule (estimate it with --pp-schedule interleaved)",
-                "ZeRO with tensor, pipeline, context or expert parallelism (Megatron-DeepSpeed; trainmem writes no "
-                "config for it)",
+                "ZeRO-2 and ZeRO-3 with tensor or pipeline parallelism, and ZeRO with context or expert parallelism "
+                "(DeepSpeed's pipeline engine takes ZeRO-1 only; Megatron-DeepSpeed's sequence and expert "
+                "parallelism are schemes of their own); offload with tensor or pipeline parallelism",
                 "op-level selective checkpointing (torchtitan's 'op' option; layer-selective, every second "
                 "layer, is searched without autocast, ZeRO or offload)")
 MAX_PIPELINE_STAGES = 16
@@ -208,11 +210,16 @@ def _rank_parameters(spec: ModelSpec, layout: Layout) -> float:
                                                pp=layout.pp)).num_parameters / layout.pp
 
 
-def _model_parallel_engines(data_parallel: int):
-    """The data-parallel engines torchtitan combines with TP and PP (FSDP2 full sharding, or DDP's replication)."""
+def _model_parallel_engines(data_parallel: int, cp: int = 1, ep: int = 1):
+    """The data-parallel engines combined with model parallelism: torchtitan's FSDP2 full sharding or DDP
+    replication, and, with tensor and pipeline parallelism alone, Megatron-DeepSpeed's ZeRO-1 (the pipeline engine
+    refuses ZeRO-2 and 3)."""
     if data_parallel == 1:
         return [("no data parallelism", None, None, ("none",))]
-    return [("FSDP2 full", None, "full", ("none",)), ("DDP", None, None, ("none",))]
+    engines = [("FSDP2 full", None, "full", ("none",)), ("DDP", None, None, ("none",))]
+    if cp == ep == 1:
+        engines.append(("ZeRO-1", 1, None, ("none",)))
+    return engines
 
 
 def model_parallel_degrees(spec: ModelSpec, gpus: int, gpus_per_node: int,
@@ -412,7 +419,7 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
         per_rank = global_batch // data_parallel  # sequences per model replica and step
         micro_batches = divisors(per_rank)
         engine_list = _engines(gpus, node) if (tp, pp, cp, ep) == (1, 1, 1, 1) else \
-            _model_parallel_engines(data_parallel * cp)
+            _model_parallel_engines(data_parallel * cp, cp, ep)
         for recipe in recipes:
             get_recipe(recipe)
             for label, zero, fsdp, offloads in engine_list:
