@@ -276,3 +276,29 @@ def test_expert_parallel_adds_the_all_to_all_buffers_to_forward_and_backward():
         without = next(p for p in alone.phases if p.name == name)
         assert with_buffers.temporaries - without.temporaries == buffers
     assert split.static_bytes == plain.static_bytes  # 8 experts over 8 ranks: one each, either way
+
+
+def test_pipeline_stages_hold_torch_pipelinings_receive_buffers(monkeypatch):
+    """torch.distributed.pipelining allocates a receive buffer per micro-batch for the activations (every stage but
+    the first) and for the gradients (every stage but the last), one micro-batch's hidden states each (1/T of the
+    tokens with SP) in the residual dtype, kept in every phase but load; DeepSpeed's pipeline engine adds none."""
+    from trainmem.modelparallel import LayoutStep
+
+    spec = catalog_spec("llama-3-8b")
+    settings = make_settings(recipe="mixed-bf16", seq=4096, batch=2)
+    hidden = 2 * 4096 // 2 * spec.hidden_size * 2  # 2 sequences, 1/2 of the tokens (SP over TP 2), bf16
+
+    def roles(**engine):
+        est = estimate_model(spec, settings, parallel=Parallel(gpus=16, tp=2, sp=True, pp=4, micro_batches=8,
+                                                               **engine))
+        return {r.name: {p.name: p for p in r.estimate.phases} for r in est.per_rank}
+
+    titan, deepspeed = roles(fsdp="full"), roles(zero=1)
+    monkeypatch.setattr(LayoutStep, "_receive_buffers", lambda *args: 0)
+    titan_without, deepspeed_without = roles(fsdp="full"), roles(zero=1)
+    for role, buffers in (("first stage", 8), ("middle stages", 16), ("last stage", 8)):
+        for phase in ("forward", "backward", "optimizer", "between_steps"):
+            assert titan[role][phase].temporaries - titan_without[role][phase].temporaries == buffers * hidden, \
+                (role, phase)
+        assert titan[role]["load"] == titan_without[role]["load"]
+        assert deepspeed[role] == deepspeed_without[role]

@@ -328,3 +328,13 @@ def test_tensor_and_pipeline_parallelism_with_zero_1_is_written_for_megatron_dee
     assert parsed.zero_optimization_stage == 1 and parsed.train_batch_size == 512
     assert (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == \
         (layout.micro_batch, layout.grad_accum)
+
+
+def test_every_kept_layouts_search_peak_is_its_full_estimates():
+    """What the search found for each layout it keeps (from shared compiled stages, lower bounds and the last
+    answer's guess) is the peak `trainmem estimate` gives for that layout, over every layout that fits."""
+    found = search(catalog_spec("llama-3-70b"), H100, 64, 4096, 512)
+    assert len(found.plans) > 100
+    assert {(p.layout.tp, p.layout.pp) for p in found.plans} > {(1, 1)}
+    for plan in found.plans:
+        assert plan.peak == plan.estimate.peak, plan.layout

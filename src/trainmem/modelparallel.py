@@ -229,11 +229,34 @@ class LayoutStep:
         phases = stage.step.phases(batch, local)
         held = self._held_extra(stage.step, stage.in_flight, batch, local)
         buffers = self._all_to_all(stage.spec, batch, local)
-        if not held and not buffers:
+        received = self._receive_buffers(stage.index, batch, local)
+        if not held and not buffers and not received:
             return phases
         return tuple(Phase(ph.name, ph.moment, ph.parameters, ph.gradients, ph.optimizer_states,
-                           ph.activations + held, ph.temporaries + buffers)
-                     if ph.name in _STEP_PHASES else ph for ph in phases)
+                           ph.activations + (held if ph.name in _STEP_PHASES else 0),
+                           ph.temporaries + (buffers if ph.name in _STEP_PHASES else 0)
+                           + (received if ph.name != "load" else 0))
+                     for ph in phases)
+
+    def _receive_buffers(self, stage: int, batch: int, seq: int) -> int:
+        """torch.distributed.pipelining's receive buffers on this stage's rank (torchtitan's pipeline; torch 2.13
+        stage.py, PipelineStage._setup_forward_recv_info and _create_grad_recv_info): at the first step each of its
+        model chunks allocates, for every micro-batch, a buffer for the activations it receives (but the first
+        chunk of all) and one for the gradient it receives (but the last), and keeps them from step to step
+        (pytorch#136380, open). One micro-batch's hidden states in the residual stream's dtype, 1/T of the tokens
+        under sequence parallelism. DeepSpeed's pipeline engine (ZeRO) receives into the buffers of the
+        micro-batches in flight, which are their activations: nothing more is counted there."""
+        parallel = self.parallel
+        if parallel.pp == 1 or parallel.zero is not None:
+            return 0
+        from .activations import Precision
+        from .recipes import get_recipe
+
+        p, v = parallel.pp, parallel.virtual_stages
+        buffers = 2 * v - (stage == 0) - (stage == p - 1)
+        tokens = batch * (seq // parallel.tp if parallel.sp else seq)
+        residual = Precision.of(get_recipe(self.settings.recipe)).residual
+        return buffers * parallel.in_flight_micro_batches * tokens * self.spec.hidden_size * residual
 
     def _held_extra(self, step, in_flight: int, batch: int, seq: int) -> int:
         """Activations of the other micro-batches in flight on this stage: (in_flight - V) chunks' worth."""
@@ -270,7 +293,8 @@ class LayoutStep:
             stage = self._stages[i]
             floor = stage.step.floor(batch, local)
             if floor and not fits_at_least(floor + self._held_extra(stage.step, stage.in_flight, batch, local)
-                                           + self._all_to_all(stage.spec, batch, local), self.device, gpu):
+                                           + self._all_to_all(stage.spec, batch, local)
+                                           + self._receive_buffers(stage.index, batch, local), self.device, gpu):
                 self._tightest = i
                 return None
             phases = self._stage_phases(stage, batch, seq)
@@ -308,9 +332,13 @@ class LayoutStep:
                          if self.parallel.virtual_stages == 1 else
                          f"{name}: the activations of {in_flight} model chunks x micro-batches in flight") \
                 if in_flight > self.parallel.virtual_stages else ""
+            received = self._receive_buffers(stage.index, batch, local)
+            received_note = (f"{name}: {received / 2**30:.2f} GiB of pipeline receive buffers (one per micro-batch "
+                             "for the activations and gradients it receives, allocated at the first step by "
+                             "torch.distributed.pipelining and kept), in temporaries") if received else ""
             e = replace(base, settings=settings, phases=phases, peak=peak_of_phases(phases, self.device),
                         in_flight_bytes=held, parallel=self.parallel, rank_model=stage.spec,
-                        notes=base.notes + ((acts_note,) if acts_note else ()))
+                        notes=base.notes + tuple(n for n in (acts_note, received_note) if n))
             roles.append(RankRole(name, stages if name != "middle stages" else (stage.index,), in_flight, e))
         top = max(roles, key=lambda r: r.estimate.peak.allocated_bytes if r.estimate.peak else 0)
         notes = top.estimate.notes + layout_notes(self.parallel)
@@ -328,8 +356,12 @@ def layout_notes(parallel: Parallel) -> tuple[str, ...]:
                      "parallel Linear is saved whole (Megatron-LM saves the 1/T shard and gathers it again)")
     if parallel.pp > 1:
         notes.append("not validated: the micro-batches in flight follow Megatron-LM's schedules, untraced (a stage "
-                     "as the transformers layers it holds is traced within 2%); the pipeline runtime's send and "
-                     "receive buffers (one micro-batch's hidden states) are not counted")
+                     "as the transformers layers it holds is traced within 2%); the receive buffers are "
+                     "torch.distributed.pipelining's as its source allocates them (one per micro-batch), untraced"
+                     if parallel.zero is None else
+                     "not validated: the micro-batches in flight follow DeepSpeed's pipeline schedule, untraced (a "
+                     "stage as the transformers layers it holds is traced within 2%); its receive buffers are the "
+                     "in-flight micro-batches' own activations")
     if parallel.cp > 1:
         notes.append("not validated: context parallel (no trace; the all-gather variant, which keeps the gathered "
                      "keys and values)")

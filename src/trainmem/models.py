@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, TypeVar
@@ -269,6 +269,20 @@ class ModelSpec:
     vocab_shards: int = 1
     """Tensor parallelism over the vocabulary: vocab_size is this rank's ceil(V / T) rows of the embedding and the
     LM head, and the loss is the vocabulary-parallel one (PyTorch's ``loss_parallel``)."""
+
+    def __hash__(self) -> int:
+        # Kept once computed: a spec keys a search's caches thousands of times, and hashing its layers each time
+        # costs as much as the lookups (the dataclass would rehash every field). Not pickled (__getstate__): string
+        # hashes differ between processes.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
+        return cached
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
 
     @property
     def projects_embeddings(self) -> bool:

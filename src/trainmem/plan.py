@@ -435,10 +435,11 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
                         def step_for(b: int):
                             """The compiled step at micro-batch b, from the search's cache. Its accumulation steps
                             (per_rank / b) matter only as more than one (the gradients then live through forward:
-                            timeline._static) and, with a pipeline, as what each stage holds in flight: one step
-                            per distinct min(M, P), whose stages are shared with every layout that holds them."""
+                            timeline._static) and, with a pipeline, as what each stage holds in flight (min(M, P))
+                            and, in torch's pipelining, as its receive buffers (M): one step per distinct M, whose
+                            compiled stages are shared with every layout that holds them."""
                             m = per_rank // b
-                            m = min(m, pp) if pp > 1 else min(m, 2)
+                            m = (m if zero is None else min(m, pp)) if pp > 1 else min(m, 2)
                             if m not in steps:
                                 parallel = Layout(recipe, label, zero, fsdp, offload, ckpt, b, m, gpus, node, tp,
                                                   pp, cp, ep).parallel if gpus > 1 else None
