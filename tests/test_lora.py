@@ -355,3 +355,21 @@ def test_trace_command_runs_lora_and_refuses_a_quantized_base(run_cli, tmp_path)
     assert all(abs(p["relative_error"]) <= 0.01 for p in doc["phases"]), doc["phases"]
     code, _, err = run_cli("trace", str(config), "--lora", "8", "--qlora")
     assert code == 2 and "full-precision base" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, checkpointing, targets, found", [
+    ("pure-bf16-bf16states", "full", ("all-linear",), "the recompute starts at lora_B; the first layer is not apart"),
+    ("fp32", "full", ("all-linear",), "the first layer is not apart under checkpointing"),
+    ("amp-bf16", "none", ("all-linear",), "the adapters' half copies; the fp32 final hidden states"),
+    ("amp-bf16", "full", ("q", "v"), "the frozen down_proj's half copy is freed before the MLP moment"),
+    ("amp-bf16", "full", ("all-linear",), "the recompute's weight copies and peft's fp32 input copies"),
+])
+def test_scaled_lora_matrix_rows_that_were_out_of_tolerance_are_within_it(recipe, checkpointing, targets, found):
+    """Rows of `trainmem validate --lora` (hidden 128, rank 16: adapters weigh as much as they ever do) that missed
+    by 2-6% before what ``found`` says was traced and modelled: every phase within 3%, every category within 5%."""
+    pytest.importorskip("peft")
+    from trainmem import validate
+
+    row = validate._run_lora(("llama", recipe, checkpointing, targets, 0.0, False))
+    assert row.within_tolerance, (found, row.worst_phase, row.estimate, row.trace)

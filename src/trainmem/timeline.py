@@ -329,6 +329,26 @@ def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune
     return [(*site, site[0] in chosen) for site in sites if site[0] in present and (every or site[0] in chosen)]
 
 
+def _adapter_recompute_gradient(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> int:
+    """Per token, what a checkpointed layer's backward has made before its recompute starts, where its last Linear
+    (down_proj) is adapted: the recompute starts at the first node that unpacks a saved tensor, lora_B's matmul,
+    and the nodes before it save nothing (peft's ``result + lora_B(lora_A(x)) * scaling``, then ``result.to``):
+    the gradient of the scaled adapter output (MulBackward by the float scaling, in the adapter's dtype) and, where
+    the sum was promoted to the adapter's dtype, the gradient of the base output cast back by AddBackward (traced:
+    Llama LoRA all-linear, pure-bf16 with fp32 adapters, an fp32 and a bf16 hidden-wide tensor beside the layer's
+    output gradient)."""
+    from .lora import adapter_bytes_per_value
+
+    if not la.checkpointed:
+        return 0
+    down = [site for site in _adapter_sites(spec, la, p, finetune) if site[1] == "down_input"]
+    if not down:
+        return 0
+    c = p.compute
+    ab = c if p.autocast else adapter_bytes_per_value(finetune.lora, c)
+    return (ab + (c if ab != c else 0)) * down[0][3]
+
+
 def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
                                finetune) -> tuple[tuple[int, int], ...]:
     """A checkpointed LoRA layer's recompute (in backward, saving for real): at each adapted Linear's adapter sum,
@@ -338,18 +358,32 @@ def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precisi
     _adapter_forward_transients)."""
     from .lora import adapter_bytes_per_value
 
-    ab = adapter_bytes_per_value(finetune.lora, p.compute)
+    fp32_adapters = adapter_bytes_per_value(finetune.lora, p.compute)
     c, w, h = p.compute, p.residual, spec.hidden_size
+    ab = c if p.autocast else fp32_adapters  # (under autocast lora_B's matmul, so its output, is in half)
     # unsaved locals of the layer: the norm output (attention), the residual and the norm output (MLP)
     locals_ = {"qkv_input": c * h, "o_input": 0, "mlp_input": 2 * w * h, "down_input": 2 * w * h}
+    # under autocast the inputs of o and down are half tensors, which peft copies to the adapters' fp32 (its
+    # _cast_input_dtype) before lora_A casts them back: the fp32 copy is a local of the adapted Linear (traced)
+    input_copy = {"o_input": p.autocast and fp32_adapters != c, "down_input": p.autocast and fp32_adapters != c}
     order = [t.module for t in la.terms]
     out = []
-    for name, site, _, width_out, before, _ in _adapter_sites(spec, la, p, finetune):
+    # under autocast every Linear's matmul keeps its weight's half copy (and each adapter's, rank x (in + out))
+    # for its input's gradient: those the recompute has made by each site (traced: 425,984 bytes at the down
+    # projection of a Llama layer with hidden 128, all-linear)
+    copies, weight_copies = 0, {}
+    for name, _, width_in, width_out, _, adapted in _adapter_sites(spec, la, p, finetune, every=True):
+        if p.autocast:
+            copies += c * width_in * width_out + (c * finetune.lora.rank * (width_in + width_out) if adapted else 0)
+        weight_copies[name] = copies
+    for name, site, width_in, width_out, before, _ in _adapter_sites(spec, la, p, finetune):
         if site not in order:
             continue
         last = len(order) - 1 - order[::-1].index(site)  # the site's last term: its adapters' A outputs
         saved = sum(t.bytes_per_token for t in la.terms[:last + 1])
-        out.append((int((saved + before + locals_[site]) * tokens), int((c + 2 * ab) * width_out * tokens)))
+        copy = fp32_adapters * width_in if input_copy.get(site) else 0
+        out.append((int((saved + before + locals_[site]) * tokens) + weight_copies[name],
+                    int(((c + 2 * ab) * width_out + copy) * tokens)))
     return tuple(out)
 
 
@@ -519,6 +553,10 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             out.extend([made[key]] * la.count)
             continue
         tensors = layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors)
+        # Under LoRA and autocast the frozen down projection's half copy is kept by its matmul for its input's
+        # gradient (in the layer's constant bytes) and freed by its backward, before the MLP moment (traced)
+        frozen_down_copy = (p.compute * _numel(tensors, *_DOWN_PROJECTIONS)
+                            if finetune is not None and p.autocast and la.layer.mlp is not None else 0)
         if finetune is not None:
             tensors = _adapter_view(tensors, adapted, finetune.lora.rank)
         down = _numel(tensors, *_DOWN_PROJECTIONS)
@@ -553,7 +591,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             attention_live += kept + (full - int(la.bytes_per_token * tokens) - la.constant_bytes)
         item = _LayerBytes(
             kept=kept, full=full, product=(_mlp_bytes(layer, p) * _mlp_width(layer) * tokens if finetune is None else
-                                           _down_input_kept(la, tokens)) + down_copy + freed_before_mlp,
+                                           _down_input_kept(la, tokens)) + down_copy + frozen_down_copy
+            + freed_before_mlp,
             down_grad=_param_bytes(down, gradients_of.gradient_bytes),
             # Under autocast the matmul's weight gradient is first made in the half copy's dtype; its cast to the
             # parameter's comes after the layer's down-projection input is freed (traced).
@@ -590,7 +629,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                      + (p.compute * sum(t.numel for t in tensors if len(t.shape) == 2
                                                         and t.role not in MLP_ROLES) if p.autocast else 0)
                                      - shared_input if la.recompute_locals else 0),
-            recompute_gradient=int(_recompute_gradient(spec, layer, p, bool(output_norm)) * tokens),
+            recompute_gradient=int(_recompute_gradient(spec, layer, p, bool(output_norm)) * tokens)
+            + (int(_adapter_recompute_gradient(spec, la, p, finetune) * tokens) if finetune is not None else 0),
             norm_moment=_norm_moment(spec, la, p, gradients_of, tensors, tokens, attention_live),
             # (o_proj's backward has run: its input, the attention output, is freed)
             matmul_live=(attention_live + int(la.attention_released * tokens)
@@ -812,6 +852,13 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     checkpointed = bool(layers) and layers[-1].checkpointed
     cached = checkpointed and casts_cached(spec, p, settings) and finetune is None
     cast_cache = sum(la.constant_bytes * la.count for la in acts.layers) if cached else 0
+    if finetune is not None and p.autocast:
+        # autocast's cache keeps the checkpointed layers' adapter half copies through forward (the others are
+        # saved by their matmuls: in their layers' constant bytes)
+        from .lora import adapter_half_copies
+
+        cast_cache = sum(adapter_half_copies(spec, la.layer, finetune.lora, p) * la.count for la in acts.layers
+                         if la.checkpointed)
     # The CausalLM forward holds the base model's output (the final norm's) while it computes the logits and the
     # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
     # (OPT's project_out makes the output a half tensor the head keeps)
@@ -821,8 +868,9 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     embedding_trained = finetune is not None and "embedding" in finetune.lora.trained_roles
     if finetune is not None and layers and not head_trained:
         # A frozen LM head keeps no input, but the CausalLM forward holds the final norm's output (its local)
-        # while it computes the logits and the loss (a trained head saves that tensor: it is in saved).
-        final_hidden = p.compute * h * tokens
+        # while it computes the logits and the loss (a trained head saves that tensor: it is in saved), in the
+        # residual stream's dtype (fp32 under autocast: the norm returns its input's dtype; traced).
+        final_hidden = p.residual * h * tokens
     if settings.loss == "chunked-output":
         final_hidden = 0  # torchtune's decoder returns the list of logits: its hidden-state local is gone
     candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
