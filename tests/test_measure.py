@@ -168,3 +168,32 @@ def test_trainer_callback_inside_a_real_trainer(tmp_path):
     rows = callback.report().compare(estimate_model(spec_from_config(cfg), settings))
     assert [r["phase"] for r in rows] == list(PHASES)
     assert all(abs(r["error"]) < 0.03 for r in rows)
+
+
+def test_measure_runs_a_lora_step(run_cli, tmp_path):
+    """measure builds peft's LoRA step for real (the trace's model, on real tensors): its tensors are the fake
+    trace's to the byte, the CPU allocator's peaks cover them, and the CLI reports it beside the LoRA estimate;
+    a quantized base, whose kernels measure does not drive, is refused in one line."""
+    pytest.importorskip("peft")
+    from trainmem.lora import FineTune, LoraOptions
+
+    cfg = SCALED["Llama-2-7B"]
+    s = make_settings(batch=2, seq=64, recipe="fp32", dropout=0.0, checkpointing="full")
+    finetune = FineTune(LoraOptions(8, targets=("all-linear",)))
+    spec = spec_from_config(cfg)
+    real = trace_step(cfg, s, spec, round_to_cuda=False, emulate="cpu", fake=False, finetune=finetune)
+    fake = trace_step(cfg, s, spec, round_to_cuda=False, emulate="cpu", finetune=finetune)
+    assert [p.by_category() for p in real.phases] == [p.by_category() for p in fake.phases]
+    measured = measure_steps(cfg, s, "cpu", finetune=finetune)
+    for m, t in zip(measured.phases, fake.phases):
+        assert m.allocated_bytes >= t.allocated_bytes - 2 * 512, m.name
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(cfg, model_type="llama")))
+    code, out, err = run_cli("measure", str(path), "--batch", "2", "--seq", "32", "--recipe", "fp32", "--device",
+                             "cpu", "--dropout", "0", "--lora", "8", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [p["name"] for p in doc["phases"]] == list(PHASES)
+    assert all(p["estimate_allocated_bytes"] for p in doc["phases"]) and doc["finetune"]["rank"] == 8
+    code, _, err = run_cli("measure", str(path), "--device", "cpu", "--lora", "8", "--qlora")
+    assert code == 2 and "full-precision base" in err and err.count("\n") == 1

@@ -256,8 +256,9 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         # Gemma's RMSNorm keeps its normalised value in fp32.
         normed = FP32 if spec.traits.rms_norm_fp32_plus_one else c
         for name, heads in (("q_norm", a), ("k_norm", kv)):
-            terms += [Term(f"{name}: input in fp32", FP32 * heads * d), Term(f"{name}: rsqrt", FP32 * heads),
-                      Term(f"{name}: normalised", normed * heads * d)]
+            terms += [Term(f"{name}: input in fp32", FP32 * heads * d, name, "input_fp32"),
+                      Term(f"{name}: rsqrt", FP32 * heads, name, "rsqrt"),
+                      Term(f"{name}: normalised", normed * heads * d, name, "normalised")]
     rotary = att.rotary_dim > 0
     use_cache = uses_kv_cache(settings)
     # Under autocast the rotary tables follow the fp32 hidden states, so the rotated q and k are fp32.

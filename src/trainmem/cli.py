@@ -418,8 +418,9 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     w = _workload(options, batch, seq, need_config="measure")
-    if w.finetune is not None:
-        raise ConfigError("measure does not run LoRA yet")
+    if w.finetune is not None and w.finetune.base_quant:
+        raise ConfigError("measure runs LoRA on a full-precision base (--base-quant/--qlora need bitsandbytes' "
+                          "kernels, which measure does not drive; the estimate counts their bytes)")
     for flag, on in (("--optimizer-in-backward", w.settings.optimizer_in_backward), ("--compile", w.settings.compile),
                      ("--offload-activations", w.settings.offload_activations)):
         if on:
@@ -430,9 +431,9 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     check_runnable(w.settings, device)
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
     config = w.config
-    est = estimate_model(spec, settings, w.device)
+    est = estimate_model(spec, settings, w.device, finetune=w.finetune)
     try:
-        result = measure_steps(config, settings, device, steps, snapshot)
+        result = measure_steps(config, settings, device, steps, snapshot, finetune=w.finetune)
     except (RuntimeError, ValueError) as exc:  # device not available, out of memory, unsupported recipe
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"measure failed on {device}: {first[:300]}") from None
@@ -441,7 +442,8 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
         doc = result.as_dict()
         for row in doc["phases"]:
             row["estimate_allocated_bytes"] = estimated.get(row["name"])
-        _emit_json({**_header("measure"), "model": _model_dict(spec), "settings": settings.as_dict(), **doc})
+        lora = {"finetune": w.finetune.as_dict(spec)} if w.finetune is not None else {}
+        _emit_json({**_header("measure"), "model": _model_dict(spec), "settings": settings.as_dict(), **lora, **doc})
         return
     from rich.table import Table
 

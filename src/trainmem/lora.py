@@ -349,6 +349,10 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
     return None
 
 
+_HEAD_NORM_OF = {"q_norm": "q_proj", "k_norm": "k_proj"}
+"""Qwen3's and Gemma 3's per-head norms, and the projection whose output they read."""
+
+
 def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
     """What a LoRA step keeps instead of a full fine-tune's (activations.py's terms, by their tags): a frozen
     Linear keeps no input (its weight takes no gradient; the gradient of its input needs only the weight); each
@@ -378,8 +382,9 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
         for t in terms:
             new: list = []
             if t.kind == "normalised" or (t.kind == "input_ids" and not embedding_trained) or \
-                    (first_layer and t.module == "input_norm"):
-                pass  # dropped
+                    (first_layer and t.module == "input_norm") or \
+                    (first_layer and t.module in _HEAD_NORM_OF and _HEAD_NORM_OF[t.module] not in chosen):
+                pass  # dropped (q_norm / k_norm of a frozen projection whose input takes no gradient: nothing)
             elif t.kind in ("linear_input", "shared_input"):
                 adapted = [c for c in SITE_CONSUMERS.get(t.module, ()) if c in chosen]
                 width = in_features[adapted[0]] if adapted else 0

@@ -288,8 +288,9 @@ def trainer_callback():
 
 
 def measure_steps(config: dict[str, Any], settings, device: str = "auto", steps: int = 2,
-                  snapshot: str | None = None) -> Measurement:
-    """Build the model for real (random weights), run ``steps`` training steps and measure the last one."""
+                  snapshot: str | None = None, finetune=None) -> Measurement:
+    """Build the model for real (random weights; with ``finetune``, peft's LoRA adapters on its frozen base, as the
+    trace builds them), run ``steps`` training steps and measure the last one."""
     import torch
 
     from .step import Fp32StateAdamW, TrainingStep
@@ -299,7 +300,10 @@ def measure_steps(config: dict[str, Any], settings, device: str = "auto", steps:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("no CUDA device is available (this torch build or machine has none); use --device cpu")
-    run = TrainingStep(config, settings, str(dev))
+    if finetune is not None and finetune.base_quant:
+        raise ValueError("measure runs LoRA on a full-precision base: a quantized base needs bitsandbytes' kernels, "
+                         "which trainmem does not drive (the estimate counts their bytes)")
+    run = TrainingStep(config, settings, str(dev), finetune=finetune)
     if isinstance(run.optimizer, Fp32StateAdamW):
         raise ValueError("measure runs torch optimizers; pure-bf16 (fp32 states, no master) is trace-only")
     for _ in range(max(0, steps - 1)):

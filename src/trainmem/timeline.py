@@ -376,13 +376,32 @@ def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precisi
         if p.autocast:
             copies += c * width_in * width_out + (c * finetune.lora.rank * (width_in + width_out) if adapted else 0)
         weight_copies[name] = copies
+    # A norm whose saved input is its input tensor itself (LayerNorm; RMSNorm whose fp32 upcast is a no-op) shares
+    # it: the input norm's with the layer input the checkpoint kept, the post-attention norm's with the residual;
+    # a Linear input kept as it is (adapters in the compute dtype read the tensor itself) is the norm output local
+    # (traced: Phi-3 in fp32, 768 bytes a token counted twice at gate_up)
+    input_is_saved = spec.norm == "layer" or w == FP32
+    # (the norm that reads the residual: Gemma's sandwich has the post-attention norm on the attention output)
+    residual_norm = "pre_feedforward_norm" if la.layer.num_norms == 4 else "post_attention_norm"
     for name, site, width_in, width_out, before, _ in _adapter_sites(spec, la, p, finetune):
         if site not in order:
             continue
         last = len(order) - 1 - order[::-1].index(site)  # the site's last term: its adapters' A outputs
-        saved = sum(t.bytes_per_token for t in la.terms[:last + 1])
+        done = la.terms[:last + 1]
+        saved = sum(t.bytes_per_token for t in done)
+        local = locals_[site]
+        kept_as_is = {t.module for t in done if t.kind == "linear_input"}
+        if site in kept_as_is:
+            local -= c * h if site == "qkv_input" else w * h if site == "mlp_input" else 0
+        if site in ("mlp_input", "down_input"):
+            if "mlp_input" in kept_as_is and site == "down_input":
+                local -= w * h
+            if input_is_saved and any(t.module == residual_norm for t in done):
+                local -= w * h
+        if input_is_saved and any(t.module == "input_norm" for t in done):
+            saved -= w * h  # (the layer input, in the layer's kept bytes)
         copy = fp32_adapters * width_in if input_copy.get(site) else 0
-        out.append((int((saved + before + locals_[site]) * tokens) + weight_copies[name],
+        out.append((int((saved + before + local) * tokens) + weight_copies[name],
                     int(((c + 2 * ab) * width_out + copy) * tokens)))
     return tuple(out)
 
