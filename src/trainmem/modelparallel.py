@@ -283,11 +283,11 @@ class LayoutStep:
         """The layout's peak at (batch, seq) (that of :meth:`phases`) if every stage's fits ``gpu``, else None.
         A search asks this: it stops at the first stage that does not fit, trying first the one that last did
         not."""
+        from .stepmodel import fits_at_least
+
         order = list(range(len(self._stages)))
         order.insert(0, order.pop(self._tightest))
         top = None
-        from .stepmodel import fits_at_least
-
         local = self._local_seq(seq)
         for i in order:
             stage = self._stages[i]

@@ -335,8 +335,8 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
 def largest_fitting(count: int, peak_at, guess: int | None = None) -> tuple[int, Peak | None, int]:
     """The largest index in range(count) whose ``peak_at(index)`` is a Peak (it fits), given that the ones that fit
     are those up to some index (memory grows with the micro-batch); (index, peak, probes made), or (-1, None,
-    probes) where none fits. With a ``guess`` it probes the guess and its neighbour first, so that a layout like
-    the last one is settled in two probes; the rest is bisection."""
+    probes) where none fits. With a ``guess`` it gallops from it (1, 2, 4, ... indices away) until the answer is
+    bracketed, so that a layout like the last one is settled in two probes; then bisection."""
     low, high, best, probes = 0, count - 1, (-1, None), 0
 
     def probe(index: int) -> bool:
