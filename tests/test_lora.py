@@ -1,4 +1,4 @@
-"""LoRA: the adapters trainmem counts are the ones peft creates, for every dense model type."""
+"""LoRA: the adapters trainmem counts are the ones peft creates, for every model type (MoE included)."""
 
 import json
 
@@ -6,6 +6,7 @@ import pytest
 
 from tiny_configs import TINY_CONFIGS
 
+import trainmem
 from trainmem.errors import ConfigError
 from trainmem.lora import LoraOptions, adapter_parameters
 from trainmem.models import spec_from_config
@@ -93,9 +94,33 @@ def test_bad_options_are_refused(kwargs, says):
         adapter_parameters(spec_from_config(TINY_CONFIGS["llama"]), LoraOptions(**kwargs))
 
 
-def test_moe_models_are_refused_in_one_line():
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        adapter_parameters(spec_from_config(TINY_CONFIGS["mixtral"]), LoraOptions(8))
+MOE = [name for name, cfg in TINY_CONFIGS.items()
+       if cfg["model_type"] in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")]
+
+
+@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("rank", [8, 64])
+def test_lora_on_moe_adds_what_peft_adds(name, rank):
+    """peft 0.21 on transformers v5: all-linear adapts the nn.Linears, and for the types in its conversion table
+    (Mixtral; Qwen3-MoE and DeepSeek-V3 as Qwen2-MoE) the router and the 3-D experts (gate_up_proj at rank 2r)
+    instead of the Linears named like v4 expert projections; Qwen2-MoE itself keeps its shared experts' Linears."""
+    config = TINY_CONFIGS[name]
+    spec = spec_from_config(config)
+    attention = ["kv_b_proj", "o_proj"] if config["model_type"] == "deepseek_v3" else ["q_proj", "o_proj"]
+    for peft_targets, ours in (("all-linear", ("all-linear",)), (attention, tuple(attention))):
+        trainable, everything = _peft_counts(config, rank, peft_targets)
+        assert adapter_parameters(spec, LoraOptions(rank, targets=ours)) == trainable, peft_targets
+        assert spec.num_parameters + trainable == everything
+
+
+def test_what_lora_on_moe_does_not_take_is_refused_in_one_line():
+    mixtral = spec_from_config(TINY_CONFIGS["mixtral"])
+    with pytest.raises(ConfigError, match="accepted there are all-linear and the attention projections"):
+        adapter_parameters(mixtral, LoraOptions(8, targets=("gate",)))
+    with pytest.raises(ConfigError, match="ParamWrapper"):
+        adapter_parameters(mixtral, LoraOptions(8, targets=("all-linear",), dora=True))
+    with pytest.raises(ConfigError, match="quantized mixture-of-experts base"):
+        trainmem.estimate("mixtral-8x7b", lora=8, qlora=True)
     with pytest.raises(ConfigError, match="no module of that name"):
         adapter_parameters(spec_from_config(TINY_CONFIGS["llama"]), LoraOptions(8, targets=("c_attn",)))
 

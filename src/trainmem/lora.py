@@ -111,14 +111,59 @@ def _linear_weights(spec: ModelSpec) -> list[tuple[int, ParamTensor]]:
     return [(g.repeat, t) for g in spec.param_groups for t in g.tensors if _linear_weight(t)]
 
 
+_MOE_TARGETS = frozenset({"all-linear", "q", "k", "v", "o", "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj",
+                          "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"})
+"""What --lora-targets accepts on a mixture-of-experts model: all-linear and the attention projections."""
+_PEFT_MOE_CONVERSION = {"mixtral": "mixtral", "qwen3_moe": "qwen2_moe", "deepseek_v3": "qwen2_moe",
+                        "qwen3_next": "qwen2_moe"}
+"""Model types whose v4 target names peft 0.21 converts for transformers v5's fused experts
+(peft/utils/transformers_weight_conversion.py, ``_MODEL_TO_CONVERSION_PATTERN``, ``_MOE_TARGET_MODULE_MAPPING``):
+under all-linear the router and the experts become target parameters, and every Linear named like a v4 expert
+projection (Mixtral's w1/w2/w3; elsewhere gate_proj, up_proj, down_proj, so also the shared experts' and dense
+layers' MLPs) leaves target_modules. Qwen2-MoE itself is not in the table: all-linear adapts its nn.Linears only."""
+_CONVERTED_LEAVES = {"mixtral": ("w1", "w2", "w3"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _moe_weights(spec: ModelSpec, weights: list[tuple[int, ParamTensor]]) -> list[tuple[int, ParamTensor]]:
+    """What all-linear adapts on a MoE model (``_PEFT_MOE_CONVERSION``): the nn.Linears (not the router, a custom
+    module on transformers v5), or for a converted type the Linears not named like an expert projection, the
+    router's weight (experts x hidden) and the experts. Each 3-D expert parameter becomes one ``ParamWrapper`` with
+    lora_A (in x rank x experts) and lora_B (rank x experts x out) (peft/tuners/lora/layer.py,
+    ``ParamWrapper.update_layer``), counted as the expert's Linear repeated experts times; the fused gate_up_proj
+    takes rank 2r (the conversion's rank_pattern). Checked against peft's trainable counts (tests/test_lora.py)."""
+    pattern = _PEFT_MOE_CONVERSION.get(spec.model_type)
+    if pattern is None:
+        return [(r, t) for r, t in weights if t.role != "router"]
+    converted = _CONVERTED_LEAVES[pattern]
+    out = [(r, t) for r, t in weights
+           if t.role != "router" and t.name.removesuffix(".weight").rsplit(".", 1)[-1] not in converted]
+    for g in spec.param_groups:
+        for t in g.tensors:
+            if t.role == "router" and len(t.shape) == 2:
+                out.append((g.repeat, t))
+            elif t.role in ("expert", "expert_down") and len(t.shape) == 3:
+                experts, rows, cols = t.shape
+                fused = 2 if t.role == "expert" else 1  # (gate_up_proj: two v4 projections, rank r each)
+                out.append((g.repeat * experts * fused, ParamTensor(t.name + ".weight", (rows, cols), t.role)))
+    return out
+
+
 def selected_weights(spec: ModelSpec, options: LoraOptions) -> list[tuple[int, ParamTensor]]:
     """The Linear weights peft would put an adapter on, with how many times each occurs."""
-    if spec.is_moe:
-        raise ConfigError("LoRA on mixture-of-experts models is not supported yet: peft 0.21 adapts the experts' "
-                          "3-D parameters in a way trainmem does not count yet")
     if not spec.has_architecture:
         raise ConfigError("LoRA needs the model's layers: give a model config, not --params")
     weights = _linear_weights(spec)
+    if spec.is_moe:
+        outside = [t for t in options.targets if t not in _MOE_TARGETS]
+        if outside:
+            raise ConfigError(f"lora target {outside[0]!r} on a mixture-of-experts model: accepted there are "
+                              "all-linear and the attention projections (q, k, v, o and their module names)")
+        if spec.model_type in _PEFT_MOE_CONVERSION and "all-linear" in options.targets and \
+                (options.dora or options.dropout > 0):
+            raise ConfigError(f"{spec.model_type}'s experts under all-linear take peft's ParamWrapper adapters, "
+                              "which peft refuses with DoRA or lora dropout: give the attention projections")
+        weights = _moe_weights(spec, weights) if "all-linear" in options.targets else \
+            [(r, t) for r, t in weights if t.role != "router"]
     present = {t.name.removesuffix(".weight") for _, t in weights}
     chosen: set[str] = set()
     for target in options.targets:
@@ -290,6 +335,9 @@ def base_weight_bytes(spec: ModelSpec, weight_bytes: int, finetune: FineTune) ->
     dtype."""
     from .quantization import stored_bytes
 
+    if finetune.base_quant and spec.is_moe:
+        raise ConfigError("a quantized mixture-of-experts base is not modelled: bitsandbytes quantizes nn.Linear, and "
+                          "transformers v5's experts are 3-D parameters and its router a module of its own")
     total = 0
     for group in spec.param_groups:
         for t in group.tensors:
