@@ -392,6 +392,7 @@ def test_trace_command_runs_lora_and_refuses_a_quantized_base(run_cli, tmp_path)
     ("llama", "amp-bf16", "full", ("all-linear",), "the recompute's weight copies and peft's fp32 input copies"),
     ("qwen3", "fp32", "none", ("q", "v"), "q_norm and k_norm keep no normalised value; k_norm nothing in layer 0"),
     ("phi3", "fp32", "full", ("all-linear",), "a norm's fp32 input, and a Linear input kept as is, are locals"),
+    ("opt", "fp32", "full", ("q", "v"), "the token embeddings are a leaf autograd holds under checkpointing"),
 ])
 def test_scaled_lora_matrix_rows_that_were_out_of_tolerance_are_within_it(family, recipe, checkpointing, targets,
                                                                            found):
