@@ -441,9 +441,12 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
                 if adapted:
                     if p.autocast:
                         # under autocast lora_A casts its input to half itself, one copy per adapter (peft's
-                        # _cast_input_dtype finds it already in the adapter's fp32), and keeps it
-                        new.append(Term(f"{t.name}: adapters' half input copies (autocast) x{len(adapted)}",
-                                        len(adapted) * p.compute * width, t.module, "adapter_input"))
+                        # _cast_input_dtype finds it already in the adapter's fp32), and keeps it; with lora dropout
+                        # the dropout keeps its bool mask too where its input takes a gradient (traced)
+                        mask = (0 if first_layer and t.module == "qkv_input" else MASK) if options.dropout > 0 else 0
+                        new.append(Term(f"{t.name}: adapters' half input copies (autocast)"
+                                        f"{' and dropout masks' if mask else ''} x{len(adapted)}",
+                                        len(adapted) * (p.compute + mask) * width, t.module, "adapter_input"))
                     elif options.dropout > 0:
                         # each adapter keeps its dropped-out input, and the dropout its bool mask where its input
                         # takes a gradient (not the first layer's q/k/v input: nothing before it trains)
