@@ -452,10 +452,9 @@ and had 393 of 400 within tolerance before its cases were looked at. Now (2026-1
   under DTensor, which the estimate does not model; `--sp` is DTensor's (Megatron keeps less: the Linear inputs'
   shards).
 - LoRA (see "Matrix: LoRA"): DoRA under checkpointing (its weight norm is modelled for the largest adapted Linear
-  of a layer, at every moment inside it: -5% to +6% on the scaled configs, 18 rows), and 8 LoRA rows under full
-  checkpointing (Qwen2, Qwen3, Gemma and Llama with dropout under autocast; GPT-2 all-linear in bf16) within 3% in
-  total but off by 5-26% in activations, where the estimate names another moment of the recompute than the
-  trace's peak.
+  of a layer, at every moment inside it: -5% to +6% on the scaled configs, 18 rows), and 7 LoRA rows under full
+  checkpointing (Qwen2, Qwen3 and Gemma under autocast; GPT-2 all-linear in bf16) within 3% in total but with a
+  category off by more than 5%, where the estimate names another moment of the recompute than the trace's peak.
 
 """,
     "## Where the trace corrects a plain MemTracker run": """## Where the trace corrects a plain MemTracker run
