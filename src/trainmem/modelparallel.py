@@ -30,8 +30,10 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from .errors import ConfigError
+from .activations import Precision
 from .estimate import DeviceOptions, Estimate, Peak, peak_of_phases
 from .models import Layer, ModelSpec, runs_of
+from .recipes import get_recipe
 from .settings import TrainingSettings
 from .sharding import Parallel
 from .timeline import Phase
@@ -197,6 +199,7 @@ class LayoutStep:
         check_layout(spec, parallel)
         self.spec, self.settings, self.parallel = spec, settings, parallel
         self.device = device or DeviceOptions()
+        self._precision = Precision.of(get_recipe(settings.recipe))
         view = parallel.data_parallel_view()
         micro = parallel.in_flight_micro_batches if parallel.pp > 1 else 1
         # a pipeline's micro-batches accumulate their gradients as --grad-accum does
@@ -224,12 +227,17 @@ class LayoutStep:
     def _local_seq(self, seq: int) -> int:
         return -(-seq // self.parallel.cp)
 
-    def _stage_phases(self, stage: _Stage, batch: int, seq: int) -> tuple[Phase, ...]:
+    def _extras(self, stage: _Stage, batch: int, local: int) -> tuple[int, int, int]:
+        """What a stage's rank holds beyond its layers' own step at (batch, local tokens): the other micro-batches'
+        activations in flight, the all-to-all buffers, the pipeline's receive buffers."""
+        return (self._held_extra(stage.step, stage.in_flight, batch, local),
+                self._all_to_all(stage.spec, batch, local), self._receive_buffers(stage.index, batch, local))
+
+    def _stage_phases(self, stage: _Stage, batch: int, seq: int,
+                      extras: tuple[int, int, int] | None = None) -> tuple[Phase, ...]:
         local = self._local_seq(seq)
         phases = stage.step.phases(batch, local)
-        held = self._held_extra(stage.step, stage.in_flight, batch, local)
-        buffers = self._all_to_all(stage.spec, batch, local)
-        received = self._receive_buffers(stage.index, batch, local)
+        held, buffers, received = extras or self._extras(stage, batch, local)
         if not held and not buffers and not received:
             return phases
         return tuple(Phase(ph.name, ph.moment, ph.parameters, ph.gradients, ph.optimizer_states,
@@ -249,14 +257,10 @@ class LayoutStep:
         parallel = self.parallel
         if parallel.pp == 1 or parallel.zero is not None:
             return 0
-        from .activations import Precision
-        from .recipes import get_recipe
-
         p, v = parallel.pp, parallel.virtual_stages
         buffers = 2 * v - (stage == 0) - (stage == p - 1)
         tokens = batch * (seq // parallel.tp if parallel.sp else seq)
-        residual = Precision.of(get_recipe(self.settings.recipe)).residual
-        return buffers * parallel.in_flight_micro_batches * tokens * self.spec.hidden_size * residual
+        return buffers * parallel.in_flight_micro_batches * tokens * self.spec.hidden_size * self._precision.residual
 
     def _held_extra(self, step, in_flight: int, batch: int, seq: int) -> int:
         """Activations of the other micro-batches in flight on this stage: (in_flight - V) chunks' worth."""
@@ -272,12 +276,8 @@ class LayoutStep:
         compute dtype, while a MoE layer runs (Megatron's MoEAlltoAllTokenDispatcher; torchtitan's all_to_all)."""
         if self.parallel.ep == 1:
             return 0
-        from .activations import Precision
-        from .recipes import get_recipe
-
         k = max((layer.moe.top_k for layer, _ in s.layer_runs if layer.moe), default=0)
-        compute = Precision.of(get_recipe(self.settings.recipe)).compute
-        return 2 * k * batch * seq * s.hidden_size * compute
+        return 2 * k * batch * seq * s.hidden_size * self._precision.compute
 
     def fitting_peak(self, batch: int, seq: int, gpu) -> Peak | None:
         """The layout's peak at (batch, seq) (that of :meth:`phases`) if every stage's fits ``gpu``, else None.
@@ -291,13 +291,12 @@ class LayoutStep:
         local = self._local_seq(seq)
         for i in order:
             stage = self._stages[i]
+            extras = self._extras(stage, batch, local)
             floor = stage.step.floor(batch, local)
-            if floor and not fits_at_least(floor + self._held_extra(stage.step, stage.in_flight, batch, local)
-                                           + self._all_to_all(stage.spec, batch, local)
-                                           + self._receive_buffers(stage.index, batch, local), self.device, gpu):
+            if floor and not fits_at_least(floor + sum(extras), self.device, gpu):
                 self._tightest = i
                 return None
-            phases = self._stage_phases(stage, batch, seq)
+            phases = self._stage_phases(stage, batch, seq, extras)
             if not peak_of_phases(phases, self.device).fits(gpu):
                 self._tightest = i
                 return None
@@ -327,12 +326,11 @@ class LayoutStep:
             _, stage, phases = by_role[name]
             in_flight = stage.in_flight
             base = stage.step.estimate(batch, local)
-            held = self._held_extra(stage.step, in_flight, batch, local)
+            held, _, received = self._extras(stage, batch, local)
             acts_note = (f"{name}: the activations of {in_flight} micro-batches in flight"
                          if self.parallel.virtual_stages == 1 else
                          f"{name}: the activations of {in_flight} model chunks x micro-batches in flight") \
                 if in_flight > self.parallel.virtual_stages else ""
-            received = self._receive_buffers(stage.index, batch, local)
             received_note = (f"{name}: {received / 2**30:.2f} GiB of pipeline receive buffers (one per micro-batch "
                              "for the activations and gradients it receives, allocated at the first step by "
                              "torch.distributed.pipelining and kept), in temporaries") if received else ""

@@ -88,9 +88,7 @@ class TrainingSettings:
         get_recipe(self.recipe)
         get_optimizer(self.optimizer)
         for name in ("batch", "seq", "grad_accum"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            _check_positive(name, getattr(self, name))
         for name, accepted in (("attention", ATTENTION_KERNELS), ("checkpointing", CHECKPOINTING), ("loss", LOSSES),
                                ("optimizer_impl", OPTIMIZER_IMPLS)):
             if getattr(self, name) not in accepted:
@@ -133,9 +131,8 @@ class TrainingSettings:
     def at(self, batch: int, seq: int) -> "TrainingSettings":
         """These settings at another micro-batch and sequence length, without validating again what was validated
         when they were made (a search asks for thousands)."""
-        for name, value in (("batch", batch), ("seq", seq)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        _check_positive("batch", batch)
+        _check_positive("seq", seq)
         moved = object.__new__(TrainingSettings)
         moved.__dict__.update(self.__dict__, batch=batch, seq=seq)
         return moved
@@ -159,6 +156,11 @@ class TrainingSettings:
             if out[name] == _DEFAULTS[name]:
                 del out[name]
         return out
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
 _FIELDS = {f.name for f in fields(TrainingSettings)}

@@ -365,7 +365,7 @@ def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precisi
     locals_ = {"qkv_input": c * h, "o_input": 0, "mlp_input": 2 * w * h, "down_input": 2 * w * h}
     # under autocast the inputs of o and down are half tensors, which peft copies to the adapters' fp32 (its
     # _cast_input_dtype) before lora_A casts them back: the fp32 copy is a local of the adapted Linear (traced)
-    input_copy = {"o_input": p.autocast and fp32_adapters != c, "down_input": p.autocast and fp32_adapters != c}
+    half_inputs_copied = p.autocast and fp32_adapters != c
     order = [t.module for t in la.terms]
     out = []
     # under autocast every Linear's matmul keeps its weight's half copy (and each adapter's, rank x (in + out))
@@ -391,16 +391,16 @@ def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precisi
         saved = sum(t.bytes_per_token for t in done)
         local = locals_[site]
         kept_as_is = {t.module for t in done if t.kind == "linear_input"}
-        if site in kept_as_is:
-            local -= c * h if site == "qkv_input" else w * h if site == "mlp_input" else 0
+        if site == "qkv_input" and "qkv_input" in kept_as_is:
+            local -= c * h  # (the input norm's output)
         if site in ("mlp_input", "down_input"):
-            if "mlp_input" in kept_as_is and site == "down_input":
-                local -= w * h
+            if "mlp_input" in kept_as_is:
+                local -= w * h  # (the MLP norm's output)
             if input_is_saved and any(t.module == residual_norm for t in done):
-                local -= w * h
+                local -= w * h  # (the residual)
         if input_is_saved and any(t.module == "input_norm" for t in done):
             saved -= w * h  # (the layer input, in the layer's kept bytes)
-        copy = fp32_adapters * width_in if input_copy.get(site) else 0
+        copy = fp32_adapters * width_in if half_inputs_copied and site in ("o_input", "down_input") else 0
         out.append((int((saved + before + local) * tokens) + weight_copies[name],
                     int(((c + 2 * ab) * width_out + copy) * tokens)))
     return tuple(out)
@@ -681,7 +681,8 @@ def _interior_layers(layers) -> set[int]:
     only where all three are equal, and then layer k + P's moment, which happens earlier, is the peak on the tie.
     By induction only a stretch's ends can hold a phase's peak (tests/test_timeline.py checks it against the
     every-layer walk)."""
-    memo = _memo(layers)
+    # (kept for the tuples a step model caches; a list made for one call is not worth holding)
+    memo = _memo(layers) if isinstance(layers, tuple) else {}
     if "interior" in memo:
         return memo["interior"]
     interior: set[int] = set()
@@ -840,6 +841,11 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     shards = rank.gradient_shards if rank else 1
     # a finished gradient shard's bytes per element, over the recipe's (FSDP2 casts shards to the masters' dtype)
     shard_scale = (rank.gradient_shard_bytes or recipe.gradient_bytes) / recipe.gradient_bytes if rank else 1
+
+    def finished_shard(x: _LayerBytes) -> int:
+        """A layer's gradients once its backward is done: this rank's reduce-scattered shard of them."""
+        return -(-x.grads // shards) if shard_scale == 1 else -(-int(x.grads * shard_scale) // shards)
+
     st = _static(static, recipe, settings, rank)
     weights, grads, states, grads_in_forward = st.weights, st.grads, st.states, st.grads_in_forward
     p = Precision.of(recipe)
@@ -1000,7 +1006,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     for index in range(len(layers) - 1, -1, -1):
         x = layers[index]
         if index in interior:  # (its moments are never a phase's first peak: _interior_layers)
-            grads_above += -(-x.grads // shards) if shard_scale == 1 else -(-int(x.grads * shard_scale) // shards)
+            grads_above += finished_shard(x)
             continue
         live_acts = base_kept + kept_below[index] + (x.kept + x.full if x.checkpointed else x.full)
         # In the order they happen: on a tie the earlier moment is the peak, as a peak counter sees it.
@@ -1067,7 +1073,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             "backward", f"layer {index} attention", weights,
             max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
             base_kept + kept_below[index] + x.attention_live, x.attention_transient + tied_held))
-        grads_above += -(-x.grads // shards) if shard_scale == 1 else -(-int(x.grads * shard_scale) // shards)
+        grads_above += finished_shard(x)
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
     # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights that
     # contribution exists beside the held LM-head one, into which the autograd engine then adds it in place
