@@ -280,7 +280,7 @@ class FineTune:
         if self.double_quant and self.base_quant not in ("nf4", "fp4"):
             raise ConfigError("--double-quant applies to a 4-bit base: give --base-quant nf4 or fp4")
 
-    def buffers(self, spec: ModelSpec, p, recompute: bool = False) -> tuple:
+    def buffers(self, spec: ModelSpec, p, checkpointed: bool = False) -> tuple:
         """What happens at the moments inside a layer beyond its activations.
 
         A quantized base: bitsandbytes' MatMul4Bit dequantizes the weight to the compute dtype for each matmul,
@@ -289,8 +289,9 @@ class FineTune:
         DoRA: every forward recomputes the norm of base + adapter (peft/tuners/lora/dora.py,
         ``DoraLinearLayer.forward``): B @ A made by running the adapters on an in x in identity, the base weight
         cast to the adapter's dtype, the scaled B @ A and the sum, all out x in, alive with the identity and A's
-        output until the norm is taken; the largest adapted Linear of a layer, in forward and again in a
-        checkpointed layer's recompute."""
+        output until the norm is taken; the largest adapted Linear of a layer, in forward. Under checkpointing
+        (``checkpointed``) each adapted Linear's moments are modelled where it runs instead, in the layer's forward
+        and in its recompute (timeline._dora_site)."""
         from .sharding import Buffer
 
         out = []
@@ -299,24 +300,15 @@ class FineTune:
                            if _linear_weight(t, QUANTIZED_ROLES)), default=0)
             out.append(Buffer("a dequantized base weight", p.compute * largest, "temporaries",
                               ("forward:layer", "backward:layer"), "the largest Linear of a layer, while it computes"))
-        if self.lora.dora:
+        if self.lora.dora and not checkpointed:
             ab = adapter_bytes_per_value(self.lora, p.compute)
             weights = 3 + (ab != p.compute) + (self.base_quant is not None)  # (the dequantized weight, then its cast)
-
-            def norm(graph: bool) -> int:
-                """With autograd recording, the graph of B @ A holds the identity until the forward returns;
-                without (a checkpointed layer's first forward runs under no_grad), the identity dies once B @ A
-                is made, before the weights are."""
-                sizes = [(t.shape[1], t.numel) for _, t in selected_weights(spec, self.lora)]
-                r = self.lora.rank
-                if graph:
-                    return max((ab * (n * n + r * n + weights * mn) for n, mn in sizes), default=0)
-                return max((ab * max(n * n + r * n + mn, weights * mn) for n, mn in sizes), default=0)
-            note = "the identity, B @ A, the cast base weight and their sum, for the largest adapted Linear"
-            # (made by a forward or a recompute: activations, as a memory tracker counts them)
-            out.append(Buffer("DoRA's weight norm", norm(not recompute), "activations", ("forward:layer",), note))
-            if recompute:
-                out.append(Buffer("DoRA's weight norm", norm(True), "activations", ("backward:layer",), note))
+            r = self.lora.rank
+            largest = max((ab * (n * n + r * n + weights * n * m) for _, t in selected_weights(spec, self.lora)
+                           for m, n in [t.shape]), default=0)
+            out.append(Buffer("DoRA's weight norm", largest, "activations", ("forward:layer",),
+                              "the identity, B @ A, the cast base weight and their sum, for the largest adapted "
+                              "Linear"))
         return tuple(out)
 
     def as_dict(self, spec: ModelSpec) -> dict:

@@ -216,6 +216,9 @@ class FamilyTraits:
     decoder_locals: Literal["none", "token_and_position", "opt", "dropped_embeddings"] = "none"
     """What the base model's forward holds in locals through its layer loop (ActivationEstimate.decoder_locals_bytes):
     GPT-2's token and position embeddings; OPT's, with its position mask and ids; GPT-NeoX's dropped embeddings."""
+    mlp_inline: bool = False
+    """The decoder layer runs its MLP's Linears itself (OPTDecoderLayer: ``hidden_states = self.fc1(...)``), so the
+    MLP norm's output is no longer held once the first Linear has run."""
     eager_masks_always_built: frozenset[bool] = frozenset()
     """Eager masks the base model builds whatever its layers use (True: sliding, False: full)."""
 
@@ -960,7 +963,7 @@ _GEMMA = FamilyTraits(rms_norm_fp32_plus_one=True)
 FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "gpt2": FamilyTraits(eager_attention="gpt2", hidden_dropout="per_block", embedding_dropout=True,
                          position_ids="per_sequence", decoder_locals="token_and_position"),
-    "opt": FamilyTraits(hidden_dropout="per_block", position_ids="per_token", decoder_locals="opt"),
+    "opt": FamilyTraits(hidden_dropout="per_block", position_ids="per_token", decoder_locals="opt", mlp_inline=True),
     "gpt_neox": FamilyTraits(q_built_by_cat=True, fused_qkv_layout="per_head", hidden_dropout="per_block",
                              embedding_dropout=True, decoder_locals="dropped_embeddings"),
     "phi3": FamilyTraits(q_built_by_cat=True, fused_qkv_layout="blocks", hidden_dropout="per_block"),

@@ -289,7 +289,8 @@ def _adapter_forward_transients(spec: ModelSpec, la: LayerActivations, p: Precis
     options = finetune.lora
     c, w, h = p.compute, p.residual, spec.hidden_size
     ab = c if p.autocast else adapter_bytes_per_value(options, p.compute)
-    context = {"qkv_input": w * h + c * h, "mlp_input": 3 * w * h, "down_input": 3 * w * h}
+    context = {"qkv_input": w * h + c * h, "mlp_input": 3 * w * h,
+               "down_input": (2 if spec.traits.mlp_inline else 3) * w * h}
     half_input = {"qkv_input": p.residual != c, "o_input": False, "mlp_input": p.residual != c, "down_input": False}
     out = []
     for name, site, width_in, width_out, before, adapted in _adapter_sites(spec, la, p, finetune, every=p.autocast):
@@ -304,8 +305,49 @@ def _adapter_forward_transients(spec: ModelSpec, la: LayerActivations, p: Precis
             copy = c * width_in * half_input[site]
         else:
             copy = (ab * width_in if ab != c else 0) + ((ab + MASK) * width_in if options.dropout > 0 else 0)
-        out.append(int((alive + copy + c * width_out + 2 * ab * width_out) * tokens))
+        if options.dora:
+            # nothing saved: the identity and A's output die once B @ A is made (_dora_site)
+            out += [int((alive + copy + c * width_out + per_token) * tokens) + fixed
+                    for per_token, fixed in _dora_site(finetune, p, width_in, width_out, tokens, saving=False,
+                                                          bias=_has_bias(spec, la, name))]
+        else:
+            out.append(int((alive + copy + c * width_out + 2 * ab * width_out) * tokens))
     return tuple(out)
+
+
+def _dora_site(finetune, p: Precision, width_in: int, width_out: int, tokens: int, saving: bool,
+               stops: bool = False, bias: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
+    """DoRA at one adapted Linear (peft/tuners/lora/dora.py, ``DoraLinearLayer.forward``), beyond the base output
+    and the adapter's input copy: (bytes per token, fixed bytes) at its two worst moments.
+
+    The weight norm: B @ A is made by running the adapters on an in x in identity (``get_lora_weight``), the base
+    weight is cast to the adapter's dtype (dequantized first from a quantized base), and ``weight + scaling *
+    lora_weight`` makes the scaled B @ A and the sum, all out x in, before the column norm is taken. Where the
+    step saves (``saving``: no checkpoint, or a checkpointed layer's recompute), the graph of B @ A holds the
+    identity and A's output until the forward returns; a checkpointed layer's first forward saves nothing, so they
+    die once B @ A is made.
+
+    The output: ``(mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling`` while B @ A and the
+    cast weight are still locals: the adapter output, the first product and the product and its scaled copy, all
+    out wide in the adapter's dtype (the products promote the base output to it); the A output too where nothing is
+    saved (saved, it is among the adapter's activations). A recompute that ``stops`` at this Linear's last saved
+    tensor (the second product's) has made the first product only. A Linear with a bias (GPT-2, OPT) takes it off
+    the base output first (``base_result - bias``): that new tensor is what the first product keeps, beside the
+    base output."""
+    from .lora import adapter_bytes_per_value
+
+    ab = adapter_bytes_per_value(finetune.lora, p.compute)
+    n, m, r = width_in, width_out, finetune.lora.rank
+    casts = (ab != p.compute) + (finetune.base_quant is not None)
+    graph = n * n + r * n if saving else 0
+    norm = ab * (graph + (3 + casts) * m * n if saving else max(n * n + r * n + m * n, (3 + casts) * m * n))
+    result = ab * (graph + (1 + casts) * m * n)
+    return (0, norm), (ab * (1 if stops else 3) * m + (0 if saving else ab * m) + (p.compute * m if bias else 0),
+                       result)
+
+
+def _has_bias(spec: ModelSpec, la: LayerActivations, linear: str) -> bool:
+    return any(t.name == f"{linear}.bias" for t in layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors))
 
 
 def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune, every: bool = False):
@@ -314,8 +356,8 @@ def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune
     from .lora import adapted_names
 
     att, mlp = la.layer.attention, la.layer.mlp
-    if att is None or mlp is None or finetune.lora.dora:
-        return []  # (DoRA's own transients are its weight norm's: FineTune.buffers)
+    if att is None or mlp is None:
+        return []
     c, h = p.compute, spec.hidden_size
     q, kv, inter = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim, mlp.intermediate_size
     sites = [("q_proj", "qkv_input", h, q, 0), ("k_proj", "qkv_input", h, kv, c * q),
@@ -346,7 +388,10 @@ def _adapter_recompute_gradient(spec: ModelSpec, la: LayerActivations, p: Precis
         return 0
     c = p.compute
     ab = c if p.autocast else adapter_bytes_per_value(finetune.lora, c)
-    return (ab + (c if ab != c else 0)) * down[0][3]
+    # DoRA (``(scale - 1) * base_result + scale * lora_result * scaling``): the recompute starts at the second
+    # product's backward, and the gradient of the adapter's promoted output waits for the first product's
+    dora_waiting = ab if finetune.lora.dora and ab != c else 0
+    return (ab + (c if ab != c else 0) + dora_waiting) * down[0][3]
 
 
 def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
@@ -383,7 +428,15 @@ def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precisi
     input_is_saved = spec.norm == "layer" or w == FP32
     # (the norm that reads the residual: Gemma's sandwich has the post-attention norm on the attention output)
     residual_norm = "pre_feedforward_norm" if la.layer.num_norms == 4 else "post_attention_norm"
-    for name, site, width_in, width_out, before, _ in _adapter_sites(spec, la, p, finetune):
+    sites = _adapter_sites(spec, la, p, finetune)
+    dora = finetune.lora.dora
+    r = finetune.lora.rank
+
+    def own(width_in: int, width_out: int) -> int:
+        """A DoRA adapter's saved bytes per token: its input copy, A's output, the base and adapter outputs."""
+        return (ab * width_in if ab != c else 0) + ab * r + (c + ab) * width_out
+
+    for index, (name, site, width_in, width_out, before, _) in enumerate(sites):
         if site not in order:
             continue
         last = len(order) - 1 - order[::-1].index(site)  # the site's last term: its adapters' A outputs
@@ -398,11 +451,30 @@ def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precisi
                 local -= w * h  # (the MLP norm's output)
             if input_is_saved and any(t.module == residual_norm for t in done):
                 local -= w * h  # (the residual)
+        if site == "down_input":
+            if spec.traits.mlp_inline and "mlp_input" not in kept_as_is:
+                local -= w * h  # (the MLP norm's output: the layer's local now holds the first Linear's output)
+            if not any(t.module == "down_input" and t.kind in ("linear_input", "shared_input") for t in done):
+                local += c * width_in  # (down_proj's argument, which only its adapter's copy saves)
         if input_is_saved and any(t.module == "input_norm" for t in done):
             saved -= w * h  # (the layer input, in the layer's kept bytes)
         copy = fp32_adapters * width_in if half_inputs_copied and site in ("o_input", "down_input") else 0
-        out.append((int((saved + before + local) * tokens) + weight_copies[name],
-                    int(((c + 2 * ab) * width_out + copy) * tokens)))
+        # Where this adapter saves the layer's last tensor (down_proj's, unless a norm follows), the recompute stops
+        # there (torch.utils.checkpoint's early stop): at lora_B's matmul, before its output; with DoRA at the
+        # second product, before it (traced)
+        stops = last == len(order) - 1
+        if not dora:
+            out.append((int((saved + before + local) * tokens) + weight_copies[name],
+                        int(((c + (0 if stops else 2 * ab)) * width_out + copy) * tokens)))
+            continue
+        # DoRA: the adapters of this input's later Linears have saved nothing yet; at the weight norm this one's
+        # A output and outputs do not exist either, only its base output (_dora_site)
+        saved -= sum(own(later[2], later[3]) for later in sites[index + 1:] if later[1] == site)
+        (_, norm), (per_token, fixed) = _dora_site(finetune, p, width_in, width_out, tokens, saving=True,
+                                                       stops=stops, bias=_has_bias(spec, la, name))
+        out.append((int((saved - own(width_in, width_out) + before + local) * tokens),
+                    int((c * width_out + (ab * width_in if ab != c else 0)) * tokens) + norm))
+        out.append((int((saved + before + local) * tokens), int(per_token * tokens) + fixed))
     return tuple(out)
 
 
@@ -577,7 +649,7 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         frozen_down_copy = (p.compute * _numel(tensors, *_DOWN_PROJECTIONS)
                             if finetune is not None and p.autocast and la.layer.mlp is not None else 0)
         if finetune is not None:
-            tensors = _adapter_view(tensors, adapted, finetune.lora.rank)
+            tensors = _adapter_view(tensors, adapted, finetune.lora.rank, finetune.lora.dora)
         down = _numel(tensors, *_DOWN_PROJECTIONS)
         layer = la.layer
         full = int(la.bytes_per_token * tokens) + la.constant_bytes
@@ -694,12 +766,13 @@ def _interior_layers(layers) -> set[int]:
     return interior
 
 
-def _adapter_view(tensors, adapted: frozenset[str], rank: int) -> list:
+def _adapter_view(tensors, adapted: frozenset[str], rank: int, dora: bool = False) -> list:
     """A layer's tensors as a LoRA step's gradients see them: each adapted Linear's weight (named in ``adapted``)
-    stands for its adapter pair (rank x (in + out) elements), the rest take none."""
+    stands for its adapter pair (rank x (in + out) elements, and with DoRA its magnitude, one per output feature),
+    the rest take none."""
     from .models import ParamTensor
 
-    return [ParamTensor(t.name, (rank * (t.shape[0] + t.shape[1]),), t.role) for t in tensors
+    return [ParamTensor(t.name, (rank * (t.shape[0] + t.shape[1]) + dora * t.shape[0],), t.role) for t in tensors
             if t.name.removesuffix(".weight") in adapted]
 
 
@@ -901,12 +974,16 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
                            saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache
                            + final_hidden, 0)]
+    # Through the layer loop the token embeddings kept as a leaf under LoRA's checkpointing are the base model's
+    # inputs_embeds local, one tensor (lora.lora_activations)
+    leaf = (int(sum(t.bytes_per_token for t in acts.embedding_terms if t.kind == "leaf") * tokens)
+            if acts.decoder_locals_bytes and not spec.projects_embeddings else 0)
     if checkpointed:
         # (the LM head's autocast weight copy is made when the head runs, after the layers)
         # (the last layer's weight casts are counted in its forward_transient, as far as it has made them)
         kept_before_last = acts.embedding_bytes + acts.constant_bytes - head_copy \
             + (cast_cache - acts.layers[-1].constant_bytes if cached else 0) + sum(x.kept for x in layers[:-1]) \
-            + acts.decoder_locals_bytes
+            + acts.decoder_locals_bytes - leaf
         # Falcon and BLOOM: the previous layer's returned probabilities, held by the base model's loop variable.
         returned = layers[-2].returned_to_model if len(layers) > 1 else 0
         for transient in layers[-1].forward_transient:
@@ -915,7 +992,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     elif layers:
         # The last layer's down projection: everything the layers saved, the masks they shared and the KV cache
         # are alive, and its output is being written (a large attention mask or cache can put the peak here).
-        layers_saved = acts.embedding_bytes + acts.constant_bytes + sum(x.kept for x in layers) + acts.decoder_locals_bytes
+        layers_saved = (acts.embedding_bytes + acts.constant_bytes + sum(x.kept for x in layers)
+                        + acts.decoder_locals_bytes - leaf)
         last = acts.layers[-1]
         if last.softmax_extra:
             # Eager and math attention: the last layer's softmax, with its s x s input (and an fp32 upcast) beside
@@ -1100,7 +1178,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     phases = (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
     buffers = rank.buffers if rank else ()
     if finetune is not None:
-        buffers += finetune.buffers(spec, p, settings.checkpointing == "full")
+        buffers += finetune.buffers(spec, p, settings.checkpointing != "none")
     if not buffers:
         return phases
     # Where each moment is: inside a decoder layer (all of forward's but the loss, which is last; backward's layer
