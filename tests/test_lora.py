@@ -283,7 +283,7 @@ def test_trained_modules_step_matches_its_trace(model, recipe, checkpointing, ra
 def test_dora_step_matches_its_trace(rank, targets, recipe, checkpointing, seq, model):
     """peft's DoRA (use_dora) on a 2-layer model, traced: the outputs its layers keep, and the weight norm each
     forward recomputes (an in x in identity and four out x in weights at the short sequences, where it is the
-    peak); every phase within 2% (measured: up to 0.44%, +1.18% in Phi-3's checkpointed backward)."""
+    peak); every phase within 2% (measured 2026-12-01: up to 0.14%, +0.22% in Phi-3's checkpointed backward)."""
     _assert_traced_within(model, LoraOptions(rank, targets=targets, dora=True), 0.02, recipe=recipe,
                           checkpointing=checkpointing, batch=1, seq=seq)
 
@@ -394,6 +394,10 @@ def test_trace_command_runs_lora_and_refuses_a_quantized_base(run_cli, tmp_path)
     ("phi3", "fp32", "full", ("all-linear",), "a norm's fp32 input, and a Linear input kept as is, are locals"),
     ("opt", "fp32", "full", ("q", "v"), "the token embeddings are a leaf autograd holds under checkpointing"),
     ("llama", "pure-bf16-bf16states", "selective", ("all-linear",), "every second layer checkpointed"),
+    ("qwen3", "amp-bf16", "full", ("q", "v"), "a frozen down_proj's recompute stops before its output"),
+    ("qwen2", "amp-bf16", "full", ("all-linear",),
+     "peft's fp32 copy of the o/down input in the checkpointed forward; earlier layers' cached adapter copies"),
+    ("gpt2", "pure-bf16-bf16states", "full", ("all-linear",), "an adapted down's input gradient is in fp32"),
 ])
 def test_scaled_lora_matrix_rows_that_were_out_of_tolerance_are_within_it(family, recipe, checkpointing, targets,
                                                                            found):
@@ -405,6 +409,26 @@ def test_scaled_lora_matrix_rows_that_were_out_of_tolerance_are_within_it(family
 
     row = validate._run_lora((family, recipe, checkpointing, targets, 0.0, False))
     assert row.within_tolerance, (found, row.worst_phase, row.estimate, row.trace)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, recipe, checkpointing", [
+    ("llama", "pure-bf16-bf16states", "full"),  # was -5.5% forward: the weight norm at each Linear, not the largest
+    ("llama", "fp32", "full"),  # +3.5%: the recompute's moments where each Linear runs
+    ("opt", "fp32", "full"),  # +3.9%: the bias taken off the base output; OPT's MLP frees its norm output
+    ("qwen2", "pure-bf16-bf16states", "none"),  # -4.0% backward: DoRA's gradients at the MLP's widest Linear
+    ("phi3", "fp32", "full"),  # fused gate_up: its backward runs after the activation's
+])
+def test_scaled_dora_rows_are_within_tolerance(family, recipe, checkpointing):
+    """DoRA rows of `trainmem validate --lora` (all-linear, rank 16, hidden 128) that missed by up to 6% while
+    DoRA's transients were modelled as one buffer for the layer's largest Linear at every moment: with each
+    adapted Linear's weight norm and products modelled where it runs, every phase within 3%, every category
+    within 5%."""
+    pytest.importorskip("peft")
+    from trainmem import validate
+
+    row = validate._run_lora((family, recipe, checkpointing, ("all-linear",), 0.0, True))
+    assert row.within_tolerance, (row.worst_phase, row.estimate, row.trace)
 
 
 @pytest.mark.slow

@@ -230,6 +230,18 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
     return int((per_token + max(at_down, at_dropout)) * tokens)
 
 
+def _frozen_down_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, adapted: frozenset[str]) -> int:
+    """Per token, how a LoRA layer's recompute end differs where down_proj is frozen and carries no adapter: its
+    matmul saves only the weight (its input takes a gradient, its weight none), so the recompute stops before its
+    output is written, and its argument, the MLP's product, which nothing saved, is alive (traced: Qwen3 under
+    autocast, q,v adapters)."""
+    layer = la.layer
+    if (not la.checkpointed or layer.mlp is None or layer.moe or _has_output_norm(la)
+            or spec.traits.block != "standard" or adapted & {"mlp.down_proj", "mlp.fc2"}):
+        return 0
+    return p.compute * layer.mlp.intermediate_size - p.compute * spec.hidden_size
+
+
 def _layer_casts(spec: ModelSpec, la: LayerActivations, p: Precision) -> tuple[int, int]:
     """The half weight copies autocast's cast cache holds for a layer by its attention kernel (its input
     projections') and by its MLP product (all but the down projection's, made when it runs). The grouped_mm
@@ -289,6 +301,7 @@ def _adapter_forward_transients(spec: ModelSpec, la: LayerActivations, p: Precis
     options = finetune.lora
     c, w, h = p.compute, p.residual, spec.hidden_size
     ab = c if p.autocast else adapter_bytes_per_value(options, p.compute)
+    fp32_adapters = adapter_bytes_per_value(options, p.compute) == FP32 and c != FP32
     context = {"qkv_input": w * h + c * h, "mlp_input": 3 * w * h,
                "down_input": (2 if spec.traits.mlp_inline else 3) * w * h}
     half_input = {"qkv_input": p.residual != c, "o_input": False, "mlp_input": p.residual != c, "down_input": False}
@@ -300,6 +313,14 @@ def _adapter_forward_transients(spec: ModelSpec, la: LayerActivations, p: Precis
             out.append(int((alive + c * width_in * half_input[site] + c * width_out) * tokens)
                        + c * width_in * width_out)
         if not adapted:
+            continue
+        if p.autocast and fp32_adapters and site in ("o_input", "down_input"):
+            # peft copies the half input to the adapters' fp32 (_cast_input_dtype), and lora_A's matmul casts that
+            # back to half: both beside the base output when A's output is made; the fp32 copy, a local of the
+            # Linear's forward, stays through the sum (traced: Qwen2 all-linear, the forward's peak)
+            fp32_copy = FP32 * width_in
+            out.append(int((alive + fp32_copy + c * width_in + c * width_out + c * options.rank) * tokens))
+            out.append(int((alive + fp32_copy + 3 * c * width_out) * tokens))
             continue
         if p.autocast:
             copy = c * width_in * half_input[site]
@@ -346,6 +367,42 @@ def _dora_site(finetune, p: Precision, width_in: int, width_out: int, tokens: in
                        result)
 
 
+def _dora_backward(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
+                   finetune) -> tuple[int, int]:
+    """DoRA's backward at the MLP's widest adapted Linear (gate, up, gate_up or fc1): (gradient temporaries beyond
+    the LoRA step's, what is freed beyond it). The backward of ``(scale - 1) * base_result + scale * lora_result *
+    scaling`` makes the scaled gradient, the gradient of the adapter output and each product to be summed into the
+    magnitude's gradient, three out-wide tensors in the adapter's dtype at once beside the incoming gradient (in
+    the adapter's dtype, with the base output's gradient cast back, where the sum was promoted), and beside the
+    activation's gradient where gate and up are separate Linears (up's runs first). By then the activation has
+    run its backward (for separate gate and up, only the product: the gate's output is still kept) and freed what
+    it saved (traced: Qwen2 all-linear without checkpointing, 5 fp32 I-wide gradients in fp32, 4 fp32 and 2 bf16
+    with fp32 adapters on bf16; Phi-3's gate_up, four 2I-wide)."""
+    from .lora import adapter_bytes_per_value
+
+    if not finetune.lora.dora:
+        return 0, 0
+    widths = [site[3] for site in _adapter_sites(spec, la, p, finetune) if site[1] == "mlp_input"]
+    if not widths:
+        return 0, 0
+    c = p.compute
+    ab = adapter_bytes_per_value(finetune.lora, c)
+    mlp = la.layer.mlp
+    separate = mlp.gated and not mlp.fused_gate_up  # (up's backward first: the activation's gradient waits)
+    m = max(widths)
+    at_site = (c * mlp.intermediate_size if separate else 0) + (c if ab == c else ab + c) * m + 3 * ab * m
+    extra = max(0, (at_site + p.residual * spec.hidden_size) * tokens - _mlp_transient(spec, la, p, tokens))
+    # the activation's saved tensors, between the MLP input's and down_proj's input's: all freed, but for a gated
+    # MLP the gate's output, which the activation's backward (after up's) frees
+    modules = [t.module for t in la.terms]
+    first = len(modules) - modules[::-1].index("mlp_input")
+    last = modules.index("down_input") if "down_input" in modules else len(modules)
+    freed = sum(t.bytes_per_token for t in la.terms[first:last] if not t.module)
+    if separate:  # (a fused gate_up Linear runs its backward after both halves')
+        freed -= c * mlp.intermediate_size
+    return extra, int(freed * tokens)
+
+
 def _has_bias(spec: ModelSpec, la: LayerActivations, linear: str) -> bool:
     return any(t.name == f"{linear}.bias" for t in layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors))
 
@@ -369,6 +426,22 @@ def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune
     chosen = adapted_names(spec, finetune.lora)
     present = {t.name.removesuffix(".weight") for t in layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors)}
     return [(*site, site[0] in chosen) for site in sites if site[0] in present and (every or site[0] in chosen)]
+
+
+def _adapted_down_gradient(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> int:
+    """Per token, how an adapted down projection's backward differs from a frozen one's where its fp32 adapters sit
+    on a half base (no autocast): the adapter branch runs first, so at lora_A's weight gradient the input's
+    gradient is the adapter copy's, in fp32, beside the gradient of A's output and the base output's gradient
+    cast back from the promoted sum (traced: GPT-2 all-linear, pure-bf16 with full checkpointing)."""
+    from .lora import adapter_bytes_per_value
+
+    down = [site for site in _adapter_sites(spec, la, p, finetune) if site[1] == "down_input"]
+    c = p.compute
+    ab = adapter_bytes_per_value(finetune.lora, c)
+    if not down or p.autocast or ab == c or finetune.lora.dora:
+        return 0
+    width_in, width_out = down[0][2], down[0][3]
+    return (ab - c) * width_in + c * width_out + ab * finetune.lora.rank
 
 
 def _adapter_recompute_gradient(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> int:
@@ -683,7 +756,7 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         item = _LayerBytes(
             kept=kept, full=full, product=(_mlp_bytes(layer, p) * _mlp_width(layer) * tokens if finetune is None else
                                            _down_input_kept(la, tokens)) + down_copy + frozen_down_copy
-            + freed_before_mlp,
+            + freed_before_mlp + (_dora_backward(spec, la, p, tokens, finetune)[1] if finetune is not None else 0),
             down_grad=_param_bytes(down, gradients_of.gradient_bytes),
             # Under autocast the matmul's weight gradient is first made in the half copy's dtype; its cast to the
             # parameter's comes after the layer's down-projection input is freed (traced).
@@ -695,7 +768,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                  + p.compute * down + _param_bytes(down, gradients_of.gradient_bytes))
                                 if down_copy else (0, 0)),
             grads=_param_bytes(sum(t.numel for t in tensors), gradients_of.gradient_bytes),
-            transient=_mlp_transient(spec, la, p, tokens, settings),
+            transient=_mlp_transient(spec, la, p, tokens, settings)
+            + (_dora_backward(spec, la, p, tokens, finetune)[0] if finetune is not None else 0),
             forward_transient=_forward_transient(spec, la, p, tokens,
                                                  _layer_casts(spec, la, p) if cached else (0, 0))
             + (_adapter_forward_transients(spec, la, p, tokens, finetune) if finetune is not None else ()),
@@ -713,7 +787,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             attention_live=attention_live,
             attention_transient=int((la.attention_backward + p.residual * spec.hidden_size) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
-            recompute_end=_recompute_end(spec, la, p, settings, tokens),
+            recompute_end=_recompute_end(spec, la, p, settings, tokens)
+            + (_frozen_down_recompute_end(spec, la, p, adapted) * tokens if finetune is not None else 0),
             recompute_adapters=(_adapter_recompute_moments(spec, la, p, tokens, finetune)
                                 if finetune is not None and la.checkpointed else ()),
             recompute_attention_end=(kept + int((la.attention_bytes_per_token + la.recompute_locals) * tokens)
@@ -734,7 +809,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             down_transient=(_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size
                             + (layer.moe.top_k * p.experts * spec.hidden_size if layer.moe else
                                p.compute * spec.hidden_size if p.autocast or _mlp_output_dropout(spec, layer, settings)
-                               or output_norm else 0)) * tokens,
+                               or output_norm else 0)) * tokens
+            + (_adapted_down_gradient(spec, la, p, finetune) * tokens if finetune is not None else 0),
             freed_before_down=freed_before_mlp,
             returned_to_model=int(la.returned_to_model * tokens),
             checkpointed=la.checkpointed,
@@ -983,7 +1059,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         # (the last layer's weight casts are counted in its forward_transient, as far as it has made them)
         kept_before_last = acts.embedding_bytes + acts.constant_bytes - head_copy \
             + (cast_cache - acts.layers[-1].constant_bytes if cached else 0) + sum(x.kept for x in layers[:-1]) \
-            + acts.decoder_locals_bytes - leaf
+            + acts.decoder_locals_bytes - leaf \
+            + (cast_cache if finetune is not None else 0)  # (the adapters' cached half copies, the last layer's too)
         # Falcon and BLOOM: the previous layer's returned probabilities, held by the base model's loop variable.
         returned = layers[-2].returned_to_model if len(layers) > 1 else 0
         for transient in layers[-1].forward_transient:
