@@ -70,11 +70,25 @@ def test_offloaded_activations_match_their_trace(model, layers, recipe, loss, ra
 ])
 def test_compiled_layers_keep_what_the_partitioner_saves(model, recipe, loss, seq, rank):
     """Decoder layers compiled with aot_eager_decomp_partition (the partitioned graphs run op by op under the
-    tracker): the forward, where the layers' saved tensors are all alive, within 1% (measured 0.00%). The
-    backward is not asserted: the decomposed backward graphs hold up to 11% more than the estimate (accuracy.md)."""
+    tracker): every phase within 1% (measured 0.00%). The backward's peak was 7.5-11% above the estimate until
+    AccumulateGrad's copies of the graph's transposed weight gradients were counted (Mistral-7B: the peak)."""
     settings = make_settings(recipe=recipe, batch=2 if seq < 512 else 1, seq=seq, dropout=0.0,
                              optimizer_impl="foreach", loss=loss, compile=True)
-    _compare(model, 2, settings, rank=rank, phases=("load", "forward", "optimizer"))
+    _compare(model, 2, settings, rank=rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab", [512, None])
+def test_compiled_backward_copies_each_weight_gradient_into_the_parameters_layout(vocab):
+    """A compiled layer's backward returns each Linear's weight gradient as the transpose of an mm's output, so
+    AccumulateGrad copies it (the gradient layout contract) while the graph's outputs are alive: in Mistral-7B
+    that end of layer 0's backward is the backward's peak, at a 512-token vocabulary (-7.6% before it was counted)
+    and at the full one (0.00% now in both)."""
+    settings = make_settings(recipe="pure-bf16", batch=1, seq=512, dropout=0.0, optimizer_impl="foreach",
+                             compile=True)
+    est, _ = _compare("mistral-7b", 2, settings, vocab=vocab, tolerance=0.005)
+    (backward,) = [p for p in est.phases if p.name == "backward"]
+    assert backward.moment == "layer 0 gradients copied (compiled)"
 
 
 @pytest.mark.slow
@@ -151,6 +165,7 @@ def test_trace_command_reports_the_offloaded_bytes(run_cli, tmp_path):
     (("llama-3.2-1b", "--compile", "--recipe", "fp32"), "half precision without autocast"),
     (("llama-3.2-1b", "--compile", "--recipe", "amp-bf16"), "half precision without autocast"),
     (("phi-3-mini-4k", "--compile", "--recipe", "pure-bf16"), "Llama-style"),
+    (("mistral-7b", "--compile", "--recipe", "pure-bf16", "--seq", "8192"), "a sliding window of 4096 tokens"),
     (("llama-3.2-1b", "--loss", "chunked-outputs"), "accepted: standard, chunked, chunked-output"),
     (("llama-3.2-1b", "--activation-k", "34", "--compile"), "--activation-k replaces the activation model"),
     (("llama-3.2-1b", "--activation-k", "34", "--checkpointing", "full", "--offload-activations"),
@@ -168,9 +183,9 @@ def test_measure_refuses_switches_it_does_not_run(run_cli, flag):
     assert code == 2 and f"measure does not run {flag}" in err
 
 
-def test_compile_is_said_to_be_unvalidated_in_backward_and_trace_refuses_it_inside_checkpoints(run_cli):
+def test_compile_is_said_to_be_checked_against_the_trace_only_and_trace_refuses_it_inside_checkpoints(run_cli):
     code, out, _ = run_cli("estimate", "llama-3.2-1b", "--recipe", "pure-bf16", "--compile", "--json")
-    assert code == 0 and any(n.startswith("not validated: --compile's backward") for n in json.loads(out)["notes"])
+    assert code == 0 and any(n.startswith("not validated on a GPU: --compile") for n in json.loads(out)["notes"])
     code, _, err = run_cli("trace", "llama-3.2-1b", "--recipe", "pure-bf16", "--compile", "--checkpointing", "full")
     assert code == 2 and "--compile with --checkpointing full" in err and len(err.strip().splitlines()) == 1
 

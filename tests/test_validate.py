@@ -62,7 +62,7 @@ def test_report_rewrites_its_own_matrix_and_keeps_the_other_sections():
 
 @pytest.mark.parametrize("args, message", [
     (["--jobs", "0"], "--jobs must be at least 1, got 0"),
-    (["--quick", "--full-size"], "--quick, --full-size, --random and --lora are different runs"),
+    (["--quick", "--full-size"], "--quick, --full-size, --random, --lora and --compile are different runs"),
     (["--random", "0"], "--random must be at least 1, got 0"),
     (["--quick", "--seed", "3"], "--seed chooses the cases of --random"),
 ])
@@ -148,6 +148,26 @@ def test_the_quick_lora_matrix_is_within_tolerance(tmp_path, run_cli):
     assert code == 0, stdout[-2000:] + err
     text = out.read_text()
     assert "## Matrix: LoRA" in text and f"{len(LORA_FAMILIES)} of {len(LORA_FAMILIES)} rows within tolerance" in text
+
+
+@pytest.mark.slow
+def test_the_quick_compile_matrix_is_within_tolerance(tmp_path, run_cli):
+    """A full fine-tune and a LoRA all-linear row per family whose compiled layers are modelled, each layer
+    compiled with aot_eager_decomp_partition and traced against the estimate: what CI checks of `trainmem validate
+    --compile` (every phase within 3%, every category within 5%)."""
+    pytest.importorskip("peft")
+    from trainmem.validate import COMPILE_FAMILIES
+
+    out = tmp_path / "accuracy.md"
+    code, stdout, err = run_cli("validate", "--compile", "--quick", "-o", str(out))
+    assert code == 0, stdout[-2000:] + err
+    rows = 2 * len(COMPILE_FAMILIES)
+    assert "## Matrix: --compile" in out.read_text() and f"{rows} of {rows} rows within tolerance" in out.read_text()
+
+
+def test_lora_and_compile_matrices_are_separate_runs(run_cli, tmp_path):
+    code, _, err = run_cli("validate", "--lora", "--compile", "-o", str(tmp_path / "a.md"))
+    assert code == 2 and "different runs" in err and len(err.strip().splitlines()) == 1
 
 
 def test_lora_matrix_is_its_own_run(run_cli, tmp_path):

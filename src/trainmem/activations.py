@@ -1011,6 +1011,8 @@ class ActivationEstimate:
     token and position embeddings (summed into the first hidden states), OPT's too and its position tensors. Freed
     when the base model returns, before the logits."""
 
+    compiled: bool = False
+    """--compile: the decoder layers are compiled (compiled_layer's terms)."""
     offloaded: bool = False
     """--offload-activations: the checkpointed layers' inputs live in host memory (host_bytes) until backward."""
 
@@ -1107,6 +1109,11 @@ def compile_modelled(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings
                 "pure-bf16*, mixed-*)")
     if effective_kernel(spec, settings.attention) != "sdpa":
         return f"{settings.attention} attention (compiled layers are modelled with SDPA)"
+    if any(sdpa_mask(spec, lay, settings.seq) for lay, _ in spec.layer_runs):
+        # (traced: the masked kernel's saved mask and expanded k, v are not in compiled_layer's terms)
+        return (f"a sliding window of {min(lay.sliding_window for lay, _ in spec.layer_runs if lay.sliding_window)} "
+                f"tokens that a {settings.seq}-token sequence reaches (compiled layers are modelled with causal "
+                "SDPA, no mask)")
     if runs_dropout(spec, settings):
         return "dropout (compiled layers are modelled without dropout)"
     return None
@@ -1131,7 +1138,8 @@ def compiled_layer(la: LayerActivations, h: int, p: Precision) -> LayerActivatio
         Term("q after rotary", c * a * d),
         Term("k after rotary, v", 2 * c * kv * d),
         Term("SDPA logsumexp (fp32)", FP32 * a),
-        Term("attention output (o_proj input)", c * a * d, "o_input", "linear_input"),
+        # (SDPA keeps its output for its own backward: saved whatever o_proj does)
+        Term("attention output (o_proj input)", c * a * d, "o_input", "shared_input"),
     )
     mlp_terms = (
         Term("residual after attention", r * h, "post_attention_norm"),
@@ -1290,7 +1298,7 @@ def _activation_estimate(spec: ModelSpec, settings: TrainingSettings, layers, to
         checkpointing=settings.checkpointing, kv_cache_bytes=kv_cache,
         mask_bytes=masks_built if settings.checkpointing == "none" else masks_built - masks_used,
         decoder_locals_bytes=_decoder_locals(spec, p, emb_dropout) * tokens if spec.has_embedding else 0,
-        offloaded=settings.offload_activations,
+        offloaded=settings.offload_activations, compiled=settings.compile,
     )
 
 

@@ -688,11 +688,14 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
               "same cases.")
 @click.option("--lora", is_flag=True, help="The LoRA matrix: peft's adapters on the families whose LoRA step is "
               "modelled (with --quick: one row per family).")
+@click.option("--compile", "compiled", is_flag=True, help="The --compile matrix: layers compiled with "
+              "aot_eager_decomp_partition on the families whose compiled layers are modelled (with --quick: two rows "
+              "per family).")
 @click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Rows traced in parallel processes.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default="docs/accuracy.md", show_default=True,
               help="Markdown report to write; its other sections (the other matrix, benchmark results) are kept.")
-def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int | None, lora: bool, jobs: int,
-             output: str) -> None:
+def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int | None, lora: bool, compiled: bool,
+             jobs: int, output: str) -> None:
     """Trace and estimate a matrix of model types x recipes x attention x checkpointing x dropout (or random
     models with --random) and write the comparison as Markdown. Exit code 1 when a row is outside its tolerance.
 
@@ -700,18 +703,20 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
     Example: trainmem validate --quick -o /tmp/accuracy.md
              trainmem validate --random 200 --seed 7 --jobs 2
              trainmem validate --lora --jobs 2
+             trainmem validate --compile --jobs 2
     """
     import os
     import tempfile
 
-    from .validate import LORA_HEADING, RANDOM_HEADING, lora_section, markdown, random_section, replace_sections, \
-        validate as run_validate, validate_lora, validate_random
+    from .validate import COMPILE_HEADING, LORA_HEADING, RANDOM_HEADING, compile_section, lora_section, markdown, \
+        random_section, replace_sections, validate as run_validate, validate_compile, validate_lora, validate_random
 
     if jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {jobs}")
-    if quick + full_size + (random_cases is not None) > 1 or lora and (full_size or random_cases is not None):
-        raise ConfigError("--quick, --full-size, --random and --lora are different runs: give one (--lora takes "
-                          "--quick)")
+    if (quick + full_size + (random_cases is not None) > 1 or lora + compiled > 1
+            or (lora or compiled) and (full_size or random_cases is not None)):
+        raise ConfigError("--quick, --full-size, --random, --lora and --compile are different runs: give one "
+                          "(--lora and --compile take --quick)")
     if random_cases is not None and random_cases < 1:
         raise ConfigError(f"--random must be at least 1, got {random_cases}")
     if seed is not None and random_cases is None:
@@ -729,9 +734,11 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
         console.print(f"{r.family:12s} {r.recipe:20s} {r.attention:5s} ckpt={r.checkpointing:4s} dropout={r.dropout} "
                       f"{r.batch}x{r.seq:<4d} {r.phase:9s} total {r.total_error:+.2%} {verdict}")
 
-    if lora:
-        rows = validate_lora(quick=quick, progress=show_row, jobs=jobs)
-        text = replace_sections(existing, {LORA_HEADING: lora_section(rows, quick)})
+    if lora or compiled:
+        run, section, heading = ((validate_lora, lora_section, LORA_HEADING) if lora
+                                 else (validate_compile, compile_section, COMPILE_HEADING))
+        rows = run(quick=quick, progress=show_row, jobs=jobs)
+        text = replace_sections(existing, {heading: section(rows, quick)})
         bad = sum(not r.within_tolerance for r in rows)
         total = len(rows)
     elif random_cases is not None:

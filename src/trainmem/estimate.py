@@ -205,9 +205,9 @@ def validation_notes(model: ModelSpec, settings: TrainingSettings) -> tuple[str,
     if settings.loss == "chunked":
         notes.append("not validated: --loss chunked has no transformers implementation to trace")
     if settings.compile:
-        notes.append("not validated: --compile's backward: in full fine-tuning the aot_eager_decomp_partition "
-                     "trace holds up to 11% more than this estimate (its decomposed backward graphs; the forward "
-                     "is exact, a LoRA step within 1.4%)")
+        notes.append("not validated on a GPU: --compile is checked against the aot_eager_decomp_partition trace "
+                     "(within 0.3%: docs/accuracy.md, Matrix: --compile), whose unfused graphs make the SiLU's fp32 "
+                     "intermediates that inductor fuses away, so a real compiled step may hold less")
     if settings.compile and settings.checkpointing == "full":
         notes.append("not validated: --compile with --checkpointing full (the trace does not run a compiled "
                      "layer inside its checkpoint yet); the recomputed layer keeps what a compiled layer keeps")

@@ -446,8 +446,10 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
                         new.append(Term(f"{t.name}: adapters' dropped-out inputs and masks x{len(adapted)}",
                                         len(adapted) * (ab + mask) * width, t.module, "adapter_input"))
                     elif ab != p.compute:
-                        new.append(Term(f"{t.name}: adapters' {ab * 8}-bit input copies x{len(adapted)}",
-                                        len(adapted) * ab * width, t.module, "adapter_input"))
+                        # a compiled layer casts the shared input once (the graph's common subexpression; traced)
+                        copies = 1 if acts.compiled else len(adapted)
+                        new.append(Term(f"{t.name}: adapters' {ab * 8}-bit input copies x{copies}",
+                                        copies * ab * width, t.module, "adapter_input"))
                     elif t.kind == "linear_input":
                         new.append(t)  # the adapters read the tensor itself
                     new.append(Term(f"LoRA A outputs x{len(adapted)}",

@@ -126,11 +126,11 @@ class StepModel:
         self._static_bytes = {c.name: c.bytes for c in self.static}
         self.unchecked = validation_notes(spec, settings) + (self.rank.notes if self.rank else ())
         if finetune is not None:
-            self.unchecked += ("LoRA is validated on a matrix, not on every set-up: traced within 0.2% for "
+            self.unchecked += ("not validated for every LoRA set-up, only on a matrix: traced within 0.2% for "
                                "Llama-family and Phi-3 models at full vocabulary (bf16, fp32 and autocast), and on "
                                "hidden-128 configs, where adapters weigh most, 176 of 176 rows (8 families; q,v, "
                                "all-linear, q,k,v,o with dropout, DoRA; with and without checkpointing) within 3% "
-                               "(docs/accuracy.md, Matrix: LoRA); other set-ups are not validated",)
+                               "(docs/accuracy.md, Matrix: LoRA)",)
         if finetune is not None and finetune.base_quant:
             self.unchecked += ("not validated: bitsandbytes' 4-bit kernels cannot run under the trace's fake tensors; "
                                "the base's stored bytes are checked against bitsandbytes, the step is the LoRA step "

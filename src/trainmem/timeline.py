@@ -679,6 +679,12 @@ class _LayerBytes:
     (LayerActivations.returned_to_model), in bytes."""
     checkpointed: bool = False
     """Checkpointed (every layer under --checkpointing full, every second one under selective)."""
+    compiled_mlp: tuple[int, int] = (0, 0)
+    """--compile without checkpointing: (what the layer has freed, the temporaries) in its compiled backward's SiLU
+    gradient (see _compiled_mlp_backward); (0, 0) in eager."""
+    compiled_copies: int = 0
+    """--compile: the layer's matrix gradients, which its compiled backward returns twice over (see
+    _compiled_gradient_copies); 0 in eager."""
 
 
 def casts_cached(spec: ModelSpec, p: Precision, settings: TrainingSettings) -> bool:
@@ -813,11 +819,55 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             + (_adapted_down_gradient(spec, la, p, finetune) * tokens if finetune is not None else 0),
             freed_before_down=freed_before_mlp,
             returned_to_model=int(la.returned_to_model * tokens),
+            compiled_copies=_compiled_gradient_copies(tensors, gradients_of) if settings.compile else 0,
+            compiled_mlp=(_compiled_mlp_backward(spec, la, p, tokens, tensors, finetune)
+                          if settings.compile and not la.checkpointed else (0, 0)),
             checkpointed=la.checkpointed,
         )
         made[key] = item
         out.extend([item] * la.count)
     return out
+
+
+def _compiled_mlp_backward(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int, tensors,
+                           finetune) -> tuple[int, int]:
+    """A compiled layer's backward at its SiLU gradient (aot_eager_decomp_partition: the decomposed graph runs op by
+    op and frees each saved tensor after its last use): the MLP's gate, up and product are freed; the decomposition
+    upcasts the gate and the activation's gradient to fp32 and makes the sigmoid and a product of them in fp32
+    (4 fp32 I-wide), beside the product's gradient, down_proj's weight gradient (a graph output until the layer's
+    backward returns), the residual stream's gradient and its half copy (traced: scaled Llama, pure-bf16: within
+    16 KiB of 1.23 MB of temporaries). Inductor fuses the fp32 chain into one kernel, so on a GPU this moment may
+    hold less: the estimate stays on the traced (higher) side."""
+    mlp = la.layer.mlp
+    if mlp is None or not mlp.gated or mlp.fused_gate_up or la.layer.moe:
+        return 0, 0
+    c, i, h = p.compute, mlp.intermediate_size, spec.hidden_size
+    down_grad = 0 if finetune is not None else c * _numel(tensors, *_DOWN_PROJECTIONS)
+    upcast = 4 * FP32 * i if c != FP32 else 2 * FP32 * i
+    # what the layer saved from gate_proj on (gate and up outputs; the product where down_proj keeps it)
+    modules = [t.module for t in la.terms]
+    start = len(modules) - modules[::-1].index("mlp_input") if "mlp_input" in modules else \
+        len(modules) - modules[::-1].index("post_attention_norm")
+    freed = sum(t.bytes_per_token for t in la.terms[start:])
+    # an I-wide half gradient beside the fp32 chain where down_proj takes a gradient (full fine-tuning, or an
+    # adapter on it); with a frozen down_proj the traced moment has none
+    down_trained = finetune is None or bool(adapted_down(spec, la, p, finetune))
+    return int(freed * tokens), (upcast + c * i * down_trained + (p.residual + c) * h) * tokens + down_grad
+
+
+def adapted_down(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> list:
+    """The adapted down projection of a LoRA layer, as an _adapter_sites entry (empty where it is frozen)."""
+    return [site for site in _adapter_sites(spec, la, p, finetune) if site[1] == "down_input"]
+
+
+def _compiled_gradient_copies(tensors, gradients_of: Recipe) -> int:
+    """A compiled layer's matrix gradients, counted twice at the end of its backward. AOTAutograd's decomposed
+    backward returns each Linear's weight gradient as the transpose of an mm's output, whose strides are not the
+    parameter's, so AccumulateGrad copies it into the parameter's layout (the gradient layout contract,
+    accumulate_grad.h) instead of keeping it, and the graph's outputs are alive until every copy is made (traced
+    with aot_eager_decomp_partition: Llama-3.2-1B and Mistral-7B, every Linear of the layer; vectors (norms) are
+    kept as they are)."""
+    return _param_bytes(sum(t.numel for t in tensors if len(t.shape) == 2), gradients_of.gradient_bytes)
 
 
 def _interior_layers(layers) -> set[int]:
@@ -1084,6 +1134,19 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
                                    + p.compute * h * tokens, 0))
+        mlp = last.layer.mlp
+        if settings.compile and layers[-1].compiled_mlp[1] and p.compute != FP32:
+            # The compiled layer's SiLU, decomposed (aot_eager_decomp_partition): the gate upcast to fp32 and two
+            # fp32 steps of its sigmoid at once, before up and the product exist (traced: a scaled Qwen2, where
+            # this is the forward's peak; inductor fuses the chain, so on a GPU it may hold less)
+            # Not made yet: up's output, and the product where down_proj keeps it; held though not kept: the MLP's
+            # input, where frozen gate and up projections keep nothing (LoRA)
+            not_yet = (1 + any(t.module == "down_input" for t in last.terms)) * p.compute * mlp.intermediate_size
+            held = 0 if any(t.module == "mlp_input" for t in last.terms) else p.compute * h
+            candidates_fw.append(Phase(
+                "forward", "last layer's compiled SiLU", weights, grads_in_forward, states,
+                layers_saved + acts.kv_cache_bytes + acts.mask_bytes
+                + (3 * FP32 * mlp.intermediate_size - not_yet + held) * tokens, 0))
     if (layers and spec.has_head and spec.final_norm and spec.norm == "rms" and not spec.traits.rms_norm_fp32_plus_one
             and not spec.projects_embeddings and finetune is None):
         # The final RMSNorm's forward (LlamaRMSNorm): beside what everything before it saved and what it keeps, the
@@ -1208,6 +1271,11 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             "backward", f"layer {index} MLP", weights,
             max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
             live_acts - x.product, x.transient + tied_held))
+        if x.compiled_mlp[1]:
+            freed, transient = x.compiled_mlp
+            candidates.append(Phase(
+                "backward", f"layer {index} compiled MLP backward", weights,
+                max(grads_in_forward, head_grad + grads_above), states, live_acts - freed, transient + tied_held))
         if x.experts_transient:
             candidates.append(Phase(
                 "backward", f"layer {index} experts' gate_up", weights,
@@ -1228,6 +1296,13 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             "backward", f"layer {index} attention", weights,
             max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
             base_kept + kept_below[index] + x.attention_live, x.attention_transient + tied_held))
+        if x.compiled_copies and shards == 1 and not stepped:
+            # AccumulateGrad's copies of the compiled backward's gradients, beside the originals, the layer's
+            # activations freed, its input's gradient alive (_compiled_gradient_copies)
+            candidates.append(Phase(
+                "backward", f"layer {index} gradients copied (compiled)", weights,
+                max(grads_in_forward, head_grad + grads_above + x.grads + x.compiled_copies), states,
+                base_kept + kept_below[index], p.residual * h * tokens + tied_held))
         grads_above += finished_shard(x)
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
     # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights that
