@@ -349,26 +349,29 @@ def validate_compile(quick: bool = False, progress=None, jobs: int = 1) -> list[
 
 def compile_section(rows: list[Row], quick: bool) -> str:
     """The report's --compile matrix under its own heading."""
-    text = _matrix_section(rows, False, quick).replace(MATRIX_SCALED, COMPILE_HEADING, 1)
-    command = "`trainmem validate" + (" --quick" if quick else "")
-    return text.replace(command + "`", command + " --compile`", 1).replace(
-        "SGD; dropout 0 at batch 1 x 128, the config's own dropout at batch 2 x 64.",
+    return _own_matrix_section(
+        rows, quick, COMPILE_HEADING, "--compile",
         "decoder layers compiled as torchtune compiles them, with the aot_eager_decomp_partition backend "
         "(AOTAutograd's partitioner decides what is saved; the partitioned graphs run op by op); full fine-tuning "
         "in pure-bf16, pure-bf16-bf16states and mixed-bf16, and peft's LoRA, rank 16, on q,v and all-linear; "
-        "AdamW; batch 2 x 48 (below the scaled sliding windows); no checkpointing; dropout 0.", 1)
+        "AdamW; batch 2 x 48 (below the scaled sliding windows); no checkpointing; dropout 0.")
 
 
 def lora_section(rows: list[Row], quick: bool) -> str:
     """The report's LoRA matrix: the scaled matrix's table under its own heading."""
-    text = _matrix_section(rows, False, quick).replace(MATRIX_SCALED, LORA_HEADING, 1)
-    command = "`trainmem validate" + (" --quick" if quick else "")
-    return text.replace(command + "`", command + " --lora`", 1).replace(
-        "SGD; dropout 0 at batch 1 x 128, the config's own dropout at batch 2 x 64.",
+    return _own_matrix_section(
+        rows, quick, LORA_HEADING, "--lora",
         "peft's LoRA, rank 16, on q,v, all-linear and q,k,v,o with lora_dropout 0.05, and DoRA on all-linear "
-        "(not under autocast); pure-bf16-bf16states, fp32 and amp-bf16; "
-        "AdamW; batch 2 x 64; "
-        "model dropout 0.", 1)
+        "(not under autocast); pure-bf16-bf16states, fp32 and amp-bf16; AdamW; batch 2 x 64; model dropout 0.")
+
+
+def _own_matrix_section(rows: list[Row], quick: bool, heading: str, flag: str, set_up: str) -> str:
+    """A matrix of scaled rows run by ``trainmem validate FLAG``: the scaled matrix's table under ``heading``, its
+    set-up sentence replaced by ``set_up``."""
+    text = _matrix_section(rows, False, quick).replace(MATRIX_SCALED, heading, 1)
+    command = "`trainmem validate" + (" --quick" if quick else "")
+    return text.replace(command + "`", f"{command} {flag}`", 1).replace(
+        "SGD; dropout 0 at batch 1 x 128, the config's own dropout at batch 2 x 64.", set_up, 1)
 
 
 def _pct(x: float | None) -> str:
