@@ -280,18 +280,14 @@ class FineTune:
         if self.double_quant and self.base_quant not in ("nf4", "fp4"):
             raise ConfigError("--double-quant applies to a 4-bit base: give --base-quant nf4 or fp4")
 
-    def buffers(self, spec: ModelSpec, p, checkpointed: bool = False) -> tuple:
+    def buffers(self, spec: ModelSpec, p) -> tuple:
         """What happens at the moments inside a layer beyond its activations.
 
         A quantized base: bitsandbytes' MatMul4Bit dequantizes the weight to the compute dtype for each matmul,
         forward and backward (bitsandbytes/autograd/_functions.py), one Linear at a time: the largest of a layer's.
 
-        DoRA: every forward recomputes the norm of base + adapter (peft/tuners/lora/dora.py,
-        ``DoraLinearLayer.forward``): B @ A made by running the adapters on an in x in identity, the base weight
-        cast to the adapter's dtype, the scaled B @ A and the sum, all out x in, alive with the identity and A's
-        output until the norm is taken; the largest adapted Linear of a layer, in forward. Under checkpointing
-        (``checkpointed``) each adapted Linear's moments are modelled where it runs instead, in the layer's forward
-        and in its recompute (timeline._dora_site)."""
+        (DoRA's weight norm, recomputed by every forward, is modelled at each adapted Linear where it runs:
+        timeline._dora_site.)"""
         from .sharding import Buffer
 
         out = []
@@ -300,15 +296,6 @@ class FineTune:
                            if _linear_weight(t, QUANTIZED_ROLES)), default=0)
             out.append(Buffer("a dequantized base weight", p.compute * largest, "temporaries",
                               ("forward:layer", "backward:layer"), "the largest Linear of a layer, while it computes"))
-        if self.lora.dora and not checkpointed:
-            ab = adapter_bytes_per_value(self.lora, p.compute)
-            weights = 3 + (ab != p.compute) + (self.base_quant is not None)  # (the dequantized weight, then its cast)
-            r = self.lora.rank
-            largest = max((ab * (n * n + r * n + weights * n * m) for _, t in selected_weights(spec, self.lora)
-                           for m, n in [t.shape]), default=0)
-            out.append(Buffer("DoRA's weight norm", largest, "activations", ("forward:layer",),
-                              "the identity, B @ A, the cast base weight and their sum, for the largest adapted "
-                              "Linear"))
         return tuple(out)
 
     def as_dict(self, spec: ModelSpec) -> dict:

@@ -468,8 +468,9 @@ def _adapter_recompute_gradient(spec: ModelSpec, la: LayerActivations, p: Precis
 
 
 def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
-                               finetune) -> tuple[tuple[int, int], ...]:
-    """A checkpointed LoRA layer's recompute (in backward, saving for real): at each adapted Linear's adapter sum,
+                               finetune, recompute: bool = True) -> tuple[tuple[int, int], ...]:
+    """A checkpointed LoRA layer's recompute (in backward, saving for real; or, not ``recompute``, a DoRA layer's
+    forward without checkpointing, which saves the same and runs to its end): at each adapted Linear's adapter sum,
     the layer's saved tensors up to that Linear's input site (its adapters' input copies and A outputs included),
     the outputs made before it in its block (q beside k; the gate's output and its activation beside up), and as
     temporaries its base output and the scaled adapter output and their sum in the adapter's dtype (as in
@@ -535,7 +536,7 @@ def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precisi
         # Where this adapter saves the layer's last tensor (down_proj's, unless a norm follows), the recompute stops
         # there (torch.utils.checkpoint's early stop): at lora_B's matmul, before its output; with DoRA at the
         # second product, before it (traced)
-        stops = last == len(order) - 1
+        stops = recompute and last == len(order) - 1
         if not dora:
             out.append((int((saved + before + local) * tokens) + weight_copies[name],
                         int(((c + (0 if stops else 2 * ab)) * width_out + copy) * tokens)))
@@ -650,7 +651,8 @@ class _LayerBytes:
     the layer's activations, does not exist yet."""
     recompute_adapters: tuple[tuple[int, int], ...]
     """LoRA under full checkpointing: (what the layer holds beyond its kept input, the temporaries) at each adapted
-    Linear's adapter sum during the layer's recompute (_adapter_recompute_moments)."""
+    Linear's adapter sum during the layer's recompute (_adapter_recompute_moments); for DoRA without checkpointing,
+    the same moments of the layer's forward (beyond its input)."""
     recompute_attention_end: int
     """BLOOM under full checkpointing: what the layer holds when its recomputed attention returns (the attention's
     activations, its kept input, and BloomAttention's unsaved locals, LayerActivations.recompute_locals); 0
@@ -795,8 +797,10 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens)
             + (_frozen_down_recompute_end(spec, la, p, adapted) * tokens if finetune is not None else 0),
-            recompute_adapters=(_adapter_recompute_moments(spec, la, p, tokens, finetune)
-                                if finetune is not None and la.checkpointed else ()),
+            recompute_adapters=(() if finetune is None else
+                                _adapter_recompute_moments(spec, la, p, tokens, finetune) if la.checkpointed else
+                                _adapter_recompute_moments(spec, la, p, tokens, finetune, recompute=False)
+                                if finetune.lora.dora else ()),
             recompute_attention_end=(kept + int((la.attention_bytes_per_token + la.recompute_locals) * tokens)
                                      + (p.compute * sum(t.numel for t in tensors if len(t.shape) == 2
                                                         and t.role not in MLP_ROLES) if p.autocast else 0)
@@ -1134,6 +1138,12 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
                                    + p.compute * h * tokens, 0))
+        # DoRA: each adapted Linear's weight norm and output products in the last layer, beside everything saved
+        # before it and its input (_dora_site)
+        before_last = layers_saved - layers[-1].kept + p.residual * h * tokens + acts.kv_cache_bytes + acts.mask_bytes
+        for held, transient in layers[-1].recompute_adapters:
+            candidates_fw.append(Phase("forward", "last layer's DoRA adapter", weights, grads_in_forward, states,
+                                       before_last + held + transient, 0))
         mlp = last.layer.mlp
         if settings.compile and layers[-1].compiled_mlp[1] and p.compute != FP32:
             # The compiled layer's SiLU, decomposed (aot_eager_decomp_partition): the gate upcast to fp32 and two
@@ -1330,7 +1340,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     phases = (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
     buffers = rank.buffers if rank else ()
     if finetune is not None:
-        buffers += finetune.buffers(spec, p, settings.checkpointing != "none")
+        buffers += finetune.buffers(spec, p)
     if not buffers:
         return phases
     # Where each moment is: inside a decoder layer (all of forward's but the loss, which is last; backward's layer
