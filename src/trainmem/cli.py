@@ -412,15 +412,13 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     Example: trainmem measure gpt2 --batch 2 --seq 256 --recipe fp32 --device cpu
     """
     from .estimate import estimate_model
-    from .measure import measure_steps
+    from .measure import measure_steps, refuse_unmeasurable
     from .units import format_bytes
 
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     w = _workload(options, batch, seq, need_config="measure")
-    if w.finetune is not None and w.finetune.base_quant:
-        raise ConfigError("measure runs LoRA on a full-precision base (--base-quant/--qlora need bitsandbytes' "
-                          "kernels, which measure does not drive; the estimate counts their bytes)")
+    refuse_unmeasurable(w.finetune)
     for flag, on in (("--optimizer-in-backward", w.settings.optimizer_in_backward), ("--compile", w.settings.compile),
                      ("--offload-activations", w.settings.offload_activations)):
         if on:

@@ -287,6 +287,16 @@ def trainer_callback():
 # ---------------------------------------------------------------------------------------------------------
 
 
+def refuse_unmeasurable(finetune) -> None:
+    """One line for a fine-tune measure cannot run: LoRA on a quantized base, whose bitsandbytes kernels it does
+    not drive."""
+    from .errors import ConfigError
+
+    if finetune is not None and finetune.base_quant:
+        raise ConfigError("measure runs LoRA on a full-precision base (--base-quant/--qlora need bitsandbytes' "
+                          "kernels, which measure does not drive; the estimate counts their bytes)")
+
+
 def measure_steps(config: dict[str, Any], settings, device: str = "auto", steps: int = 2,
                   snapshot: str | None = None, finetune=None) -> Measurement:
     """Build the model for real (random weights; with ``finetune``, peft's LoRA adapters on its frozen base, as the
@@ -300,9 +310,7 @@ def measure_steps(config: dict[str, Any], settings, device: str = "auto", steps:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("no CUDA device is available (this torch build or machine has none); use --device cpu")
-    if finetune is not None and finetune.base_quant:
-        raise ValueError("measure runs LoRA on a full-precision base: a quantized base needs bitsandbytes' kernels, "
-                         "which trainmem does not drive (the estimate counts their bytes)")
+    refuse_unmeasurable(finetune)
     run = TrainingStep(config, settings, str(dev), finetune=finetune)
     if isinstance(run.optimizer, Fp32StateAdamW):
         raise ValueError("measure runs torch optimizers; pure-bf16 (fp32 states, no master) is trace-only")

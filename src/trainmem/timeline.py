@@ -230,14 +230,14 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
     return int((per_token + max(at_down, at_dropout)) * tokens)
 
 
-def _frozen_down_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, adapted: frozenset[str]) -> int:
+def _frozen_down_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> int:
     """Per token, how a LoRA layer's recompute end differs where down_proj is frozen and carries no adapter: its
     matmul saves only the weight (its input takes a gradient, its weight none), so the recompute stops before its
     output is written, and its argument, the MLP's product, which nothing saved, is alive (traced: Qwen3 under
     autocast, q,v adapters)."""
     layer = la.layer
     if (not la.checkpointed or layer.mlp is None or layer.moe or _has_output_norm(la)
-            or spec.traits.block != "standard" or adapted & {"mlp.down_proj", "mlp.fc2"}):
+            or spec.traits.block != "standard" or _adapted_down(spec, la, p, finetune)):
         return 0
     return p.compute * layer.mlp.intermediate_size - p.compute * spec.hidden_size
 
@@ -329,15 +329,15 @@ def _adapter_forward_transients(spec: ModelSpec, la: LayerActivations, p: Precis
         if options.dora:
             # nothing saved: the identity and A's output die once B @ A is made (_dora_site)
             out += [int((alive + copy + c * width_out + per_token) * tokens) + fixed
-                    for per_token, fixed in _dora_site(finetune, p, width_in, width_out, tokens, saving=False,
+                    for per_token, fixed in _dora_site(finetune, p, width_in, width_out, saving=False,
                                                           bias=_has_bias(spec, la, name))]
         else:
             out.append(int((alive + copy + c * width_out + 2 * ab * width_out) * tokens))
     return tuple(out)
 
 
-def _dora_site(finetune, p: Precision, width_in: int, width_out: int, tokens: int, saving: bool,
-               stops: bool = False, bias: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
+def _dora_site(finetune, p: Precision, width_in: int, width_out: int, saving: bool, stops: bool = False,
+               bias: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
     """DoRA at one adapted Linear (peft/tuners/lora/dora.py, ``DoraLinearLayer.forward``), beyond the base output
     and the adapter's input copy: (bytes per token, fixed bytes) at its two worst moments.
 
@@ -395,16 +395,30 @@ def _dora_backward(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: 
     # the activation's saved tensors, between the MLP input's and down_proj's input's: all freed, but for a gated
     # MLP the gate's output, which the activation's backward (after up's) frees
     modules = [t.module for t in la.terms]
-    first = len(modules) - modules[::-1].index("mlp_input")
     last = modules.index("down_input") if "down_input" in modules else len(modules)
-    freed = sum(t.bytes_per_token for t in la.terms[first:last] if not t.module)
+    freed = sum(t.bytes_per_token for t in la.terms[_mlp_saves_start(la):last] if not t.module)
     if separate:  # (a fused gate_up Linear runs its backward after both halves')
         freed -= c * mlp.intermediate_size
     return extra, int(freed * tokens)
 
 
+def _mlp_saves_start(la: LayerActivations) -> int:
+    """The index of the first of a layer's terms that its MLP's Linears and activation save: after the MLP input's
+    terms (its norm output, the adapters' copies), or after the post-attention norm's where nothing keeps that
+    input (frozen gate and up projections)."""
+    modules = [t.module for t in la.terms]
+    before = "mlp_input" if "mlp_input" in modules else "post_attention_norm"
+    return len(modules) - modules[::-1].index(before)
+
+
 def _has_bias(spec: ModelSpec, la: LayerActivations, linear: str) -> bool:
     return any(t.name == f"{linear}.bias" for t in layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors))
+
+
+def _adapted_down(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> list:
+    """The adapted down projection (down_proj, fc2) of a LoRA layer, as an _adapter_sites entry; empty where it is
+    frozen."""
+    return [site for site in _adapter_sites(spec, la, p, finetune) if site[1] == "down_input"]
 
 
 def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune, every: bool = False):
@@ -435,7 +449,7 @@ def _adapted_down_gradient(spec: ModelSpec, la: LayerActivations, p: Precision, 
     cast back from the promoted sum (traced: GPT-2 all-linear, pure-bf16 with full checkpointing)."""
     from .lora import adapter_bytes_per_value
 
-    down = [site for site in _adapter_sites(spec, la, p, finetune) if site[1] == "down_input"]
+    down = _adapted_down(spec, la, p, finetune)
     c = p.compute
     ab = adapter_bytes_per_value(finetune.lora, c)
     if not down or p.autocast or ab == c or finetune.lora.dora:
@@ -456,7 +470,7 @@ def _adapter_recompute_gradient(spec: ModelSpec, la: LayerActivations, p: Precis
 
     if not la.checkpointed:
         return 0
-    down = [site for site in _adapter_sites(spec, la, p, finetune) if site[1] == "down_input"]
+    down = _adapted_down(spec, la, p, finetune)
     if not down:
         return 0
     c = p.compute
@@ -477,14 +491,14 @@ def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precisi
     _adapter_forward_transients)."""
     from .lora import adapter_bytes_per_value
 
-    fp32_adapters = adapter_bytes_per_value(finetune.lora, p.compute)
+    adapter_bytes = adapter_bytes_per_value(finetune.lora, p.compute)
     c, w, h = p.compute, p.residual, spec.hidden_size
-    ab = c if p.autocast else fp32_adapters  # (under autocast lora_B's matmul, so its output, is in half)
+    ab = c if p.autocast else adapter_bytes  # (under autocast lora_B's matmul, so its output, is in half)
     # unsaved locals of the layer: the norm output (attention), the residual and the norm output (MLP)
     locals_ = {"qkv_input": c * h, "o_input": 0, "mlp_input": 2 * w * h, "down_input": 2 * w * h}
     # under autocast the inputs of o and down are half tensors, which peft copies to the adapters' fp32 (its
     # _cast_input_dtype) before lora_A casts them back: the fp32 copy is a local of the adapted Linear (traced)
-    half_inputs_copied = p.autocast and fp32_adapters != c
+    half_inputs_copied = p.autocast and adapter_bytes != c
     order = [t.module for t in la.terms]
     out = []
     # under autocast every Linear's matmul keeps its weight's half copy (and each adapter's, rank x (in + out))
@@ -532,7 +546,7 @@ def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precisi
                 local += c * width_in  # (down_proj's argument, which only its adapter's copy saves)
         if input_is_saved and any(t.module == "input_norm" for t in done):
             saved -= w * h  # (the layer input, in the layer's kept bytes)
-        copy = fp32_adapters * width_in if half_inputs_copied and site in ("o_input", "down_input") else 0
+        copy = adapter_bytes * width_in if half_inputs_copied and site in ("o_input", "down_input") else 0
         # Where this adapter saves the layer's last tensor (down_proj's, unless a norm follows), the recompute stops
         # there (torch.utils.checkpoint's early stop): at lora_B's matmul, before its output; with DoRA at the
         # second product, before it (traced)
@@ -544,8 +558,8 @@ def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precisi
         # DoRA: the adapters of this input's later Linears have saved nothing yet; at the weight norm this one's
         # A output and outputs do not exist either, only its base output (_dora_site)
         saved -= sum(own(later[2], later[3]) for later in sites[index + 1:] if later[1] == site)
-        (_, norm), (per_token, fixed) = _dora_site(finetune, p, width_in, width_out, tokens, saving=True,
-                                                       stops=stops, bias=_has_bias(spec, la, name))
+        (_, norm), (per_token, fixed) = _dora_site(finetune, p, width_in, width_out, saving=True, stops=stops,
+                                                       bias=_has_bias(spec, la, name))
         out.append((int((saved - own(width_in, width_out) + before + local) * tokens),
                     int((c * width_out + (ab * width_in if ab != c else 0)) * tokens) + norm))
         out.append((int((saved + before + local) * tokens), int(per_token * tokens) + fixed))
@@ -649,7 +663,7 @@ class _LayerBytes:
     fp32 output (its Linears keep half copies instead), is alive too: the caller's frame holds it during the
     call (``self.mlp(self.post_attention_layernorm(x))``). A dropout after the MLP has not run: its mask, part of
     the layer's activations, does not exist yet."""
-    recompute_adapters: tuple[tuple[int, int], ...]
+    adapter_moments: tuple[tuple[int, int], ...]
     """LoRA under full checkpointing: (what the layer holds beyond its kept input, the temporaries) at each adapted
     Linear's adapter sum during the layer's recompute (_adapter_recompute_moments); for DoRA without checkpointing,
     the same moments of the layer's forward (beyond its input)."""
@@ -761,10 +775,11 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         attention_live = attention_part - int(la.attention_released * tokens)
         if la.checkpointed:
             attention_live += kept + (full - int(la.bytes_per_token * tokens) - la.constant_bytes)
+        dora_transient, dora_freed = _dora_backward(spec, la, p, tokens, finetune) if finetune is not None else (0, 0)
         item = _LayerBytes(
             kept=kept, full=full, product=(_mlp_bytes(layer, p) * _mlp_width(layer) * tokens if finetune is None else
                                            _down_input_kept(la, tokens)) + down_copy + frozen_down_copy
-            + freed_before_mlp + (_dora_backward(spec, la, p, tokens, finetune)[1] if finetune is not None else 0),
+            + freed_before_mlp + dora_freed,
             down_grad=_param_bytes(down, gradients_of.gradient_bytes),
             # Under autocast the matmul's weight gradient is first made in the half copy's dtype; its cast to the
             # parameter's comes after the layer's down-projection input is freed (traced).
@@ -776,8 +791,7 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                  + p.compute * down + _param_bytes(down, gradients_of.gradient_bytes))
                                 if down_copy else (0, 0)),
             grads=_param_bytes(sum(t.numel for t in tensors), gradients_of.gradient_bytes),
-            transient=_mlp_transient(spec, la, p, tokens, settings)
-            + (_dora_backward(spec, la, p, tokens, finetune)[0] if finetune is not None else 0),
+            transient=_mlp_transient(spec, la, p, tokens, settings) + dora_transient,
             forward_transient=_forward_transient(spec, la, p, tokens,
                                                  _layer_casts(spec, la, p) if cached else (0, 0))
             + (_adapter_forward_transients(spec, la, p, tokens, finetune) if finetune is not None else ()),
@@ -796,8 +810,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             attention_transient=int((la.attention_backward + p.residual * spec.hidden_size) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens)
-            + (_frozen_down_recompute_end(spec, la, p, adapted) * tokens if finetune is not None else 0),
-            recompute_adapters=(() if finetune is None else
+            + (_frozen_down_recompute_end(spec, la, p, finetune) * tokens if finetune is not None else 0),
+            adapter_moments=(() if finetune is None else
                                 _adapter_recompute_moments(spec, la, p, tokens, finetune) if la.checkpointed else
                                 _adapter_recompute_moments(spec, la, p, tokens, finetune, recompute=False)
                                 if finetune.lora.dora else ()),
@@ -849,19 +863,11 @@ def _compiled_mlp_backward(spec: ModelSpec, la: LayerActivations, p: Precision, 
     down_grad = 0 if finetune is not None else c * _numel(tensors, *_DOWN_PROJECTIONS)
     upcast = 4 * FP32 * i if c != FP32 else 2 * FP32 * i
     # what the layer saved from gate_proj on (gate and up outputs; the product where down_proj keeps it)
-    modules = [t.module for t in la.terms]
-    start = len(modules) - modules[::-1].index("mlp_input") if "mlp_input" in modules else \
-        len(modules) - modules[::-1].index("post_attention_norm")
-    freed = sum(t.bytes_per_token for t in la.terms[start:])
+    freed = sum(t.bytes_per_token for t in la.terms[_mlp_saves_start(la):])
     # an I-wide half gradient beside the fp32 chain where down_proj takes a gradient (full fine-tuning, or an
     # adapter on it); with a frozen down_proj the traced moment has none
-    down_trained = finetune is None or bool(adapted_down(spec, la, p, finetune))
+    down_trained = finetune is None or bool(_adapted_down(spec, la, p, finetune))
     return int(freed * tokens), (upcast + c * i * down_trained + (p.residual + c) * h) * tokens + down_grad
-
-
-def adapted_down(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> list:
-    """The adapted down projection of a LoRA layer, as an _adapter_sites entry (empty where it is frozen)."""
-    return [site for site in _adapter_sites(spec, la, p, finetune) if site[1] == "down_input"]
 
 
 def _compiled_gradient_copies(tensors, gradients_of: Recipe) -> int:
@@ -1141,16 +1147,16 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         # DoRA: each adapted Linear's weight norm and output products in the last layer, beside everything saved
         # before it and its input (_dora_site)
         before_last = layers_saved - layers[-1].kept + p.residual * h * tokens + acts.kv_cache_bytes + acts.mask_bytes
-        for held, transient in layers[-1].recompute_adapters:
+        for held, transient in layers[-1].adapter_moments:
             candidates_fw.append(Phase("forward", "last layer's DoRA adapter", weights, grads_in_forward, states,
                                        before_last + held + transient, 0))
-        mlp = last.layer.mlp
         if settings.compile and layers[-1].compiled_mlp[1] and p.compute != FP32:
             # The compiled layer's SiLU, decomposed (aot_eager_decomp_partition): the gate upcast to fp32 and two
             # fp32 steps of its sigmoid at once, before up and the product exist (traced: a scaled Qwen2, where
             # this is the forward's peak; inductor fuses the chain, so on a GPU it may hold less)
             # Not made yet: up's output, and the product where down_proj keeps it; held though not kept: the MLP's
             # input, where frozen gate and up projections keep nothing (LoRA)
+            mlp = last.layer.mlp
             not_yet = (1 + any(t.module == "down_input" for t in last.terms)) * p.compute * mlp.intermediate_size
             held = 0 if any(t.module == "mlp_input" for t in last.terms) else p.compute * h
             candidates_fw.append(Phase(
@@ -1246,7 +1252,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                     base_kept + kept_below[index] + x.recompute_attention_end, tied_held + x.recompute_gradient))
             # The layer's forward has been recomputed (to its last saved tensor) and the gradient of its output
             # is waiting.
-            for held, transient in x.recompute_adapters:  # (what a recompute makes counts as activations)
+            for held, transient in x.adapter_moments:  # (what a recompute makes counts as activations)
                 candidates.append(Phase(
                     "backward", f"layer {index} recomputed adapter", weights,
                     max(grads_in_forward, head_grad + grads_above), states,
