@@ -49,6 +49,20 @@ class Term:
     "autocast_weight_copy"; "back_from_host" for the offloaded layer inputs backward has brought back."""
 
 
+# Term kinds the attention formulas look terms up by (module ""): what a term is, whatever its label says.
+SOFTMAX_PROBABILITIES = "softmax_probabilities"
+"""The eager softmax's output, in the softmax's dtype (fp32 when its bytes per token are 4 x heads x seq)."""
+COMPUTE_PROBABILITIES = "compute_probabilities"
+"""The probabilities cast to the compute dtype or dropped out: what the matmul with v keeps."""
+DROPOUT_MASK = "attention_dropout_mask"
+CONTIGUOUS_OUTPUT = "attention_contiguous_output"
+"""Eager attention's output made contiguous for o_proj."""
+SAVED_V = "attention_saved_v"
+"""The v the eager matmul with the probabilities keeps (repeated, or a view keeping the fused projection)."""
+ALIBI_MASK_COPY = "alibi_mask_copy"
+"""Falcon's ALiBi float mask cast or padded per layer for the memory-efficient kernel."""
+
+
 @dataclass(frozen=True)
 class Precision:
     """The byte sizes an activation formula needs, derived from the recipe."""
@@ -442,7 +456,7 @@ def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precis
     # Eager, at the softmax: under autocast or in fp32 the scores (plus the fp32 mask) are fp32, so input and output
     # are; in half precision a family that asks for an fp32 softmax also holds the upcast copy of its half input;
     # GPT-2 and Falcon take it in the half dtype.
-    upcasts = any(t.name == "softmax probabilities (fp32)" for t in attention.terms)
+    upcasts = any(t.kind == SOFTMAX_PROBABILITIES and t.bytes_per_token == FP32 * a * s for t in attention.terms)
     if p.autocast or c == FP32:
         scores = 2 * FP32
     else:
@@ -501,12 +515,11 @@ def eager_softmax_moment(terms: list[Term], p: Precision, a: int, s: int) -> tup
     fp32 under autocast or in fp32, where the fp32 mask promotes them) and, for an fp32 softmax of half scores, the
     upcast copy are alive beside what is saved; the terms after the softmax do not exist yet."""
     c = p.compute
-    probs = next(t.bytes_per_token for t in terms if t.name.startswith("softmax probabilities")) / (a * s)
+    probs = next(t.bytes_per_token for t in terms if t.kind == SOFTMAX_PROBABILITIES) / (a * s)
     scores = FP32 if p.autocast or c == FP32 else c
     extra = scores + (FP32 if probs == FP32 and scores != FP32 else 0)
-    after = sum(t.bytes_per_token for t in terms if t.name in (
-        "probabilities in compute dtype (matmul with v)", "attention dropout mask",
-        "attention output, contiguous (o_proj input)"))
+    after = sum(t.bytes_per_token for t in terms if t.kind in (COMPUTE_PROBABILITIES, DROPOUT_MASK,
+                                                                CONTIGUOUS_OUTPUT))
     return extra * a * s, after
 
 
@@ -515,17 +528,15 @@ def eager_backward_per_token(terms: list[Term], c: int, a: int, dv: int, s: int,
     """Eager attention's backward at its softmax: the gradient of the probabilities (in the softmax's dtype) and of
     the scores, s x s each, and the gradient of v (every head); by then the output copy, v, the probabilities the
     matmul with v kept and the dropout mask are freed."""
-    by_name = {("v" if t.name.startswith("v (a view") else t.name.split(" repeated")[0]): t.bytes_per_token
-               for t in terms}
-    probs = next(t.bytes_per_token for t in terms if t.name.startswith("softmax probabilities")) / (a * s)
+    by_kind = {t.kind: t.bytes_per_token for t in terms if t.kind}
+    probs = by_kind[SOFTMAX_PROBABILITIES] / (a * s)
     # Two s x s gradients coexist at the softmax's backward, and at the dropout's when the dropout runs on the fp32
     # probabilities (then with its mask still alive); a dropout on probabilities already cast to half has smaller
     # gradients, so the softmax's moment wins and the mask is freed by then.
     dropout_in_fp32 = probs == FP32 and dropout_bytes == FP32
-    released = sum(by_name.get(name, 0.0) for name in (
-        "v", "attention output, contiguous (o_proj input)", "probabilities in compute dtype (matmul with v)"))
+    released = sum(by_kind.get(kind, 0.0) for kind in (SAVED_V, CONTIGUOUS_OUTPUT, COMPUTE_PROBABILITIES))
     if not dropout_in_fp32:
-        released += by_name.get("attention dropout mask", 0.0)
+        released += by_kind.get(DROPOUT_MASK, 0.0)
     return released, 2 * probs * a * s + c * a * dv
 
 
@@ -549,23 +560,25 @@ def _eager_terms(spec: ModelSpec, att: Attention, p: Precision, s: int, batch: i
         if att.fused_qkv and (batch == 1 or kv == 1) and kept == kv and not use_cache:
             # GPT-NeoX/Phi-3 (RoPE makes new q and k): v is a view of the fused projection output, which the
             # matmul with v keeps whole when it needs no copy (one sequence or one head, no repeat, no cache)
-            terms.append(Term("v (a view of the fused q/k/v output, which it keeps)", c * (a * d + kv * (d + dv))))
+            terms.append(Term("v (a view of the fused q/k/v output, which it keeps)", c * (a * d + kv * (d + dv)),
+                              kind=SAVED_V))
         else:
-            terms.append(Term("v" + repeated, c * kept * dv))
+            terms.append(Term("v" + repeated, c * kept * dv, kind=SAVED_V))
     # The softmax's dtype: fp32 where the family upcasts (Llama and most) or autocast does (CUDA's list), else the
     # scores' dtype (GPT-2, Falcon, OPT compute it in the matmul's dtype without autocast).
     softmax_fp32 = p.autocast or spec.traits.eager_attention != "gpt2"
     probs = FP32 if softmax_fp32 else c
-    terms.append(Term("softmax probabilities" + (" (fp32)" if probs == FP32 else ""), probs * a * s))
+    terms.append(Term("softmax probabilities" + (" (fp32)" if probs == FP32 else ""), probs * a * s,
+                      kind=SOFTMAX_PROBABILITIES))
     if probs != c or dropout > 0:
         # the probabilities cast to the compute dtype, or dropped out, are what the matmul with v keeps
-        terms.append(Term("probabilities in compute dtype (matmul with v)", c * a * s))
+        terms.append(Term("probabilities in compute dtype (matmul with v)", c * a * s, kind=COMPUTE_PROBABILITIES))
     if dropout > 0:
-        terms.append(Term("attention dropout mask", MASK * a * s))
+        terms.append(Term("attention dropout mask", MASK * a * s, kind=DROPOUT_MASK))
     if att.logit_softcap:
         # attn_logit_softcapping: scores / cap -> tanh -> * cap; tanh keeps its output.
         terms.append(Term("attention softcapping tanh output", c * a * s))
-    terms.append(Term("attention output, contiguous (o_proj input)", c * a * dv))
+    terms.append(Term("attention output, contiguous (o_proj input)", c * a * dv, kind=CONTIGUOUS_OUTPUT))
     return terms
 
 
@@ -595,7 +608,8 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         kept_heads = 1 if one_head else a
         kv_name = "" if one_head else ", every head"
         terms += [Term("q", c * a * d), Term("k" + kv_name, c * kept_heads * d), Term("v" + kv_name, c * kept_heads * d),
-                  Term("softmax probabilities" + (" (fp32)" if r == FP32 else ""), r * a * s)]
+                  Term("softmax probabilities" + (" (fp32)" if r == FP32 else ""), r * a * s,
+                       kind=SOFTMAX_PROBABILITIES)]
         if dropout > 0:
             terms.append(Term("attention dropout mask", MASK * a * s))
         if r != c or dropout > 0:
@@ -660,7 +674,7 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
                               c * efficient_mask_width(s)))
         elif r != c or s % EFFICIENT_MASK_MULTIPLE:  # the ALiBi float mask, cast or padded per call
             terms.append(Term("ALiBi mask cast/padded per layer (heads x padded columns)",
-                              c * a * efficient_mask_width(s)))
+                              c * a * efficient_mask_width(s), kind=ALIBI_MASK_COPY))
         extra = (0.0 if qk_bytes == c else k_cache) + (0.0 if v_bytes == c else v_cache)
         return AttentionTerms(tuple(terms), EFFICIENT, extra, 0.0, 0.0, c * 4 * a * d)  # dq, dk, dv, d(output)
     # A single key/value head broadcast over one sequence's heads reshapes without a copy (stride 0)
@@ -734,7 +748,7 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
               + q_bytes * a * qk + c * a * qk + kv_b_out)
     if kernel == EAGER:
         terms += [Term("q", c * a * qk), Term("k", c * a * qk),
-                  Term("softmax probabilities (fp32)", FP32 * a * s)]
+                  Term("softmax probabilities (fp32)", FP32 * a * s, kind=SOFTMAX_PROBABILITIES)]
         if c != FP32 or dropout > 0:
             terms.append(Term("probabilities in compute dtype (matmul with v)", c * a * s))
         if dropout > 0:
@@ -1218,7 +1232,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         # Checkpointed layers receive the masks as keyword arguments, which the checkpoints keep for the recompute,
         # so they live until the first layer's backward (traced); without checkpointing they die with the forward.
         constant.append(Term("attention masks kept for the recompute", masks_used))
-    elif masks_used and any(la.kernel == EFFICIENT and not any(t.name.startswith("ALiBi mask") for t in la.terms)
+    elif masks_used and any(la.kernel == EFFICIENT and not any(t.kind == ALIBI_MASK_COPY for t in la.terms)
                             for la in layers if la.layer.attention.rotary_dim == 0 and spec.traits.block == "falcon"):
         # Falcon's ALiBi mask reaches the memory-efficient kernel uncopied (already in q's dtype, width a multiple
         # of 16), and the kernel keeps it for backward: one tensor shared by every layer (traced).

@@ -292,7 +292,7 @@ class FineTune:
 
         out = []
         if self.base_quant in ("nf4", "fp4"):
-            largest = max((t.numel for g in spec.param_groups if g.name.startswith("layers") for t in g.tensors
+            largest = max((t.numel for g in spec.param_groups if g.is_layer for t in g.tensors
                            if _linear_weight(t, QUANTIZED_ROLES)), default=0)
             out.append(Buffer("a dequantized base weight", p.compute * largest, "temporaries",
                               ("forward:layer", "backward:layer"), "the largest Linear of a layer, while it computes"))

@@ -163,8 +163,11 @@ class ParamGroup:
     """A set of parameter tensors that appears ``repeat`` times (one per identical layer)."""
 
     name: str
+    """For people (``--explain``, the JSON); what a group is lives in ``is_layer``."""
     repeat: int
     tensors: tuple[ParamTensor, ...]
+    is_layer: bool = False
+    """A run of decoder layers (FSDP2 wraps each one; a QLoRA base dequantizes one Linear of it at a time)."""
 
     @property
     def numel_each(self) -> int:
@@ -452,7 +455,7 @@ def parameter_groups(spec: ModelSpec) -> tuple[ParamGroup, ...]:
     for layer, count in spec.layer_runs:
         kind = "moe" if layer.moe else "dense"
         label = f"layers[{first}:{first + count}] ({kind})"
-        groups.append(ParamGroup(label, count, tuple(layer_tensors(layer, h, spec.norm_vectors))))
+        groups.append(ParamGroup(label, count, tuple(layer_tensors(layer, h, spec.norm_vectors)), is_layer=True))
         first += count
     if not spec.has_head:
         return tuple(groups)

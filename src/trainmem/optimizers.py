@@ -89,7 +89,7 @@ class Optimizer:
     def state_bytes(self, groups: Iterable[ParamGroup], state_dtype_bytes: int) -> int:
         total = self.fixed_bytes
         for group in groups:
-            in_layers = group.name.startswith("layers")
+            in_layers = group.is_layer
             for t in group.tensors:
                 fn = self.state_fn
                 if self.layer_matrices_only_fn and in_layers and len(t.shape) == 2:

@@ -369,14 +369,14 @@ def _zero_elements(spec: ModelSpec, numel: int, world: int, experts_split: int) 
 
 def _groups(spec: ModelSpec) -> list[tuple[int, list[ParamTensor]]]:
     """FSDP2's communication groups as (repeat, tensors): one per decoder layer, and the root (everything else)."""
-    layers = [(g.repeat, list(g.tensors)) for g in spec.param_groups if g.name.startswith("layers")]
-    root = [t for g in spec.param_groups if not g.name.startswith("layers") for t in g.tensors]
+    layers = [(g.repeat, list(g.tensors)) for g in spec.param_groups if g.is_layer]
+    root = [t for g in spec.param_groups if not g.is_layer for t in g.tensors]
     return layers + ([(1, root)] if root else [])
 
 
 def _largest_layer(spec: ModelSpec) -> int:
     """Parameters of the largest decoder layer."""
-    return max((g.numel_each for g in spec.param_groups if g.name.startswith("layers")), default=0)
+    return max((g.numel_each for g in spec.param_groups if g.is_layer), default=0)
 
 
 def rank_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_full: int,

@@ -1,0 +1,122 @@
+"""Names are for people: rewriting every display label (a saved tensor's Term name, a parameter group's name) must
+not move a single byte of any estimate. The timeline and the formulas find tensors by their typed fields (``kind``,
+``module``, ``ParamGroup.is_layer``), never by what a label says."""
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from trainmem import activations, models, stepmodel
+from trainmem.errors import ConfigError
+from trainmem.estimate import estimate_model
+from trainmem.lora import FineTune, LoraOptions
+from trainmem.models import spec_from_config
+from trainmem.settings import make_settings
+from trainmem.validate import random_case
+
+REWRITES = {
+    "prefix": lambda name: "label: " + name,
+    "brackets": lambda name: name.replace("(", "[").replace(")", "]"),
+    "reversed": lambda name: name[::-1],
+    "upper": lambda name: name.upper(),
+}
+
+
+def _phases(spec, training, finetune=None) -> dict:
+    stepmodel._ACTIVATIONS.clear()  # (computed anew: the cache would answer with the other labels' activations)
+    return {p.name: p.by_category() for p in estimate_model(spec, training, finetune=finetune).phases}
+
+
+@pytest.fixture
+def relabel(monkeypatch):
+    """Patch every Term and ParamGroup built from now on to carry ``rewrite(name)`` as its label."""
+
+    def apply(rewrite):
+        for cls in (activations.Term, models.ParamGroup):
+            original = cls.__init__
+
+            def init(self, name, *args, _original=original, **kwargs):
+                _original(self, rewrite(name), *args, **kwargs)
+
+            monkeypatch.setattr(cls, "__init__", init)
+
+    return apply
+
+
+def _draw_case(data):
+    config, training = random_case(lambda label, options: data.draw(st.sampled_from(tuple(options)), label=label))
+    return config, make_settings(**training)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(data=st.data(), rewrite=st.sampled_from(sorted(REWRITES)))
+def test_rewritten_labels_leave_every_phase_unchanged(data, rewrite):
+    config, training = _draw_case(data)
+    try:
+        if training.checkpointing == "none" and data.draw(st.booleans(), label="selective"):
+            training = dataclasses.replace(training, checkpointing="selective")
+        plain = _phases(spec_from_config(config), training)
+    except ConfigError:
+        return  # (a set-up the estimate refuses, e.g. selective checkpointing under autocast)
+    with pytest.MonkeyPatch.context() as patch:
+        for cls in (activations.Term, models.ParamGroup):
+            original = cls.__init__
+
+            def init(self, name, *args, _original=original, **kwargs):
+                _original(self, REWRITES[rewrite](name), *args, **kwargs)
+
+            patch.setattr(cls, "__init__", init)
+        spec = spec_from_config(config)
+        # the rewrite reached the labels (the test would prove nothing otherwise)
+        assert all(g.name.startswith("label: ") for g in spec.param_groups) or rewrite != "prefix"
+        relabelled = _phases(spec, training)
+    assert relabelled == plain
+
+
+LLAMA = dict(model_type="llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+             intermediate_size=688, vocab_size=4096, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("rewrite", sorted(REWRITES))
+@pytest.mark.parametrize("targets, dora, dropout, checkpointing, recipe", [
+    (("q", "v"), False, 0.0, "none", "pure-bf16-bf16states"),
+    (("all-linear",), False, 0.0, "full", "amp-bf16"),
+    (("q", "k", "v", "o"), False, 0.1, "full", "amp-bf16"),
+    (("all-linear",), True, 0.0, "full", "fp32"),
+])
+def test_rewritten_labels_leave_lora_estimates_unchanged(relabel, rewrite, targets, dora, dropout, checkpointing,
+                                                         recipe):
+    training = make_settings(recipe=recipe, checkpointing=checkpointing, batch=2, seq=256)
+    finetune = FineTune(LoraOptions(8, None, targets, "auto", dropout, dora, ()), None, False)
+    plain = _phases(spec_from_config(LLAMA), training, finetune)
+    relabel(REWRITES[rewrite])
+    assert _phases(spec_from_config(LLAMA), training, finetune) == plain
+
+
+def test_the_patch_reaches_the_labels(relabel):
+    relabel(REWRITES["prefix"])
+    spec = spec_from_config(LLAMA)
+    assert spec.param_groups and all(g.name.startswith("label: ") for g in spec.param_groups)
+    assert activations.Term("x", 1.0).name == "label: x"
+    assert dataclasses.is_dataclass(activations.Term)
+
+
+@pytest.mark.parametrize("rewrite", sorted(REWRITES))
+@pytest.mark.parametrize("layout", [
+    dict(gpus=8, fsdp="full"), dict(gpus=8, zero=3), dict(gpus=4, zero=2, offload="optimizer"),
+    dict(gpus=12, tp=2, sp=True, pp=3, zero=1), dict(gpus=2, fsdp="full", optimizer="muon"),
+    dict(optimizer="muon"), dict(optimizer="adamw-8bit"),
+])
+def test_rewritten_labels_leave_sharded_and_optimizer_estimates_unchanged(relabel, rewrite, layout):
+    from trainmem.estimate import estimate
+
+    options = dict(recipe="mixed-bf16", batch=2, seq=512, **layout)
+
+    def phases():
+        stepmodel._ACTIVATIONS.clear()
+        return {p.name: p.by_category() for p in estimate(spec_from_config(LLAMA), **options).phases}
+
+    plain = phases()
+    relabel(REWRITES[rewrite])
+    assert phases() == plain
