@@ -239,12 +239,118 @@ def test_a_sequence_past_the_position_limit_is_warned_about_and_caps_max_seq(run
     assert "no RoPE scaling" in json.loads(out)["warnings"][0]
 
 
-def test_max_batch_exits_1_when_nothing_fits(run_cli):
+def test_max_batch_answers_nothing_fits_with_exit_0(run_cli):
     code, out, _ = run_cli("estimate", "llama-2-7b", "--gpu", "A100-80GB", "--max-batch")
-    assert code == 1 and "no micro-batch fits A100-80GB" in out
+    assert code == 0 and "A100-80GB: does not fit, not even batch 1" in out
     code, out, _ = run_cli("estimate", "llama-2-7b", "--gpu", "H200", "--recipe", "pure-bf16", "--checkpointing",
                            "full", "--max-batch")
     assert code == 0 and "largest micro-batch that fits H200:" in out
+
+
+def test_405b_on_a_t4_is_not_even_batch_1_with_exit_0(run_cli):
+    """Issue 24: `estimate llama-3.1-405b --max-batch --gpu T4` exited 1."""
+    code, out, err = run_cli("estimate", "llama-3.1-405b", "--max-batch", "--gpu", "T4")
+    assert code == 0 and err == ""
+    assert out.splitlines()[0].startswith("T4: does not fit, not even batch 1")
+    code, out, _ = run_cli("estimate", "llama-3.1-405b", "--max-seq", "--gpu", "T4")
+    assert code == 0 and out.splitlines()[0].startswith("T4: does not fit, not even a sequence of 1 token")
+    code, out, _ = run_cli("estimate", "llama-3.1-405b", "--max-batch", "--max-seq", "--gpu", "T4", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["max_batch"] == 0 and doc["max_seq"] == 0
+    assert doc["gpu"]["fits"] is False and doc["gpu"]["max_micro_batch"] == 0 and doc["gpu"]["margin_bytes"] < 0
+
+
+def _doc(run_cli, *args):
+    code, out, err = run_cli(*args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_a_named_gpu_adds_one_verdict_line_to_the_same_tables(run_cli):
+    _, plain, _ = run_cli("estimate", "llama-3.2-1b", "--checkpointing", "full")
+    code, named, _ = run_cli("estimate", "llama-3.2-1b", "--checkpointing", "full", "--gpu", "H100-80GB")
+    assert code == 0 and named.startswith(plain)
+    verdict = named[len(plain):]
+    assert verdict.count("\n") == 1 and "fits at batch 1, " in verdict
+    assert verdict.startswith("H100-80GB (79.65 GiB): ") and "x 1.25 headroom, on top of the 10% fragmentation" in verdict
+    assert "--headroom 1 for the plain answer" in verdict and "largest micro-batch that fits" in verdict
+
+
+def test_the_verdict_margin_and_largest_batch_agree_with_plain_estimates(run_cli):
+    """The largest micro-batch the verdict names fits and the next does not, each estimated on its own."""
+    args = ("estimate", "llama-3.2-1b", "--seq", "1024", "--checkpointing", "full", "--gpu", "A100-40GB")
+    gpu = _doc(run_cli, *args)["gpu"]
+    n = gpu["max_micro_batch"]
+    assert gpu["fits"] is True and n > 1 and gpu["headroom"] == 1.25 and gpu["memory_source"] == "driver"
+    at_n = _doc(run_cli, *args, "--batch", str(n))
+    above = _doc(run_cli, *args, "--batch", str(n + 1))
+    assert at_n["gpu"]["fits"] is True and above["gpu"]["fits"] is False
+    assert at_n["gpu"]["margin_bytes"] == 40 * 2**30 - at_n["peak"]["required_bytes"] >= 0
+    assert above["gpu"]["margin_bytes"] < 0 and above["gpu"]["max_micro_batch"] == n
+
+
+def test_headroom_1_is_the_plain_answer_for_an_8b_lora_on_a_4090(run_cli):
+    """Issue 24: an 8B LoRA at 19.6 GiB device total was "does not fit, not even batch 1" on a 24 GiB RTX 4090
+    because the 1.25 headroom comes on top of the allowances; --headroom 1 must say it fits."""
+    args = ("estimate", "llama-3.1-8b", "--lora", "8", "--checkpointing", "full", "--gpu", "RTX-4090")
+    doc = _doc(run_cli, *args)
+    assert 19 * 2**30 < doc["peak"]["device_bytes"] < 20 * 2**30 < 24564 * 2**20 < doc["peak"]["required_bytes"]
+    assert doc["gpu"]["fits"] is False and doc["gpu"]["max_micro_batch"] == 0
+    code, out, _ = run_cli(*args)
+    assert code == 0 and "RTX-4090 (23.99 GiB): does not fit, not even batch 1" in out
+    plain = _doc(run_cli, *args, "--headroom", "1")
+    assert plain["peak"]["required_bytes"] == plain["peak"]["device_bytes"] == doc["peak"]["device_bytes"]
+    assert plain["gpu"]["fits"] is True and plain["gpu"]["max_micro_batch"] >= 1
+    assert plain["gpu"]["margin_bytes"] == 24564 * 2**20 - plain["peak"]["device_bytes"]
+    code, out, _ = run_cli(*args, "--headroom", "1")
+    assert code == 0 and "RTX-4090 (23.99 GiB): fits at batch 1" in out and "(no headroom)" in out
+
+
+def test_a_custom_gpu_memory_on_the_cli_and_the_api(run_cli):
+    doc = _doc(run_cli, "estimate", "llama-3.2-1b", "--gpu-memory", "48GiB")
+    assert doc["gpu"]["name"] == "custom 48 GiB" and doc["gpu"]["memory_bytes"] == 48 * 2**30
+    assert doc["gpu"]["memory_source"] == "--gpu-memory"
+    for text, nbytes in (("80GB", 80 * 10**9), ("49140MiB", 49140 * 2**20), ("51539607552", 51539607552)):
+        assert _doc(run_cli, "estimate", "gpt2", "--gpu-memory", text)["gpu"]["memory_bytes"] == nbytes
+    # with --gpu it replaces that card's memory: llama-2-7b pure-bf16 with full checkpointing needs ~110 GB
+    big = ("estimate", "llama-2-7b", "--recipe", "pure-bf16", "--checkpointing", "full", "--gpu", "H200")
+    assert _doc(run_cli, *big)["gpu"]["fits"] is True
+    small = _doc(run_cli, *big, "--gpu-memory", "80GB")["gpu"]
+    assert small["name"] == "H200 (80 GB)" and small["memory_bytes"] == 80 * 10**9 and small["fits"] is False
+    code, out, _ = run_cli("estimate", "gpt2", "--gpu-memory", "48GiB")
+    assert code == 0 and "custom 48 GiB" in out.splitlines()[-1]
+    from trainmem.request import make_request
+
+    assert make_request("gpt2", gpu_memory="48GiB").gpu.memory_bytes == 48 * 2**30
+    assert make_request("gpt2", gpu_memory=10**9).gpu.memory_bytes == 10**9
+    assert make_request("gpt2", gpu="T4", gpu_memory="24 GiB").gpu.name == "T4 (24 GiB)"
+    assert trainmem.estimate("llama-3.2-1b", gpu_memory="16GB").fits() is False
+    assert trainmem.estimate("llama-3.2-1b", gpu_memory="48GiB").fits() is True
+
+
+@pytest.mark.parametrize("value", ["-1GiB", "0", "0GiB", "inf", "nan", "1e400GiB", "48XB", "1.5", "", "GiB",
+                                   "2PiB", "1e20GB", "9" * 5000])
+def test_a_bad_gpu_memory_is_one_line_and_exit_2(run_cli, value):
+    code, out, err = run_cli("estimate", "gpt2", "--gpu-memory", value)
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--gpu-memory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", [-1, 0, 1.5, float("inf"), float("nan"), True, [48]])
+def test_a_bad_gpu_memory_in_the_api_is_a_config_error(value):
+    from trainmem.request import make_request
+
+    with pytest.raises(trainmem.errors.ConfigError, match="gpu-memory"):
+        make_request("gpt2", gpu_memory=value)
+
+
+def test_units_b_prints_whole_bytes_everywhere(run_cli):
+    """Issue 24: --units B printed ".00 B"."""
+    for args in (("estimate", "--params", "7e9", "--recipe", "pure-bf16"), ("estimate", "gpt2", "--gpu", "T4"),
+                 ("sweep", "gpt2", "--batch", "1,2", "--seq", "128", "--gpu", "T4")):
+        code, out, _ = run_cli(*args, "--units", "B")
+        assert code == 0 and " B" in out and ".00 B" not in out and not __import__("re").search(r"\.\d+ B", out)
+    _, out, _ = run_cli("estimate", "--params", "7e9", "--recipe", "pure-bf16", "--units", "B")
+    assert "84,000,000,000 B" in out  # 12 bytes per parameter
 
 
 def test_unknown_component_is_a_clear_error():

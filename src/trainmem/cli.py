@@ -88,6 +88,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
         zero = _one_int(options["zero"], "--zero", minimum=0)
     try:
         req = make_request(options["model"], params=options["params"], gpu=options["gpu"],
+                           gpu_memory=options["gpu_memory"],
                            headroom=options["headroom"], fragmentation=options["fragmentation"],
                            cuda_overhead=options["cuda_overhead"], hub=options["hub"], need_config=need_config,
                            gpus=gpus, gpus_per_node=options["gpus_per_node"], zero=zero, fsdp=options["fsdp"],
@@ -163,9 +164,13 @@ def _workload_options(f):
         click.option("--offload-activations", is_flag=True,
                      help="Checkpointed layers' inputs in host memory until backward (torchtune's activation "
                           "offloading; needs --checkpointing full)."),
-        click.option("--gpu", help="GPU to check (the table lists all)."),
+        click.option("--gpu", help="GPU to check (the table lists all; H100 is the SXM card): a verdict line says "
+                     "whether it fits, the margin and the largest micro-batch."),
+        click.option("--gpu-memory", help="The GPU's memory: 48GiB, 80GB, 49140MiB or bytes. With --gpu it replaces "
+                     "that card's; alone it is a custom card."),
         click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True,
-                     help="Safety factor on the device total."),
+                     help="Safety factor multiplying the device total, on top of the fragmentation and CUDA "
+                          "allowances: required = device total x headroom; 1 gives the plain answer."),
         click.option("--fragmentation", type=float, default=DEFAULT_FRAGMENTATION, show_default=True,
                      help="Caching-allocator overhead as a fraction of the dynamic memory."),
         click.option("--cuda-overhead", type=float, default=DEFAULT_CUDA_OVERHEAD_MIB, show_default=True,
@@ -223,9 +228,10 @@ def _workload_options(f):
 @_workload_options
 @click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
 @click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
-@click.option("--max-batch", is_flag=True, help="Find the largest micro-batch that fits --gpu (exit code 1 if none).")
+@click.option("--max-batch", is_flag=True, help="Find the largest micro-batch that fits --gpu (none: says \"does not fit, "
+              "not even batch 1\"; exit code 0).")
 @click.option("--max-seq", is_flag=True, help="Find the longest sequence that fits --gpu, up to the model's position "
-              "limit unless RoPE scaling extends it (exit code 1 if none).")
+              "limit unless RoPE scaling extends it (none: says so; exit code 0).")
 @click.option("--explain", is_flag=True, help="List every saved tensor of a layer.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: each phase's bytes by category, with "
               "the bytes needed and GPU capacities as lines.")
@@ -237,11 +243,13 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
     Example: trainmem estimate meta-llama/Llama-2-7b-hf --recipe mixed-bf16 --optimizer adamw
              trainmem estimate llama-3-8b --batch 4 --seq 4096 --checkpointing full --gpu H100-80GB
              trainmem estimate llama-2-7b --gpu A100-80GB --max-batch
+             trainmem estimate llama-3.1-8b --lora 8 --checkpointing full --gpu RTX-4090 --headroom 1
+             trainmem estimate llama-3-8b --gpu-memory 48GiB --checkpointing full
              trainmem estimate --params 7e9 --recipe pure-bf16 --units GB
              trainmem estimate llama-3-8b --checkpointing full --plot memory.png
     """
     from .planner import estimate_searched
-    from .report import render_estimate, to_dict
+    from .report import gpu_verdict, render_estimate, to_dict
 
     if plot:
         from .plots import check_plot_path
@@ -250,7 +258,6 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
     w = _workload(options, batch, seq)
     unit, target, as_json = w.unit, w.gpu, options["as_json"]
     est, extra = estimate_searched(w.spec, w.settings, w.device, target, w.parallel, w.finetune, max_batch, max_seq)
-    nothing_fits = any(extra.get(key) == 0 for key in ("max_batch", "max_seq"))
     if plot:
         from .plots import plot_estimate
 
@@ -263,18 +270,20 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
             if key not in extra:
                 continue
             what, value = ("micro-batch" if key == "max_batch" else "sequence length"), extra[key]
-            if not value:
-                console.print(f"[bold red]no {what} fits {target.name}, not even 1[/bold red] (exit code 1)")
+            if not value:  # an answer, not an error: exit code 0
+                least = "batch 1" if key == "max_batch" else f"a sequence of 1 token at batch {est.settings.batch}"
+                console.print(f"[bold red]{target.name}: does not fit, not even {least}[/bold red] (the estimate "
+                              f"below is at batch {est.settings.batch}, seq {est.settings.seq:,})", highlight=False,
+                              soft_wrap=True)
             elif key == "max_seq" and extra["max_seq_is_position_limit"]:
                 console.print(f"[bold]sequence length {value:,} fits {target.name}: the model's "
                               f"max_position_embeddings, the longest it takes[/bold] (shown below)")
             else:
                 console.print(f"[bold]largest {what} that fits {target.name}: {value:,}[/bold] (shown below)")
-        render_estimate(est, unit, console, target, explain)
+        verdict = gpu_verdict(est, target) if target is not None else None
+        render_estimate(est, unit, console, target, explain, verdict)
         if plot:
             console.print(f"plot written to {plot}")
-    if nothing_fits:
-        raise click.exceptions.Exit(1)
 
 
 @app.command()
@@ -389,7 +398,7 @@ def sweep(batches, seqs, plot, **options) -> None:
 
         plot_sweep(estimates, plot, unit, target)
     if as_json:
-        _emit_json({**_header("sweep"), "sweep": [to_dict(e, target) for e in estimates]})
+        _emit_json({**_header("sweep"), "sweep": [to_dict(e, target, search_batch=False) for e in estimates]})
     else:
         render_sweep(estimates, unit, _console(), target)
         if plot:

@@ -121,7 +121,50 @@ def json_safe(value):
     return value
 
 
-def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def gpu_verdict(est: Estimate, gpu: GPU, search_batch: bool = True) -> dict[str, Any]:
+    """Whether ``est`` fits ``gpu``, by how much (``margin_bytes``: the GPU's memory less the required bytes, negative
+    when short) and the largest micro-batch that fits at this sequence length and layout (``max_micro_batch``, 0 when
+    not even one; None when unknown: no peak, or ``search_batch`` False). The required bytes are the device total
+    (allocated + the caching allocator's fragmentation + the CUDA context) x ``headroom``: the headroom comes on
+    top of those allowances (estimate.peak_of_phases), and headroom 1 is the plain answer."""
+    fits = est.fits(gpu)
+    margin = None if est.peak is None else gpu.memory_bytes - est.peak.required_bytes
+    largest = None
+    if search_batch and est.peak is not None and est.model.has_architecture:
+        from .planner import max_batch
+
+        largest = max_batch(est.model, est.settings, gpu, est.device, est.parallel, est.finetune)
+    return {"fits": fits, "margin_bytes": margin, "max_micro_batch": largest, "headroom": est.device.headroom}
+
+
+def verdict_line(est: Estimate, gpu: GPU, unit: str, verdict: dict[str, Any] | None = None) -> str:
+    """One line: fits or not on ``gpu``, the margin in ``unit``, the largest micro-batch, and what the required
+    bytes include."""
+    v = verdict or gpu_verdict(est, gpu)
+    if v["fits"] is None:
+        return f"{gpu.name}: whether it fits is unknown: the step's peak needs its activations (the notes say why)"
+    dev, s = est.device, est.settings
+    margin, largest = v["margin_bytes"], v["max_micro_batch"]
+    if v["fits"]:
+        answer = f"fits at batch {s.batch}, {format_bytes(margin, unit)} to spare"
+    elif largest == 0:
+        answer = f"does not fit, not even batch 1 ({format_bytes(-margin, unit)} short at batch {s.batch})"
+    else:
+        answer = f"does not fit at batch {s.batch}, {format_bytes(-margin, unit)} short"
+    if largest:
+        answer += f"; largest micro-batch that fits: {largest:,} at seq {s.seq:,}"
+    allowances = (f"{dev.fragmentation:.0%} fragmentation and {format_bytes(dev.cuda_overhead_bytes, 'MiB', 0)} CUDA "
+                  "allowances")
+    basis = (f"required = device total x {dev.headroom:g} headroom, on top of the {allowances}; --headroom 1 "
+             "for the plain answer" if dev.headroom != 1 else
+             f"required = device total (no headroom), the {allowances} included")
+    return f"{gpu.name} ({format_bytes(gpu.memory_bytes, unit)}): {answer} ({basis})"
+
+
+def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None = None,
+            search_batch: bool = True) -> dict[str, Any]:
+    """The estimate document; with ``gpu``, its verdict (gpu_verdict; ``search_batch`` False leaves
+    ``max_micro_batch`` null, as a sweep's many estimates do)."""
     m = est.model
     static: dict[str, Any] = {
         c.name: {"dtype": c.dtype, "bytes": c.bytes, "bytes_per_param": round(c.bytes_per_param, 6), "note": c.note}
@@ -155,7 +198,10 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
         doc["fits"] = est.fit_table()
         doc["fits_unknown_reason"] = None
     if gpu is not None:
-        doc["gpu"] = {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "fits": est.fits(gpu)}
+        verdict = gpu_verdict(est, gpu, search_batch)
+        doc["gpu"] = {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "memory_source": gpu.memory_source,
+                      "fits": verdict["fits"], "margin_bytes": verdict["margin_bytes"],
+                      "max_micro_batch": verdict["max_micro_batch"], "headroom": verdict["headroom"]}
     if est.per_gpu:
         _parallel_keys(est, doc)
     if est.finetune is not None:
@@ -215,8 +261,10 @@ def _layout_words(parallel) -> str:
     return f"{parallel.gpus} ({' x '.join(axes)}{engine})"
 
 
-def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, explain: bool = False) -> None:
-    """Print the breakdown tables to a rich console."""
+def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, explain: bool = False,
+                    verdict: dict[str, Any] | None = None) -> None:
+    """Print the breakdown tables to a rich console, and with ``gpu`` the verdict line (``verdict``: gpu_verdict's,
+    when the caller has it)."""
     from rich.table import Table
 
     m, s = est.model, est.settings
@@ -268,6 +316,8 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
     for note in est.notes:
         console.print(f"[dim]note: {note}[/dim]")
     render_warnings(est, console)
+    if gpu is not None:  # last, where the eye lands
+        console.print(f"[bold]{verdict_line(est, gpu, unit, verdict)}[/bold]", highlight=False, soft_wrap=True)
 
 
 def _render_per_rank(est: Estimate, unit: str, console) -> None:
@@ -358,11 +408,14 @@ def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
     fits.add_column(f"memory ({unit})", justify="right")
     fits.add_column("fits", justify="center")
     fits.add_column("bf16", justify="center")
-    for name, g in GPUS.items():
+    listed = list(GPUS.values())
+    if gpu is not None and gpu not in listed:  # a --gpu-memory card
+        listed.append(gpu)
+    for g in listed:
         ok = est.fits(g)
         style = "bold" if gpu is not None and g.name == gpu.name else None
-        fits.add_row(name, format_bytes(g.memory_bytes, unit), "[green]yes[/green]" if ok else "[red]no[/red]",
-                     "yes" if g.bf16 else "no", style=style)
+        fits.add_row(g.name, format_bytes(g.memory_bytes, unit), "[green]yes[/green]" if ok else "[red]no[/red]",
+                     "?" if g.bf16 is None else "yes" if g.bf16 else "no", style=style)
     console.print(fits)
 
 
@@ -396,13 +449,14 @@ def render_sweep(estimates: list[Estimate], unit: str, console, gpu: GPU | None)
     table.add_column("required", justify="right")
     if gpu is not None:
         table.add_column(f"fits {gpu.name}", justify="center")
+        table.add_column("margin", justify="right")
     for e in estimates:
         assert e.peak is not None
         row = [str(e.parallel.gpus), _engine_words(e.parallel) if e.per_gpu else "one GPU"] if layouts else []
         row += [str(e.settings.batch), str(e.settings.seq), format_bytes(e.activation_bytes or 0, unit), e.peak.phase,
                format_bytes(e.peak.allocated_bytes, unit), format_bytes(e.peak.required_bytes, unit)]
         if gpu is not None:
-            row.append("yes" if e.fits(gpu) else "no")
+            row += ["yes" if e.fits(gpu) else "no", format_bytes(gpu.memory_bytes - e.peak.required_bytes, unit)]
         table.add_row(*row)
     console.print(table)
 
