@@ -381,3 +381,61 @@ def test_estimate_names_what_is_not_validated(run_cli):
         notes = estimate("gpt2", **settings).notes
         assert any(n.startswith("not validated:") and words in n for n in notes), notes
     assert not any("not validated" in n for n in estimate("gpt2").notes)
+
+
+@pytest.mark.parametrize("flag", [("--gpu", "H100"), ("--gpu-memory", "48GiB"), ("--headroom", "1"),
+                                  ("--headroom", "1.25"), ("--fragmentation", "0.2"), ("--cuda-overhead", "100"),
+                                  ("--ddp-bucket-view",), ("--gpus-per-node", "1")])
+def test_measure_refuses_the_flags_it_would_ignore(run_cli, flag):
+    """Issue 24: measure accepted --gpu and --headroom and ignored them (refused before torch is imported)."""
+    code, out, err = run_cli("measure", "gpt2", "--device", "cpu", *flag)
+    assert code == 2 and out == "" and err.count("\n") == 1 and flag[0] in err and "trainmem estimate" in err
+
+
+def test_a_bf16_recipe_on_a_cpu_without_bf16(run_cli, monkeypatch, tmp_path):
+    """Issue 24: the README's measure ran 19.5 minutes silently on an AVX2 CPU (bf16 emulated). A bf16 recipe the
+    user chose is refused in one line; the default one becomes fp32, said in one line (test_measure runs it)."""
+    from trainmem import measure
+    from trainmem.settings import make_settings
+
+    monkeypatch.setattr(measure, "cpu_bf16_native", lambda: False)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                                "vocab_size": 211}))
+    for recipe in ("mixed-bf16", "amp-bf16", "pure-bf16"):
+        code, out, err = run_cli("measure", str(path), "--device", "cpu", "--recipe", recipe)
+        assert code == 2 and out == "" and err.count("\n") == 1
+        assert f"--recipe {recipe} computes in bf16" in err and "no native bf16" in err and "--recipe fp32" in err
+    default = make_settings()
+    chosen, line = measure.recipe_for_cpu(default, "cpu", recipe_given=False)
+    assert chosen.recipe == "fp32" and default.recipe in line and "fp32" in line
+    assert chosen.batch == default.batch and chosen.optimizer == default.optimizer
+    for settings, device in ((make_settings(recipe="fp32"), "cpu"), (make_settings(recipe="amp-fp16"), "cpu"),
+                             (default, "cuda"), (default, "cuda:1")):
+        assert measure.recipe_for_cpu(settings, device, recipe_given=True) == (settings, None)
+    for known in (True, None):  # native bf16, or a CPU that cannot be told: run what was asked
+        monkeypatch.setattr(measure, "cpu_bf16_native", lambda: known)
+        assert measure.recipe_for_cpu(default, "cpu", recipe_given=True) == (default, None)
+
+
+def test_cpu_bf16_detection_from_the_cpu_flags(monkeypatch):
+    import platform
+
+    pytest.importorskip("torch")
+    import torch
+
+    from trainmem import measure
+
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.delattr(torch.cpu, name, raising=False)  # older torch: the flags decide
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for flags, expected in (({"avx2", "fma"}, False), ({"avx2", "avx512f", "avx512_bf16"}, True),
+                            ({"avx2", "amx_bf16", "amx_tile"}, True), (set(), None)):
+        monkeypatch.setattr(measure, "_cpuinfo_flags", lambda flags=flags: flags)
+        assert measure.cpu_bf16_native() is expected, flags
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    for flags, expected in (({"fp", "asimd", "bf16"}, True), ({"fp", "asimd"}, False)):
+        monkeypatch.setattr(measure, "_cpuinfo_flags", lambda flags=flags: flags)
+        assert measure.cpu_bf16_native() is expected
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    assert measure.cpu_bf16_native() is None

@@ -129,6 +129,12 @@ def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     return values
 
 
+MEASURE_IGNORES = ("gpu", "gpu_memory", "headroom", "fragmentation", "cuda_overhead", "gpus_per_node",
+                   "ddp_bucket_view")
+"""Workload flags that change only the estimate's device-side figures or a multi-GPU layout: measure, which runs
+one process and compares allocated bytes, refuses them in one line rather than ignore them."""
+
+
 def _one_process(w: _Workload, command: str) -> None:
     if w.parallel is not None and (w.parallel.engine != "single" or w.parallel.is_model_parallel):
         raise ConfigError(f"{command} runs one process: --gpus above 1, --zero, --fsdp, --tp, --pp, --cp and --ep "
@@ -420,12 +426,20 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     \b
     Example: trainmem measure gpt2 --batch 2 --seq 256 --recipe fp32 --device cpu
     """
+    from click.core import ParameterSource
+
     from .estimate import estimate_model
-    from .measure import measure_steps, refuse_unmeasurable
+    from .measure import measure_steps, recipe_for_cpu, refuse_unmeasurable, resolve_device
     from .units import format_bytes
 
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
+    ctx = click.get_current_context()
+    given = {name for name in ctx.params if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
+    ignored = [f"--{name.replace('_', '-')}" for name in MEASURE_IGNORES if name in given]
+    if ignored:
+        raise ConfigError(f"measure runs the step and compares allocated bytes: {', '.join(ignored)} only change "
+                          "what estimate says fits a GPU (use trainmem estimate for that)")
     w = _workload(options, batch, seq, need_config="measure")
     refuse_unmeasurable(w.finetune)
     for flag, on in (("--optimizer-in-backward", w.settings.optimizer_in_backward), ("--compile", w.settings.compile),
@@ -436,11 +450,30 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     from .step import check_runnable
 
     check_runnable(w.settings, device)
-    spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
+    from rich.console import Console
+
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)  # progress on stderr: --json keeps stdout
+    device = resolve_device(device)
+    settings, changed = recipe_for_cpu(w.settings, device, "recipe" in given)
+    if changed:
+        errors.print(f"measure: {changed}")
+    spec, unit, as_json = w.spec, w.unit, options["as_json"]
     config = w.config
     est = estimate_model(spec, settings, w.device, finetune=w.finetune)
+
+    def progress(step: int, total: int, seconds: float | None) -> None:
+        if step == 0 and seconds is None:
+            what = (f"building {spec.name} ({spec.num_parameters:,} parameters, random weights) on {device}, "
+                    f"{settings.recipe}, batch {settings.batch} x seq {settings.seq:,} ...")
+        elif step == 0:
+            what = f"built in {seconds:.1f} s"
+        else:
+            what = f"step {step} of {total} ({'measured' if step == total else 'warm-up'}) " + (
+                "..." if seconds is None else f"done in {seconds:.1f} s")
+        errors.print(f"measure: {what}")
+
     try:
-        result = measure_steps(config, settings, device, steps, snapshot, finetune=w.finetune)
+        result = measure_steps(config, settings, device, steps, snapshot, finetune=w.finetune, progress=progress)
     except (RuntimeError, ValueError) as exc:  # device not available, out of memory, unsupported recipe
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"measure failed on {device}: {first[:300]}") from None
