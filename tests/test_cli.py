@@ -439,3 +439,74 @@ def test_cpu_bf16_detection_from_the_cpu_flags(monkeypatch):
         assert measure.cpu_bf16_native() is expected
     monkeypatch.setattr(platform, "machine", lambda: "riscv64")
     assert measure.cpu_bf16_native() is None
+
+
+def _decoder_rows(out):
+    """(label, bytes/token, count) of the activation table's decoder-layer rows."""
+    rows = []
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 4 and cells[1].startswith("decoder layer"):
+            rows.append((cells[1], int(cells[2].replace(",", "")), int(cells[3])))
+    return rows
+
+
+def test_the_activation_table_shows_what_selective_checkpointing_keeps(run_cli):
+    """Issue 24: every layer showed its full bytes/token under --checkpointing selective. Llama-3.2-1B (16 layers,
+    h = 2048, bf16): the checkpointed layers (0, 2, ..., 14) keep their input, 2 x 2048 = 4,096 bytes a token; the
+    others keep what a layer keeps without checkpointing."""
+    args = ("estimate", "llama-3.2-1b", "--recipe", "pure-bf16", "--explain")
+    _, none, _ = run_cli(*args)
+    (label, full_layer, count), = _decoder_rows(none)
+    assert count == 16 and full_layer > 50_000
+    _, out, _ = run_cli(*args, "--checkpointing", "selective")
+    rows = _decoder_rows(out)
+    assert [r[2] for r in rows] == [1] * 16
+    assert [r[1] for r in rows] == [4096, full_layer] * 8
+    assert all(("checkpointed" in r[0]) == (i % 2 == 0) for i, r in enumerate(rows))
+    doc = _doc(run_cli, "estimate", "llama-3.2-1b", "--recipe", "pure-bf16", "--checkpointing", "selective")
+    acts = doc["activations"]
+    assert [la["kept_bytes_per_token"] for la in acts["per_layer"]] == [4096, full_layer] * 8
+    # the table's figures are the step's: a decoder layer kept per token, times the tokens, is the layers' bytes
+    assert acts["layers_bytes"] == sum(la["kept_bytes_per_token"] * 2048 + (0 if la["checkpointed"] else
+                                                                            la["constant_bytes"])
+                                       for la in acts["per_layer"])
+
+
+def test_the_activation_table_shows_nothing_on_the_gpu_for_offloaded_layers(run_cli):
+    """Issue 24: under --offload-activations the table showed each layer's input as kept on the GPU. The timeline
+    agrees: offloading lowers the forward peak's activations by the 16 layer inputs (16 x 4,096 B x 2,048 tokens)
+    and puts them in host memory."""
+    base = ("estimate", "llama-3.2-1b", "--recipe", "pure-bf16", "--checkpointing", "full")
+    _, out, _ = run_cli(*base, "--explain", "--offload-activations")
+    (label, per_token, count), = _decoder_rows(out)
+    assert per_token == 0 and count == 16 and "input in host memory" in label
+    assert "layer input (checkpoint) (in host memory: 0 on the GPU)" in out
+    _, out, _ = run_cli(*base, "--explain")
+    (label, per_token, count), = _decoder_rows(out)
+    assert per_token == 4096 and "host" not in label
+    kept, offloaded = _doc(run_cli, *base), _doc(run_cli, *base, "--offload-activations")
+    inputs = 16 * 4096 * 2048
+    assert offloaded["activations"]["host_bytes"] >= inputs
+    assert [la["kept_bytes_per_token"] for la in offloaded["activations"]["per_layer"]] == [0]
+    assert kept["activations"]["layers_bytes"] - offloaded["activations"]["layers_bytes"] == inputs
+    forward = {d: next(p for p in doc["phases"] if p["name"] == "forward") for d, doc in
+               (("kept", kept), ("offloaded", offloaded))}
+    # the layers' inputs leave the GPU; the embedding keeps two inputs brought back for backward
+    assert 0 < forward["kept"]["activations_bytes"] - forward["offloaded"]["activations_bytes"] <= inputs
+
+
+def test_the_optimizer_in_backward_lists_no_gradients_the_timeline_never_holds(run_cli):
+    """Issue 24: the static table listed 2.30 GiB of gradients that --optimizer-in-backward never holds."""
+    args = ("estimate", "llama-3.2-1b", "--recipe", "pure-bf16")
+    plain, stepped = _doc(run_cli, *args), _doc(run_cli, *args, "--optimizer-in-backward")
+    n = 1_235_814_400
+    assert plain["static"]["gradients"]["bytes"] == 2 * n and stepped["static"]["gradients"]["bytes"] == 0
+    assert "--optimizer-in-backward" in stepped["static"]["gradients"]["note"]
+    load = next(p for p in stepped["phases"] if p["name"] == "load")
+    assert stepped["static"]["total_bytes"] == load["allocated_bytes"] == 10 * n  # bf16 weights + fp32 Adam
+    assert all(p["gradients_bytes"] == 0 for p in stepped["phases"])
+    code, out, _ = run_cli(*args, "--optimizer-in-backward")
+    row = next(line for line in out.splitlines() if line.startswith("│ gradients"))
+    assert "0.00 GiB" in row and "none held" in row
+    assert "11.51 GiB" in next(line for line in out.splitlines() if line.startswith("│ static total"))

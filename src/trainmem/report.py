@@ -62,6 +62,33 @@ def model_dict(m) -> dict[str, Any]:
     }
 
 
+def kept_bytes_per_token(acts, la) -> float:
+    """What the step keeps on the device per token for each layer of the run ``la``, as the timeline counts it
+    (ActivationEstimate.layer_saved_bytes, less the batch-independent constant): a checkpointed layer (every layer
+    under --checkpointing full, every second one under selective) keeps its input, and nothing on the device when
+    --offload-activations moves that input to host memory; any other layer keeps its terms."""
+    if la.checkpointed:
+        return 0.0 if acts.offloaded else float(sum(t.bytes_per_token for t in la.checkpoint_terms))
+    return la.bytes_per_token
+
+
+_STEPPED_IN_BACKWARD = ("none held: each parameter's gradient is stepped and freed as backward makes it "
+                        "(--optimizer-in-backward)")
+
+
+def held_static(est: Estimate) -> list[tuple[Any, int, float, str]]:
+    """The static components as the step holds them, (component, bytes, bytes per parameter, note): under
+    --optimizer-in-backward the gradients are never held together (the timeline has none in any phase; one
+    parameter's exists at a time, inside backward), so they are listed with 0 bytes."""
+    rows = []
+    for c in est.static:
+        if c.name == "gradients" and est.settings.optimizer_in_backward:
+            rows.append((c, 0, 0.0, _STEPPED_IN_BACKWARD))
+        else:
+            rows.append((c, c.bytes, c.bytes_per_param, c.note))
+    return rows
+
+
 def _activations_dict(est: Estimate) -> dict[str, Any] | None:
     if est.activation_bytes is None:
         return None
@@ -83,6 +110,7 @@ def _activations_dict(est: Estimate) -> dict[str, Any] | None:
         **({"host_bytes": acts.host_bytes} if acts.offloaded else {}),
         "per_layer": [
             {"count": la.count, "bytes_per_token": la.bytes_per_token, "bytes": acts.layer_saved_bytes(la),
+             "checkpointed": la.checkpointed, "kept_bytes_per_token": kept_bytes_per_token(acts, la),
              "constant_bytes": la.constant_bytes,
              "terms": [{"name": t.name, "bytes_per_token": t.bytes_per_token} for t in la.terms]}
             for la in acts.layers
@@ -166,11 +194,12 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
     """The estimate document; with ``gpu``, its verdict (gpu_verdict; ``search_batch`` False leaves
     ``max_micro_batch`` null, as a sweep's many estimates do)."""
     m = est.model
+    held = held_static(est)
     static: dict[str, Any] = {
-        c.name: {"dtype": c.dtype, "bytes": c.bytes, "bytes_per_param": round(c.bytes_per_param, 6), "note": c.note}
-        for c in est.static
+        c.name: {"dtype": c.dtype, "bytes": nbytes, "bytes_per_param": round(per_param, 6), "note": note}
+        for c, nbytes, per_param, note in held
     }
-    static["total_bytes"] = est.static_bytes
+    static["total_bytes"] = sum(nbytes for _, nbytes, _, _ in held)
     doc: dict[str, Any] = {
         **header("estimate"),
         "model": model_dict(m),
@@ -275,11 +304,13 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
     table.add_column("bytes/param", justify="right")
     table.add_column(f"total ({unit})", justify="right")
     table.add_column("what", style="dim")
-    for c in est.static:
-        table.add_row(c.name, c.dtype, f"{c.bytes_per_param:.2f}", format_bytes(c.bytes, unit), c.note)
+    static_rows = held_static(est)
+    for c, nbytes, per_param, note in static_rows:
+        table.add_row(c.name, c.dtype, f"{per_param:.2f}", format_bytes(nbytes, unit), note)
     held = est.rank_model or m  # (a model-parallel rank holds a part of the model)
-    per_param = est.static_bytes / held.num_parameters
-    table.add_row("static total", "", f"{per_param:.2f}", format_bytes(est.static_bytes, unit),
+    static_bytes = sum(nbytes for _, nbytes, _, _ in static_rows)
+    per_param = static_bytes / held.num_parameters
+    table.add_row("static total", "", f"{per_param:.2f}", format_bytes(static_bytes, unit),
                   f"{held.num_parameters:,} parameters on this GPU" if est.rank_model else "", style="bold")
     if est.rank is not None:
         for b in est.rank.buffers:
@@ -357,11 +388,15 @@ def _render_activations(est: Estimate, unit: str, console, explain: bool) -> Non
     table.add_column(f"total ({unit})", justify="right")
     for la in acts.layers:
         kind = "MoE" if la.layer.moe else "dense"
-        per_token = sum(t.bytes_per_token for t in la.checkpoint_terms) if acts.checkpointing == "full" \
-            else la.bytes_per_token
-        table.add_row(f"decoder layer ({kind})", f"{per_token:,.0f}", str(la.count),
+        how = (", checkpointed, input in host memory" if acts.offloaded else ", checkpointed") if la.checkpointed \
+            else ""
+        table.add_row(f"decoder layer ({kind}{how})", f"{kept_bytes_per_token(acts, la):,.0f}", str(la.count),
                       format_bytes(acts.layer_saved_bytes(la) * la.count, unit))
-        if explain and acts.checkpointing != "full":
+        if explain and la.checkpointed:
+            for t in la.checkpoint_terms:
+                host = " (in host memory: 0 on the GPU)" if acts.offloaded else ""
+                table.add_row(f"  [dim]{t.name}{host}[/dim]", f"[dim]{t.bytes_per_token:,.0f}[/dim]", "", "")
+        elif explain:
             for t in la.terms:
                 table.add_row(f"  [dim]{t.name}[/dim]", f"[dim]{t.bytes_per_token:,.0f}[/dim]", "", "")
             if la.constant_bytes:
