@@ -88,7 +88,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
         zero = _one_int(options["zero"], "--zero", minimum=0)
     try:
         req = make_request(options["model"], params=options["params"], gpu=options["gpu"],
-                           gpu_memory=options["gpu_memory"],
+                           gpu_memory=options.get("gpu_memory"),
                            headroom=options["headroom"], fragmentation=options["fragmentation"],
                            cuda_overhead=options["cuda_overhead"], hub=options["hub"], need_config=need_config,
                            gpus=gpus, gpus_per_node=options["gpus_per_node"], zero=zero, fsdp=options["fsdp"],
@@ -129,7 +129,7 @@ def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     return values
 
 
-MEASURE_IGNORES = ("gpu", "gpu_memory", "headroom", "fragmentation", "cuda_overhead", "gpus_per_node",
+MEASURE_IGNORES = ("gpu", "headroom", "fragmentation", "cuda_overhead", "gpus_per_node",
                    "ddp_bucket_view")
 """Workload flags that change only the estimate's device-side figures or a multi-GPU layout: measure, which runs
 one process and compares allocated bytes, refuses them in one line rather than ignore them."""
@@ -139,6 +139,12 @@ def _one_process(w: _Workload, command: str) -> None:
     if w.parallel is not None and (w.parallel.engine != "single" or w.parallel.is_model_parallel):
         raise ConfigError(f"{command} runs one process: --gpus above 1, --zero, --fsdp, --tp, --pp, --cp and --ep "
                           "are for estimate and sweep")
+
+
+_gpu_memory_option = click.option(
+    "--gpu-memory", help="The GPU's memory: 48GiB, 80GB, 49140MiB or bytes. With --gpu it replaces that card's; alone "
+    "it is a custom card.")
+"""estimate's and sweep's (trace and measure run no GPU-fit check, so they do not take it)."""
 
 
 def _workload_options(f):
@@ -172,8 +178,6 @@ def _workload_options(f):
                           "offloading; needs --checkpointing full)."),
         click.option("--gpu", help="GPU to check (the table lists all; H100 is the SXM card): a verdict line says "
                      "whether it fits, the margin and the largest micro-batch."),
-        click.option("--gpu-memory", help="The GPU's memory: 48GiB, 80GB, 49140MiB or bytes. With --gpu it replaces "
-                     "that card's; alone it is a custom card."),
         click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True,
                      help="Safety factor multiplying the device total, on top of the fragmentation and CUDA "
                           "allowances: required = device total x headroom; 1 gives the plain answer."),
@@ -232,6 +236,7 @@ def _workload_options(f):
 
 @app.command()
 @_workload_options
+@_gpu_memory_option
 @click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
 @click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
 @click.option("--max-batch", is_flag=True, help="Find the largest micro-batch that fits --gpu (none: says \"does not fit, "
@@ -250,7 +255,7 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
              trainmem estimate llama-3-8b --batch 4 --seq 4096 --checkpointing full --gpu H100-80GB
              trainmem estimate llama-2-7b --gpu A100-80GB --max-batch
              trainmem estimate llama-3.1-8b --lora 8 --checkpointing full --gpu RTX-4090 --headroom 1
-             trainmem estimate llama-3-8b --gpu-memory 48GiB --checkpointing full
+             trainmem estimate llama-3.2-1b --gpu-memory 48GiB
              trainmem estimate --params 7e9 --recipe pure-bf16 --units GB
              trainmem estimate llama-3-8b --checkpointing full --plot memory.png
     """
@@ -352,6 +357,7 @@ def trace(batch, seq, no_round, **options) -> None:
 
 @app.command()
 @_workload_options
+@_gpu_memory_option
 @click.option("--batch", "batches", default="1,2,4,8", show_default=True, help="Micro-batch sizes, comma-separated.")
 @click.option("--seq", "seqs", default="1024,2048,4096", show_default=True, help="Sequence lengths, comma-separated.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: the bytes needed against the batch or the "
