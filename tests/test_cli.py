@@ -239,12 +239,118 @@ def test_a_sequence_past_the_position_limit_is_warned_about_and_caps_max_seq(run
     assert "no RoPE scaling" in json.loads(out)["warnings"][0]
 
 
-def test_max_batch_exits_1_when_nothing_fits(run_cli):
+def test_max_batch_answers_nothing_fits_with_exit_0(run_cli):
     code, out, _ = run_cli("estimate", "llama-2-7b", "--gpu", "A100-80GB", "--max-batch")
-    assert code == 1 and "no micro-batch fits A100-80GB" in out
+    assert code == 0 and "A100-80GB: does not fit, not even batch 1" in out
     code, out, _ = run_cli("estimate", "llama-2-7b", "--gpu", "H200", "--recipe", "pure-bf16", "--checkpointing",
                            "full", "--max-batch")
     assert code == 0 and "largest micro-batch that fits H200:" in out
+
+
+def test_405b_on_a_t4_is_not_even_batch_1_with_exit_0(run_cli):
+    """Issue 24: `estimate llama-3.1-405b --max-batch --gpu T4` exited 1."""
+    code, out, err = run_cli("estimate", "llama-3.1-405b", "--max-batch", "--gpu", "T4")
+    assert code == 0 and err == ""
+    assert out.splitlines()[0].startswith("T4: does not fit, not even batch 1")
+    code, out, _ = run_cli("estimate", "llama-3.1-405b", "--max-seq", "--gpu", "T4")
+    assert code == 0 and out.splitlines()[0].startswith("T4: does not fit, not even a sequence of 1 token")
+    code, out, _ = run_cli("estimate", "llama-3.1-405b", "--max-batch", "--max-seq", "--gpu", "T4", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["max_batch"] == 0 and doc["max_seq"] == 0
+    assert doc["gpu"]["fits"] is False and doc["gpu"]["max_micro_batch"] == 0 and doc["gpu"]["margin_bytes"] < 0
+
+
+def _doc(run_cli, *args):
+    code, out, err = run_cli(*args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_a_named_gpu_adds_one_verdict_line_to_the_same_tables(run_cli):
+    _, plain, _ = run_cli("estimate", "llama-3.2-1b", "--checkpointing", "full")
+    code, named, _ = run_cli("estimate", "llama-3.2-1b", "--checkpointing", "full", "--gpu", "H100-80GB")
+    assert code == 0 and named.startswith(plain)
+    verdict = named[len(plain):]
+    assert verdict.count("\n") == 1 and "fits at batch 1, " in verdict
+    assert verdict.startswith("H100-80GB (79.65 GiB): ") and "x 1.25 headroom, on top of the 10% fragmentation" in verdict
+    assert "--headroom 1 for the plain answer" in verdict and "largest micro-batch that fits" in verdict
+
+
+def test_the_verdict_margin_and_largest_batch_agree_with_plain_estimates(run_cli):
+    """The largest micro-batch the verdict names fits and the next does not, each estimated on its own."""
+    args = ("estimate", "llama-3.2-1b", "--seq", "1024", "--checkpointing", "full", "--gpu", "A100-40GB")
+    gpu = _doc(run_cli, *args)["gpu"]
+    n = gpu["max_micro_batch"]
+    assert gpu["fits"] is True and n > 1 and gpu["headroom"] == 1.25 and gpu["memory_source"] == "driver"
+    at_n = _doc(run_cli, *args, "--batch", str(n))
+    above = _doc(run_cli, *args, "--batch", str(n + 1))
+    assert at_n["gpu"]["fits"] is True and above["gpu"]["fits"] is False
+    assert at_n["gpu"]["margin_bytes"] == 40 * 2**30 - at_n["peak"]["required_bytes"] >= 0
+    assert above["gpu"]["margin_bytes"] < 0 and above["gpu"]["max_micro_batch"] == n
+
+
+def test_headroom_1_is_the_plain_answer_for_an_8b_lora_on_a_4090(run_cli):
+    """Issue 24: an 8B LoRA at 19.6 GiB device total was "does not fit, not even batch 1" on a 24 GiB RTX 4090
+    because the 1.25 headroom comes on top of the allowances; --headroom 1 must say it fits."""
+    args = ("estimate", "llama-3.1-8b", "--lora", "8", "--checkpointing", "full", "--gpu", "RTX-4090")
+    doc = _doc(run_cli, *args)
+    assert 19 * 2**30 < doc["peak"]["device_bytes"] < 20 * 2**30 < 24564 * 2**20 < doc["peak"]["required_bytes"]
+    assert doc["gpu"]["fits"] is False and doc["gpu"]["max_micro_batch"] == 0
+    code, out, _ = run_cli(*args)
+    assert code == 0 and "RTX-4090 (23.99 GiB): does not fit, not even batch 1" in out
+    plain = _doc(run_cli, *args, "--headroom", "1")
+    assert plain["peak"]["required_bytes"] == plain["peak"]["device_bytes"] == doc["peak"]["device_bytes"]
+    assert plain["gpu"]["fits"] is True and plain["gpu"]["max_micro_batch"] >= 1
+    assert plain["gpu"]["margin_bytes"] == 24564 * 2**20 - plain["peak"]["device_bytes"]
+    code, out, _ = run_cli(*args, "--headroom", "1")
+    assert code == 0 and "RTX-4090 (23.99 GiB): fits at batch 1" in out and "(no headroom)" in out
+
+
+def test_a_custom_gpu_memory_on_the_cli_and_the_api(run_cli):
+    doc = _doc(run_cli, "estimate", "llama-3.2-1b", "--gpu-memory", "48GiB")
+    assert doc["gpu"]["name"] == "custom 48 GiB" and doc["gpu"]["memory_bytes"] == 48 * 2**30
+    assert doc["gpu"]["memory_source"] == "--gpu-memory"
+    for text, nbytes in (("80GB", 80 * 10**9), ("49140MiB", 49140 * 2**20), ("51539607552", 51539607552)):
+        assert _doc(run_cli, "estimate", "gpt2", "--gpu-memory", text)["gpu"]["memory_bytes"] == nbytes
+    # with --gpu it replaces that card's memory: llama-2-7b pure-bf16 with full checkpointing needs ~110 GB
+    big = ("estimate", "llama-2-7b", "--recipe", "pure-bf16", "--checkpointing", "full", "--gpu", "H200")
+    assert _doc(run_cli, *big)["gpu"]["fits"] is True
+    small = _doc(run_cli, *big, "--gpu-memory", "80GB")["gpu"]
+    assert small["name"] == "H200 (80 GB)" and small["memory_bytes"] == 80 * 10**9 and small["fits"] is False
+    code, out, _ = run_cli("estimate", "gpt2", "--gpu-memory", "48GiB")
+    assert code == 0 and "custom 48 GiB" in out.splitlines()[-1]
+    from trainmem.request import make_request
+
+    assert make_request("gpt2", gpu_memory="48GiB").gpu.memory_bytes == 48 * 2**30
+    assert make_request("gpt2", gpu_memory=10**9).gpu.memory_bytes == 10**9
+    assert make_request("gpt2", gpu="T4", gpu_memory="24 GiB").gpu.name == "T4 (24 GiB)"
+    assert trainmem.estimate("llama-3.2-1b", gpu_memory="16GB").fits() is False
+    assert trainmem.estimate("llama-3.2-1b", gpu_memory="48GiB").fits() is True
+
+
+@pytest.mark.parametrize("value", ["-1GiB", "0", "0GiB", "inf", "nan", "1e400GiB", "48XB", "1.5", "", "GiB",
+                                   "2PiB", "1e20GB", "9" * 5000])
+def test_a_bad_gpu_memory_is_one_line_and_exit_2(run_cli, value):
+    code, out, err = run_cli("estimate", "gpt2", "--gpu-memory", value)
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--gpu-memory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", [-1, 0, 1.5, float("inf"), float("nan"), True, [48]])
+def test_a_bad_gpu_memory_in_the_api_is_a_config_error(value):
+    from trainmem.request import make_request
+
+    with pytest.raises(trainmem.errors.ConfigError, match="gpu-memory"):
+        make_request("gpt2", gpu_memory=value)
+
+
+def test_units_b_prints_whole_bytes_everywhere(run_cli):
+    """Issue 24: --units B printed ".00 B"."""
+    for args in (("estimate", "--params", "7e9", "--recipe", "pure-bf16"), ("estimate", "gpt2", "--gpu", "T4"),
+                 ("sweep", "gpt2", "--batch", "1,2", "--seq", "128", "--gpu", "T4")):
+        code, out, _ = run_cli(*args, "--units", "B")
+        assert code == 0 and " B" in out and ".00 B" not in out and not __import__("re").search(r"\.\d+ B", out)
+    _, out, _ = run_cli("estimate", "--params", "7e9", "--recipe", "pure-bf16", "--units", "B")
+    assert "84,000,000,000 B" in out  # 12 bytes per parameter
 
 
 def test_unknown_component_is_a_clear_error():
@@ -275,3 +381,133 @@ def test_estimate_names_what_is_not_validated(run_cli):
         notes = estimate("gpt2", **settings).notes
         assert any(n.startswith("not validated:") and words in n for n in notes), notes
     assert not any("not validated" in n for n in estimate("gpt2").notes)
+
+
+@pytest.mark.parametrize("flag", [("--gpu", "H100"), ("--gpu-memory", "48GiB"), ("--headroom", "1"),
+                                  ("--headroom", "1.25"), ("--fragmentation", "0.2"), ("--cuda-overhead", "100"),
+                                  ("--ddp-bucket-view",), ("--gpus-per-node", "1")])
+def test_measure_refuses_the_flags_it_would_ignore(run_cli, flag):
+    """Issue 24: measure accepted --gpu and --headroom and ignored them (refused before torch is imported)."""
+    code, out, err = run_cli("measure", "gpt2", "--device", "cpu", *flag)
+    assert code == 2 and out == "" and err.count("\n") == 1 and flag[0] in err
+    assert "trainmem estimate" in err or "No such option" in err  # (--gpu-memory is estimate's and sweep's only)
+
+
+def test_a_bf16_recipe_on_a_cpu_without_bf16(run_cli, monkeypatch, tmp_path):
+    """Issue 24: the README's measure ran 19.5 minutes silently on an AVX2 CPU (bf16 emulated). A bf16 recipe the
+    user chose is refused in one line; the default one becomes fp32, said in one line (test_measure runs it)."""
+    from trainmem import measure
+    from trainmem.settings import make_settings
+
+    monkeypatch.setattr(measure, "cpu_bf16_native", lambda: False)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                                "vocab_size": 211}))
+    for recipe in ("mixed-bf16", "amp-bf16", "pure-bf16"):
+        code, out, err = run_cli("measure", str(path), "--device", "cpu", "--recipe", recipe)
+        assert code == 2 and out == "" and err.count("\n") == 1
+        assert f"--recipe {recipe} computes in bf16" in err and "no native bf16" in err and "--recipe fp32" in err
+    default = make_settings()
+    chosen, line = measure.recipe_for_cpu(default, "cpu", recipe_given=False)
+    assert chosen.recipe == "fp32" and default.recipe in line and "fp32" in line
+    assert chosen.batch == default.batch and chosen.optimizer == default.optimizer
+    for settings, device in ((make_settings(recipe="fp32"), "cpu"), (make_settings(recipe="amp-fp16"), "cpu"),
+                             (default, "cuda"), (default, "cuda:1")):
+        assert measure.recipe_for_cpu(settings, device, recipe_given=True) == (settings, None)
+    for known in (True, None):  # native bf16, or a CPU that cannot be told: run what was asked
+        monkeypatch.setattr(measure, "cpu_bf16_native", lambda: known)
+        assert measure.recipe_for_cpu(default, "cpu", recipe_given=True) == (default, None)
+
+
+def test_cpu_bf16_detection_from_the_cpu_flags(monkeypatch):
+    import platform
+
+    pytest.importorskip("torch")
+    import torch
+
+    from trainmem import measure
+
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.delattr(torch.cpu, name, raising=False)  # older torch: the flags decide
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for flags, expected in (({"avx2", "fma"}, False), ({"avx2", "avx512f", "avx512_bf16"}, True),
+                            ({"avx2", "amx_bf16", "amx_tile"}, True), (set(), None)):
+        monkeypatch.setattr(measure, "_cpuinfo_flags", lambda flags=flags: flags)
+        assert measure.cpu_bf16_native() is expected, flags
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    for flags, expected in (({"fp", "asimd", "bf16"}, True), ({"fp", "asimd"}, False)):
+        monkeypatch.setattr(measure, "_cpuinfo_flags", lambda flags=flags: flags)
+        assert measure.cpu_bf16_native() is expected
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    assert measure.cpu_bf16_native() is None
+
+
+def _decoder_rows(out):
+    """(label, bytes/token, count) of the activation table's decoder-layer rows."""
+    rows = []
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 4 and cells[1].startswith("decoder layer"):
+            rows.append((cells[1], int(cells[2].replace(",", "")), int(cells[3])))
+    return rows
+
+
+def test_the_activation_table_shows_what_selective_checkpointing_keeps(run_cli):
+    """Issue 24: every layer showed its full bytes/token under --checkpointing selective. Llama-3.2-1B (16 layers,
+    h = 2048, bf16): the checkpointed layers (0, 2, ..., 14) keep their input, 2 x 2048 = 4,096 bytes a token; the
+    others keep what a layer keeps without checkpointing."""
+    args = ("estimate", "llama-3.2-1b", "--recipe", "pure-bf16", "--explain")
+    _, none, _ = run_cli(*args)
+    (label, full_layer, count), = _decoder_rows(none)
+    assert count == 16 and full_layer > 50_000
+    _, out, _ = run_cli(*args, "--checkpointing", "selective")
+    rows = _decoder_rows(out)
+    assert [r[2] for r in rows] == [1] * 16
+    assert [r[1] for r in rows] == [4096, full_layer] * 8
+    assert all(("checkpointed" in r[0]) == (i % 2 == 0) for i, r in enumerate(rows))
+    doc = _doc(run_cli, "estimate", "llama-3.2-1b", "--recipe", "pure-bf16", "--checkpointing", "selective")
+    acts = doc["activations"]
+    assert [la["kept_bytes_per_token"] for la in acts["per_layer"]] == [4096, full_layer] * 8
+    # the table's figures are the step's: a decoder layer kept per token, times the tokens, is the layers' bytes
+    assert acts["layers_bytes"] == sum(la["kept_bytes_per_token"] * 2048 + (0 if la["checkpointed"] else
+                                                                            la["constant_bytes"])
+                                       for la in acts["per_layer"])
+
+
+def test_the_activation_table_shows_nothing_on_the_gpu_for_offloaded_layers(run_cli):
+    """Issue 24: under --offload-activations the table showed each layer's input as kept on the GPU. The timeline
+    agrees: offloading lowers the forward peak's activations by the 16 layer inputs (16 x 4,096 B x 2,048 tokens)
+    and puts them in host memory."""
+    base = ("estimate", "llama-3.2-1b", "--recipe", "pure-bf16", "--checkpointing", "full")
+    _, out, _ = run_cli(*base, "--explain", "--offload-activations")
+    (label, per_token, count), = _decoder_rows(out)
+    assert per_token == 0 and count == 16 and "input in host memory" in label
+    assert "layer input (checkpoint) (in host memory: 0 on the GPU)" in out
+    _, out, _ = run_cli(*base, "--explain")
+    (label, per_token, count), = _decoder_rows(out)
+    assert per_token == 4096 and "host" not in label
+    kept, offloaded = _doc(run_cli, *base), _doc(run_cli, *base, "--offload-activations")
+    inputs = 16 * 4096 * 2048
+    assert offloaded["activations"]["host_bytes"] >= inputs
+    assert [la["kept_bytes_per_token"] for la in offloaded["activations"]["per_layer"]] == [0]
+    assert kept["activations"]["layers_bytes"] - offloaded["activations"]["layers_bytes"] == inputs
+    forward = {d: next(p for p in doc["phases"] if p["name"] == "forward") for d, doc in
+               (("kept", kept), ("offloaded", offloaded))}
+    # the layers' inputs leave the GPU; the embedding keeps two inputs brought back for backward
+    assert 0 < forward["kept"]["activations_bytes"] - forward["offloaded"]["activations_bytes"] <= inputs
+
+
+def test_the_optimizer_in_backward_lists_no_gradients_the_timeline_never_holds(run_cli):
+    """Issue 24: the static table listed 2.30 GiB of gradients that --optimizer-in-backward never holds."""
+    args = ("estimate", "llama-3.2-1b", "--recipe", "pure-bf16")
+    plain, stepped = _doc(run_cli, *args), _doc(run_cli, *args, "--optimizer-in-backward")
+    n = 1_235_814_400
+    assert plain["static"]["gradients"]["bytes"] == 2 * n and stepped["static"]["gradients"]["bytes"] == 0
+    assert "--optimizer-in-backward" in stepped["static"]["gradients"]["note"]
+    load = next(p for p in stepped["phases"] if p["name"] == "load")
+    assert stepped["static"]["total_bytes"] == load["allocated_bytes"] == 10 * n  # bf16 weights + fp32 Adam
+    assert all(p["gradients_bytes"] == 0 for p in stepped["phases"])
+    code, out, _ = run_cli(*args, "--optimizer-in-backward")
+    row = next(line for line in out.splitlines() if line.startswith("│ gradients"))
+    assert "0.00 GiB" in row and "none held" in row
+    assert "11.51 GiB" in next(line for line in out.splitlines() if line.startswith("│ static total"))

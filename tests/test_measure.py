@@ -134,6 +134,30 @@ def test_measure_cli_cpu_json_and_bad_device(run_cli, tmp_path):
         assert code == 2 and err.startswith("trainmem: error: measure failed on cuda") and err.count("\n") == 1
 
 
+def test_the_default_recipe_becomes_fp32_on_a_cpu_without_bf16_and_each_step_is_reported(run_cli, tmp_path,
+                                                                                          monkeypatch):
+    """Issue 24: `measure gpt2 ... --device cpu` ran 19.5 minutes with no output on a CPU without native bf16."""
+    from trainmem import measure
+
+    monkeypatch.setattr(measure, "cpu_bf16_native", lambda: False)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                                "vocab_size": 211}))
+    code, out, err = run_cli("measure", str(path), "--batch", "2", "--seq", "32", "--device", "cpu", "--dropout",
+                             "0", "--steps", "3", "--json")
+    assert code == 0, err
+    doc = json.loads(out)  # the progress went to stderr
+    assert doc["settings"]["recipe"] == "fp32"
+    lines = [line for line in err.splitlines() if line.startswith("measure:")]
+    assert lines[0].startswith("measure: measuring --recipe fp32 instead of the default mixed-bf16")
+    assert lines[1].startswith("measure: building ") and ", fp32, batch 2 x seq 32" in lines[1]
+    assert lines[2].startswith("measure: built in")
+    assert [line.split(" (")[0] for line in lines[3:]] == [f"measure: step {i} of 3" for i in (1, 1, 2, 2, 3, 3)]
+    assert lines[-1].startswith("measure: step 3 of 3 (measured) done in")
+    for p in doc["phases"]:
+        assert p["estimate_allocated_bytes"] == pytest.approx(p["allocated_bytes"], rel=0.03)
+
+
 def test_trainer_callback_inside_a_real_trainer(tmp_path):
     """The callback inside transformers' Trainer (2 steps of a scaled-down Llama on the CPU, foreach AdamW, no
     gradient clipping) measures the same phases as the trace of that step, to within the Trainer's own few-byte

@@ -88,6 +88,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
         zero = _one_int(options["zero"], "--zero", minimum=0)
     try:
         req = make_request(options["model"], params=options["params"], gpu=options["gpu"],
+                           gpu_memory=options.get("gpu_memory"),
                            headroom=options["headroom"], fragmentation=options["fragmentation"],
                            cuda_overhead=options["cuda_overhead"], hub=options["hub"], need_config=need_config,
                            gpus=gpus, gpus_per_node=options["gpus_per_node"], zero=zero, fsdp=options["fsdp"],
@@ -128,10 +129,22 @@ def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     return values
 
 
+MEASURE_IGNORES = ("gpu", "headroom", "fragmentation", "cuda_overhead", "gpus_per_node",
+                   "ddp_bucket_view")
+"""Workload flags that change only the estimate's device-side figures or a multi-GPU layout: measure, which runs
+one process and compares allocated bytes, refuses them in one line rather than ignore them."""
+
+
 def _one_process(w: _Workload, command: str) -> None:
     if w.parallel is not None and (w.parallel.engine != "single" or w.parallel.is_model_parallel):
         raise ConfigError(f"{command} runs one process: --gpus above 1, --zero, --fsdp, --tp, --pp, --cp and --ep "
                           "are for estimate and sweep")
+
+
+_gpu_memory_option = click.option(
+    "--gpu-memory", help="The GPU's memory: 48GiB, 80GB, 49140MiB or bytes. With --gpu it replaces that card's; alone "
+    "it is a custom card.")
+"""estimate's and sweep's (trace and measure run no GPU-fit check, so they do not take it)."""
 
 
 def _workload_options(f):
@@ -163,9 +176,11 @@ def _workload_options(f):
         click.option("--offload-activations", is_flag=True,
                      help="Checkpointed layers' inputs in host memory until backward (torchtune's activation "
                           "offloading; needs --checkpointing full)."),
-        click.option("--gpu", help="GPU to check (the table lists all)."),
+        click.option("--gpu", help="GPU to check (the table lists all; H100 is the SXM card): a verdict line says "
+                     "whether it fits, the margin and the largest micro-batch."),
         click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True,
-                     help="Safety factor on the device total."),
+                     help="Safety factor multiplying the device total, on top of the fragmentation and CUDA "
+                          "allowances: required = device total x headroom; 1 gives the plain answer."),
         click.option("--fragmentation", type=float, default=DEFAULT_FRAGMENTATION, show_default=True,
                      help="Caching-allocator overhead as a fraction of the dynamic memory."),
         click.option("--cuda-overhead", type=float, default=DEFAULT_CUDA_OVERHEAD_MIB, show_default=True,
@@ -221,11 +236,13 @@ def _workload_options(f):
 
 @app.command()
 @_workload_options
+@_gpu_memory_option
 @click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
 @click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
-@click.option("--max-batch", is_flag=True, help="Find the largest micro-batch that fits --gpu (exit code 1 if none).")
+@click.option("--max-batch", is_flag=True, help="Find the largest micro-batch that fits --gpu (none: says \"does not fit, "
+              "not even batch 1\"; exit code 0).")
 @click.option("--max-seq", is_flag=True, help="Find the longest sequence that fits --gpu, up to the model's position "
-              "limit unless RoPE scaling extends it (exit code 1 if none).")
+              "limit unless RoPE scaling extends it (none: says so; exit code 0).")
 @click.option("--explain", is_flag=True, help="List every saved tensor of a layer.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: each phase's bytes by category, with "
               "the bytes needed and GPU capacities as lines.")
@@ -237,11 +254,13 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
     Example: trainmem estimate meta-llama/Llama-2-7b-hf --recipe mixed-bf16 --optimizer adamw
              trainmem estimate llama-3-8b --batch 4 --seq 4096 --checkpointing full --gpu H100-80GB
              trainmem estimate llama-2-7b --gpu A100-80GB --max-batch
+             trainmem estimate llama-3.1-8b --lora 8 --checkpointing full --gpu RTX-4090 --headroom 1
+             trainmem estimate llama-3.2-1b --gpu-memory 48GiB
              trainmem estimate --params 7e9 --recipe pure-bf16 --units GB
              trainmem estimate llama-3-8b --checkpointing full --plot memory.png
     """
     from .planner import estimate_searched
-    from .report import render_estimate, to_dict
+    from .report import gpu_verdict, render_estimate, to_dict
 
     if plot:
         from .plots import check_plot_path
@@ -250,7 +269,6 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
     w = _workload(options, batch, seq)
     unit, target, as_json = w.unit, w.gpu, options["as_json"]
     est, extra = estimate_searched(w.spec, w.settings, w.device, target, w.parallel, w.finetune, max_batch, max_seq)
-    nothing_fits = any(extra.get(key) == 0 for key in ("max_batch", "max_seq"))
     if plot:
         from .plots import plot_estimate
 
@@ -263,18 +281,20 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
             if key not in extra:
                 continue
             what, value = ("micro-batch" if key == "max_batch" else "sequence length"), extra[key]
-            if not value:
-                console.print(f"[bold red]no {what} fits {target.name}, not even 1[/bold red] (exit code 1)")
+            if not value:  # an answer, not an error: exit code 0
+                least = "batch 1" if key == "max_batch" else f"a sequence of 1 token at batch {est.settings.batch}"
+                console.print(f"[bold red]{target.name}: does not fit, not even {least}[/bold red] (the estimate "
+                              f"below is at batch {est.settings.batch}, seq {est.settings.seq:,})", highlight=False,
+                              soft_wrap=True)
             elif key == "max_seq" and extra["max_seq_is_position_limit"]:
                 console.print(f"[bold]sequence length {value:,} fits {target.name}: the model's "
                               f"max_position_embeddings, the longest it takes[/bold] (shown below)")
             else:
                 console.print(f"[bold]largest {what} that fits {target.name}: {value:,}[/bold] (shown below)")
-        render_estimate(est, unit, console, target, explain)
+        verdict = gpu_verdict(est, target) if target is not None else None
+        render_estimate(est, unit, console, target, explain, verdict)
         if plot:
             console.print(f"plot written to {plot}")
-    if nothing_fits:
-        raise click.exceptions.Exit(1)
 
 
 @app.command()
@@ -337,6 +357,7 @@ def trace(batch, seq, no_round, **options) -> None:
 
 @app.command()
 @_workload_options
+@_gpu_memory_option
 @click.option("--batch", "batches", default="1,2,4,8", show_default=True, help="Micro-batch sizes, comma-separated.")
 @click.option("--seq", "seqs", default="1024,2048,4096", show_default=True, help="Sequence lengths, comma-separated.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: the bytes needed against the batch or the "
@@ -389,7 +410,7 @@ def sweep(batches, seqs, plot, **options) -> None:
 
         plot_sweep(estimates, plot, unit, target)
     if as_json:
-        _emit_json({**_header("sweep"), "sweep": [to_dict(e, target) for e in estimates]})
+        _emit_json({**_header("sweep"), "sweep": [to_dict(e, target, search_batch=False) for e in estimates]})
     else:
         render_sweep(estimates, unit, _console(), target)
         if plot:
@@ -411,12 +432,20 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     \b
     Example: trainmem measure gpt2 --batch 2 --seq 256 --recipe fp32 --device cpu
     """
+    from click.core import ParameterSource
+
     from .estimate import estimate_model
-    from .measure import measure_steps, refuse_unmeasurable
+    from .measure import measure_steps, recipe_for_cpu, refuse_unmeasurable, resolve_device
     from .units import format_bytes
 
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
+    ctx = click.get_current_context()
+    given = {name for name in ctx.params if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
+    ignored = [f"--{name.replace('_', '-')}" for name in MEASURE_IGNORES if name in given]
+    if ignored:
+        raise ConfigError(f"measure runs the step and compares allocated bytes: {', '.join(ignored)} only change "
+                          "what estimate says fits a GPU (use trainmem estimate for that)")
     w = _workload(options, batch, seq, need_config="measure")
     refuse_unmeasurable(w.finetune)
     for flag, on in (("--optimizer-in-backward", w.settings.optimizer_in_backward), ("--compile", w.settings.compile),
@@ -427,11 +456,30 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     from .step import check_runnable
 
     check_runnable(w.settings, device)
-    spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
+    from rich.console import Console
+
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)  # progress on stderr: --json keeps stdout
+    device = resolve_device(device)
+    settings, changed = recipe_for_cpu(w.settings, device, "recipe" in given)
+    if changed:
+        errors.print(f"measure: {changed}")
+    spec, unit, as_json = w.spec, w.unit, options["as_json"]
     config = w.config
     est = estimate_model(spec, settings, w.device, finetune=w.finetune)
+
+    def progress(step: int, total: int, seconds: float | None) -> None:
+        if step == 0 and seconds is None:
+            what = (f"building {spec.name} ({spec.num_parameters:,} parameters, random weights) on {device}, "
+                    f"{settings.recipe}, batch {settings.batch} x seq {settings.seq:,} ...")
+        elif step == 0:
+            what = f"built in {seconds:.1f} s"
+        else:
+            what = f"step {step} of {total} ({'measured' if step == total else 'warm-up'}) " + (
+                "..." if seconds is None else f"done in {seconds:.1f} s")
+        errors.print(f"measure: {what}")
+
     try:
-        result = measure_steps(config, settings, device, steps, snapshot, finetune=w.finetune)
+        result = measure_steps(config, settings, device, steps, snapshot, finetune=w.finetune, progress=progress)
     except (RuntimeError, ValueError) as exc:  # device not available, out of memory, unsupported recipe
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"measure failed on {device}: {first[:300]}") from None

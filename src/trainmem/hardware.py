@@ -2,29 +2,43 @@
 
 ``memory_mib`` is the total the driver reports (``nvidia-smi --query-gpu=memory.total``, ``rocm-smi`` for the
 MI300X), which is what a job can use; it is a little under the spec sheet's figure (ECC, firmware reservations).
+Where no driver figure was at hand (``memory_source == "data sheet"``), the data sheet's own figure in its own unit
+(GB = 10**9 bytes where it says GB) is used: a lower bound of what the driver reports for the cards here.
+``--gpu-memory`` (:func:`custom_gpu`) sets any other figure.
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import ConfigError
 
 MIB = 2**20
+GB = 10**9
 
 
 @dataclass(frozen=True)
 class GPU:
     name: str
     memory_mib: int
-    bf16: bool
-    """Native bf16 support (compute capability 8.0+ on NVIDIA)."""
+    bf16: bool | None
+    """Native bf16 support (compute capability 8.0+ on NVIDIA); None for a custom card (``--gpu-memory`` alone)."""
     spec_sheet: str
+    exact_bytes: int | None = None
+    """The memory in bytes where it is not a whole number of MiB (a data sheet's GB, ``--gpu-memory``)."""
+    memory_source: str = "driver"
+    """``driver`` (nvidia-smi / rocm-smi total), ``data sheet``, or ``--gpu-memory`` (the user's figure)."""
 
     @property
     def memory_bytes(self) -> int:
-        return self.memory_mib * MIB
+        return self.exact_bytes if self.exact_bytes is not None else self.memory_mib * MIB
+
+
+def _sheet(name: str, gigabytes: int, bf16: bool, spec_sheet: str) -> GPU:
+    """A card whose memory is the data sheet's figure in GB (10**9 bytes): a lower bound of what its driver
+    reports (the 48 GB RTX A6000's nvidia-smi total is 49140 MiB, 51.5e9 bytes)."""
+    return GPU(name, gigabytes * GB // MIB, bf16, spec_sheet, gigabytes * GB, "data sheet")
 
 
 GPUS: dict[str, GPU] = {
@@ -44,8 +58,24 @@ GPUS: dict[str, GPU] = {
         GPU("MI300X", 196592, True, "192 GB HBM3"),
         GPU("V100-32GB", 32768, False, "32 GB HBM2"),
         GPU("T4", 15360, False, "16 GB GDDR6"),
+        # Added from data sheets (issue 24). nvidia-smi totals where one was published: RTX A6000 49140 MiB
+        # (github.com/noonghunna/club-3090 issue 1047), H100 NVL 95830 MiB (github.com/NVIDIA/gpu-admin-tools
+        # issue 4); the others are the sheet's GB.
+        GPU("RTX-A6000", 49140, True, "48 GB GDDR6 with ECC (NVIDIA RTX A6000 data sheet)"),
+        _sheet("A40", 48, True, "48 GB GDDR6 with ECC (NVIDIA A40 data sheet)"),
+        _sheet("L40", 48, True, "48 GB GDDR6 with ECC (NVIDIA L40 data sheet)"),
+        _sheet("H100-PCIe", 80, True, "80 GB HBM2e (NVIDIA H100 Tensor Core GPU data sheet, PCIe)"),
+        GPU("H100-NVL", 95830, True, "94 GB HBM3 (NVIDIA H100 Tensor Core GPU data sheet, H100 NVL)"),
+        _sheet("MI250X", 64, True, "128 GB HBM2e per module (AMD Instinct MI250X data sheet): two GCDs of 64 GB, "
+                                   "each its own device to ROCm and PyTorch, so one process has 64 GB"),
+        _sheet("Gaudi-2", 96, True, "96 GB HBM2E (Intel Gaudi 2 AI accelerator data sheet, HL-225)"),
+        _sheet("Gaudi-3", 128, True, "128 GB HBM2e (Intel Gaudi 3 AI accelerator white paper, HL-325L)"),
     )
 }
+
+ALIASES: dict[str, str] = {"h100": "H100-80GB", "h100-sxm": "H100-80GB", "h100-sxm5": "H100-80GB",
+                           "a6000": "RTX-A6000"}
+"""Short names: "H100" is the SXM5 card (H100-80GB), as before the PCIe and NVL cards were listed."""
 
 @dataclass(frozen=True)
 class Throughput:
@@ -85,8 +115,19 @@ THROUGHPUT: dict[str, Throughput] = {
     "V100-32GB": Throughput(125, 150, 16, "NVIDIA V100 data sheet (SXM2): 125 tensor TFLOPS (fp16), NVLink 300 GB/s, "
                             "PCIe Gen3"),
     "T4": Throughput(65, 16, 16, "NVIDIA T4 data sheet: 65 FP16 tensor TFLOPS (mixed precision); PCIe Gen3 x16"),
+    "H100-PCIe": Throughput(756.5, 300, 64, "NVIDIA H100 Tensor Core GPU data sheet (PCIe): BF16 1,513 TFLOPS with "
+                            "sparsity (756.5 dense), NVLink bridge 600 GB/s, PCIe Gen5 128 GB/s"),
+    "H100-NVL": Throughput(835.5, 300, 64, "NVIDIA H100 Tensor Core GPU data sheet (H100 NVL): BF16 1,671 TFLOPS with "
+                           "sparsity (835.5 dense), NVLink bridge 600 GB/s, PCIe Gen5 128 GB/s"),
+    "RTX-A6000": Throughput(154.8, 56.25, 32, "NVIDIA RTX A6000 data sheet: tensor 309.7 TFLOPS with sparsity (154.8 "
+                            "dense FP16/BF16); NVLink bridge 112.5 GB/s bidirectional, PCIe Gen4 x16"),
+    "A40": Throughput(149.7, 56.25, 32, "NVIDIA A40 data sheet: BF16 tensor 149.7 TFLOPS (299.4 with sparsity); "
+                      "NVLink bridge 112.5 GB/s bidirectional, PCIe Gen4 x16 64 GB/s"),
+    "L40": Throughput(181.05, 32, 32, "NVIDIA L40 data sheet: BF16 tensor 181.05 TFLOPS (362.1 with sparsity); no "
+                      "NVLink, PCIe Gen4 x16 64 GB/s"),
 }
-"""Figures for the GPUs whose sheets give them; the plan refuses the others (A10G, RTX-5090) in one line."""
+"""Figures for the GPUs whose sheets give them; the plan refuses the others (A10G, RTX-5090, MI250X, the Gaudi
+cards, a custom card) in one line."""
 
 DEFAULT_INTER_NODE_GBPS = 50.0
 """Node-to-node bandwidth per GPU, GB/s one way: one 400 Gb/s InfiniBand NDR (or 400 GbE) NIC per GPU, as in DGX
@@ -108,6 +149,8 @@ allocator holds on top of the allocated peak: blocks split and cached between al
 
 def get_gpu(name: str) -> GPU:
     key = name.strip().lower().replace(" ", "-").replace("_", "-")
+    if key in ALIASES:
+        return GPUS[ALIASES[key]]
     for gpu in GPUS.values():
         if gpu.name.lower() == key or gpu.name.lower().replace("-", "") == key.replace("-", ""):
             return gpu
@@ -117,6 +160,21 @@ def get_gpu(name: str) -> GPU:
     close = [g.name for g in prefixed] or difflib.get_close_matches(name.upper(), list(GPUS), n=2)
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     raise ConfigError(f"unknown GPU {name!r}{hint}; accepted: {', '.join(GPUS)}")
+
+
+def custom_gpu(memory_bytes: int, base: GPU | None = None, label: str | None = None) -> GPU:
+    """A GPU of ``memory_bytes`` (``--gpu-memory``): ``base``'s card with that memory ("H100-80GB (70 GiB)"), or a
+    custom card ("custom 48 GiB") whose bf16 support is unknown. ``label`` is how the size is shown."""
+    from .units import format_bytes
+
+    if label is None:
+        label = f"{memory_bytes // 2**30:,} GiB" if memory_bytes % 2**30 == 0 else format_bytes(memory_bytes, "GiB")
+    if base is not None:
+        return replace(base, name=f"{base.name} ({label})", memory_mib=memory_bytes // MIB, exact_bytes=memory_bytes,
+                       memory_source="--gpu-memory",
+                       spec_sheet=f"{base.spec_sheet}; memory set to {label} by --gpu-memory")
+    return GPU(f"custom {label}", memory_bytes // MIB, None, f"custom card of {label} (--gpu-memory)", memory_bytes,
+               "--gpu-memory")
 
 
 def round_allocation(nbytes: int) -> int:

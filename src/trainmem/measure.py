@@ -13,9 +13,11 @@ Needs torch (and transformers for MODEL arguments).
 from __future__ import annotations
 
 import contextlib
+import platform
+import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 PHASES = ("load", "forward", "backward", "optimizer", "between_steps")
 
@@ -297,31 +299,115 @@ def refuse_unmeasurable(finetune) -> None:
                           "kernels, which measure does not drive; the estimate counts their bytes)")
 
 
+def _cpuinfo_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux: x86 "flags", aarch64 "Features"); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_bf16_native() -> bool | None:
+    """Whether this CPU computes bf16 natively, None when it cannot be told. x86: AVX512-BF16 or AMX, which oneDNN's
+    bf16 kernels need; without them PyTorch runs every bf16 operation through fp32 conversions, many times slower
+    than fp32 (issue 24: GPT-2's two README steps took 19.5 minutes on an AVX2 CPU). aarch64: FEAT_BF16 ("bf16" in
+    /proc/cpuinfo, hw.optional.arm.FEAT_BF16 on macOS)."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        try:
+            import torch
+
+            return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        except (ImportError, AttributeError):  # (private helpers of torch 2.x: /proc/cpuinfo otherwise)
+            flags = _cpuinfo_flags()
+            return bool({"avx512_bf16", "amx_bf16"} & flags) if flags else None
+    if machine in ("aarch64", "arm64"):
+        flags = _cpuinfo_flags()
+        if flags:
+            return "bf16" in flags
+        if platform.system() == "Darwin":
+            try:
+                out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True,
+                                     timeout=5).stdout.strip()
+            except (OSError, subprocess.SubprocessError):
+                return None
+            return out == "1" if out in ("0", "1") else None
+    return None
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: cuda when torch sees a GPU, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def recipe_for_cpu(settings, device: str, recipe_given: bool):
+    """The settings measure runs on ``device`` and a line saying what changed (None when nothing did). On a CPU
+    without native bf16 (:func:`cpu_bf16_native`) a bf16 recipe runs emulated, for minutes a step: the default
+    recipe becomes fp32 (said in the line); one the user chose is refused in one line (ConfigError)."""
+    from dataclasses import replace
+
+    from .errors import ConfigError
+    from .recipes import get_recipe
+
+    recipe = get_recipe(settings.recipe)
+    uses_bf16 = "bf16" in (recipe.weights, recipe.compute)
+    if not str(device).startswith("cpu") or not uses_bf16 or cpu_bf16_native() is not False:
+        return settings, None
+    why = ("this CPU has no native bf16 (no AVX512-BF16 or AMX), so PyTorch emulates every bf16 operation and a "
+           "step can take many minutes")
+    if recipe_given:
+        raise ConfigError(f"--recipe {settings.recipe} computes in bf16 and {why}: use --recipe fp32 on this CPU, "
+                          "or --device cuda")
+    return replace(settings, recipe="fp32"), (f"measuring --recipe fp32 instead of the default {settings.recipe}: "
+                                              f"{why} (give --recipe to choose)")
+
+
 def measure_steps(config: dict[str, Any], settings, device: str = "auto", steps: int = 2,
-                  snapshot: str | None = None, finetune=None) -> Measurement:
+                  snapshot: str | None = None, finetune=None,
+                  progress: Callable[[int, int, float | None], None] | None = None) -> Measurement:
     """Build the model for real (random weights; with ``finetune``, peft's LoRA adapters on its frozen base, as the
-    trace builds them), run ``steps`` training steps and measure the last one."""
+    trace builds them), run ``steps`` training steps and measure the last one. ``progress(step, steps, seconds)``
+    is called as each step starts (``seconds`` None) and ends (the step's wall time); step 0 is building the
+    model, once the device is known to be there."""
     import torch
 
     from .step import Fp32StateAdamW, TrainingStep
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("no CUDA device is available (this torch build or machine has none); use --device cpu")
     refuse_unmeasurable(finetune)
+    report = progress or (lambda step, total, seconds: None)
+    report(0, steps, None)
+    started = time.perf_counter()
     run = TrainingStep(config, settings, str(dev), finetune=finetune)
     if isinstance(run.optimizer, Fp32StateAdamW):
         raise ValueError("measure runs torch optimizers; pure-bf16 (fp32 states, no master) is trace-only")
-    for _ in range(max(0, steps - 1)):
+    report(0, steps, time.perf_counter() - started)
+    for i in range(1, steps):
+        report(i, steps, None)
+        started = time.perf_counter()
         run.forward_backward()
         run.step()
+        report(i, steps, time.perf_counter() - started)
     if snapshot and dev.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200_000)
+    report(steps, steps, None)
+    started = time.perf_counter()
     with track(run.model, run.optimizer, dev) as tracker:
         run.forward_backward()
         run.step(on_optimizer_start=lambda: tracker.recorder.switch("optimizer"))
+    report(steps, steps, time.perf_counter() - started)
     if snapshot and dev.type == "cuda":
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)

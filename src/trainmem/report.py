@@ -62,6 +62,33 @@ def model_dict(m) -> dict[str, Any]:
     }
 
 
+def kept_bytes_per_token(acts, la) -> float:
+    """What the step keeps on the device per token for each layer of the run ``la``, as the timeline counts it
+    (ActivationEstimate.layer_saved_bytes, less the batch-independent constant): a checkpointed layer (every layer
+    under --checkpointing full, every second one under selective) keeps its input, and nothing on the device when
+    --offload-activations moves that input to host memory; any other layer keeps its terms."""
+    if la.checkpointed:
+        return 0.0 if acts.offloaded else float(sum(t.bytes_per_token for t in la.checkpoint_terms))
+    return la.bytes_per_token
+
+
+_STEPPED_IN_BACKWARD = ("none held: each parameter's gradient is stepped and freed as backward makes it "
+                        "(--optimizer-in-backward)")
+
+
+def held_static(est: Estimate) -> list[tuple[Any, int, float, str]]:
+    """The static components as the step holds them, (component, bytes, bytes per parameter, note): under
+    --optimizer-in-backward the gradients are never held together (the timeline has none in any phase; one
+    parameter's exists at a time, inside backward), so they are listed with 0 bytes."""
+    rows = []
+    for c in est.static:
+        if c.name == "gradients" and est.settings.optimizer_in_backward:
+            rows.append((c, 0, 0.0, _STEPPED_IN_BACKWARD))
+        else:
+            rows.append((c, c.bytes, c.bytes_per_param, c.note))
+    return rows
+
+
 def _activations_dict(est: Estimate) -> dict[str, Any] | None:
     if est.activation_bytes is None:
         return None
@@ -83,6 +110,7 @@ def _activations_dict(est: Estimate) -> dict[str, Any] | None:
         **({"host_bytes": acts.host_bytes} if acts.offloaded else {}),
         "per_layer": [
             {"count": la.count, "bytes_per_token": la.bytes_per_token, "bytes": acts.layer_saved_bytes(la),
+             "checkpointed": la.checkpointed, "kept_bytes_per_token": kept_bytes_per_token(acts, la),
              "constant_bytes": la.constant_bytes,
              "terms": [{"name": t.name, "bytes_per_token": t.bytes_per_token} for t in la.terms]}
             for la in acts.layers
@@ -121,13 +149,57 @@ def json_safe(value):
     return value
 
 
-def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def gpu_verdict(est: Estimate, gpu: GPU, search_batch: bool = True) -> dict[str, Any]:
+    """Whether ``est`` fits ``gpu``, by how much (``margin_bytes``: the GPU's memory less the required bytes, negative
+    when short) and the largest micro-batch that fits at this sequence length and layout (``max_micro_batch``, 0 when
+    not even one; None when unknown: no peak, or ``search_batch`` False). The required bytes are the device total
+    (allocated + the caching allocator's fragmentation + the CUDA context) x ``headroom``: the headroom comes on
+    top of those allowances (estimate.peak_of_phases), and headroom 1 is the plain answer."""
+    fits = est.fits(gpu)
+    margin = None if est.peak is None else gpu.memory_bytes - est.peak.required_bytes
+    largest = None
+    if search_batch and est.peak is not None and est.model.has_architecture:
+        from .planner import max_batch
+
+        largest = max_batch(est.model, est.settings, gpu, est.device, est.parallel, est.finetune)
+    return {"fits": fits, "margin_bytes": margin, "max_micro_batch": largest, "headroom": est.device.headroom}
+
+
+def verdict_line(est: Estimate, gpu: GPU, unit: str, verdict: dict[str, Any] | None = None) -> str:
+    """One line: fits or not on ``gpu``, the margin in ``unit``, the largest micro-batch, and what the required
+    bytes include."""
+    v = verdict or gpu_verdict(est, gpu)
+    if v["fits"] is None:
+        return f"{gpu.name}: whether it fits is unknown: the step's peak needs its activations (the notes say why)"
+    dev, s = est.device, est.settings
+    margin, largest = v["margin_bytes"], v["max_micro_batch"]
+    if v["fits"]:
+        answer = f"fits at batch {s.batch}, {format_bytes(margin, unit)} to spare"
+    elif largest == 0:
+        answer = f"does not fit, not even batch 1 ({format_bytes(-margin, unit)} short at batch {s.batch})"
+    else:
+        answer = f"does not fit at batch {s.batch}, {format_bytes(-margin, unit)} short"
+    if largest:
+        answer += f"; largest micro-batch that fits: {largest:,} at seq {s.seq:,}"
+    allowances = (f"{dev.fragmentation:.0%} fragmentation and {format_bytes(dev.cuda_overhead_bytes, 'MiB', 0)} CUDA "
+                  "allowances")
+    basis = (f"required = device total x {dev.headroom:g} headroom, on top of the {allowances}; --headroom 1 "
+             "for the plain answer" if dev.headroom != 1 else
+             f"required = device total (no headroom), the {allowances} included")
+    return f"{gpu.name} ({format_bytes(gpu.memory_bytes, unit)}): {answer} ({basis})"
+
+
+def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None = None,
+            search_batch: bool = True) -> dict[str, Any]:
+    """The estimate document; with ``gpu``, its verdict (gpu_verdict; ``search_batch`` False leaves
+    ``max_micro_batch`` null, as a sweep's many estimates do)."""
     m = est.model
+    held = held_static(est)
     static: dict[str, Any] = {
-        c.name: {"dtype": c.dtype, "bytes": c.bytes, "bytes_per_param": round(c.bytes_per_param, 6), "note": c.note}
-        for c in est.static
+        c.name: {"dtype": c.dtype, "bytes": nbytes, "bytes_per_param": round(per_param, 6), "note": note}
+        for c, nbytes, per_param, note in held
     }
-    static["total_bytes"] = est.static_bytes
+    static["total_bytes"] = sum(nbytes for _, nbytes, _, _ in held)
     doc: dict[str, Any] = {
         **header("estimate"),
         "model": model_dict(m),
@@ -155,7 +227,10 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
         doc["fits"] = est.fit_table()
         doc["fits_unknown_reason"] = None
     if gpu is not None:
-        doc["gpu"] = {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "fits": est.fits(gpu)}
+        verdict = gpu_verdict(est, gpu, search_batch)
+        doc["gpu"] = {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "memory_source": gpu.memory_source,
+                      "fits": verdict["fits"], "margin_bytes": verdict["margin_bytes"],
+                      "max_micro_batch": verdict["max_micro_batch"], "headroom": verdict["headroom"]}
     if est.per_gpu:
         _parallel_keys(est, doc)
     if est.finetune is not None:
@@ -215,8 +290,10 @@ def _layout_words(parallel) -> str:
     return f"{parallel.gpus} ({' x '.join(axes)}{engine})"
 
 
-def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, explain: bool = False) -> None:
-    """Print the breakdown tables to a rich console."""
+def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, explain: bool = False,
+                    verdict: dict[str, Any] | None = None) -> None:
+    """Print the breakdown tables to a rich console, and with ``gpu`` the verdict line (``verdict``: gpu_verdict's,
+    when the caller has it)."""
     from rich.table import Table
 
     m, s = est.model, est.settings
@@ -227,11 +304,13 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
     table.add_column("bytes/param", justify="right")
     table.add_column(f"total ({unit})", justify="right")
     table.add_column("what", style="dim")
-    for c in est.static:
-        table.add_row(c.name, c.dtype, f"{c.bytes_per_param:.2f}", format_bytes(c.bytes, unit), c.note)
+    static_rows = held_static(est)
+    for c, nbytes, per_param, note in static_rows:
+        table.add_row(c.name, c.dtype, f"{per_param:.2f}", format_bytes(nbytes, unit), note)
     held = est.rank_model or m  # (a model-parallel rank holds a part of the model)
-    per_param = est.static_bytes / held.num_parameters
-    table.add_row("static total", "", f"{per_param:.2f}", format_bytes(est.static_bytes, unit),
+    static_bytes = sum(nbytes for _, nbytes, _, _ in static_rows)
+    per_param = static_bytes / held.num_parameters
+    table.add_row("static total", "", f"{per_param:.2f}", format_bytes(static_bytes, unit),
                   f"{held.num_parameters:,} parameters on this GPU" if est.rank_model else "", style="bold")
     if est.rank is not None:
         for b in est.rank.buffers:
@@ -268,6 +347,8 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
     for note in est.notes:
         console.print(f"[dim]note: {note}[/dim]")
     render_warnings(est, console)
+    if gpu is not None:  # last, where the eye lands
+        console.print(f"[bold]{verdict_line(est, gpu, unit, verdict)}[/bold]", highlight=False, soft_wrap=True)
 
 
 def _render_per_rank(est: Estimate, unit: str, console) -> None:
@@ -307,11 +388,15 @@ def _render_activations(est: Estimate, unit: str, console, explain: bool) -> Non
     table.add_column(f"total ({unit})", justify="right")
     for la in acts.layers:
         kind = "MoE" if la.layer.moe else "dense"
-        per_token = sum(t.bytes_per_token for t in la.checkpoint_terms) if acts.checkpointing == "full" \
-            else la.bytes_per_token
-        table.add_row(f"decoder layer ({kind})", f"{per_token:,.0f}", str(la.count),
+        how = (", checkpointed, input in host memory" if acts.offloaded else ", checkpointed") if la.checkpointed \
+            else ""
+        table.add_row(f"decoder layer ({kind}{how})", f"{kept_bytes_per_token(acts, la):,.0f}", str(la.count),
                       format_bytes(acts.layer_saved_bytes(la) * la.count, unit))
-        if explain and acts.checkpointing != "full":
+        if explain and la.checkpointed:
+            for t in la.checkpoint_terms:
+                host = " (in host memory: 0 on the GPU)" if acts.offloaded else ""
+                table.add_row(f"  [dim]{t.name}{host}[/dim]", f"[dim]{t.bytes_per_token:,.0f}[/dim]", "", "")
+        elif explain:
             for t in la.terms:
                 table.add_row(f"  [dim]{t.name}[/dim]", f"[dim]{t.bytes_per_token:,.0f}[/dim]", "", "")
             if la.constant_bytes:
@@ -358,11 +443,14 @@ def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
     fits.add_column(f"memory ({unit})", justify="right")
     fits.add_column("fits", justify="center")
     fits.add_column("bf16", justify="center")
-    for name, g in GPUS.items():
+    listed = list(GPUS.values())
+    if gpu is not None and gpu not in listed:  # a --gpu-memory card
+        listed.append(gpu)
+    for g in listed:
         ok = est.fits(g)
         style = "bold" if gpu is not None and g.name == gpu.name else None
-        fits.add_row(name, format_bytes(g.memory_bytes, unit), "[green]yes[/green]" if ok else "[red]no[/red]",
-                     "yes" if g.bf16 else "no", style=style)
+        fits.add_row(g.name, format_bytes(g.memory_bytes, unit), "[green]yes[/green]" if ok else "[red]no[/red]",
+                     "?" if g.bf16 is None else "yes" if g.bf16 else "no", style=style)
     console.print(fits)
 
 
@@ -396,13 +484,14 @@ def render_sweep(estimates: list[Estimate], unit: str, console, gpu: GPU | None)
     table.add_column("required", justify="right")
     if gpu is not None:
         table.add_column(f"fits {gpu.name}", justify="center")
+        table.add_column("margin", justify="right")
     for e in estimates:
         assert e.peak is not None
         row = [str(e.parallel.gpus), _engine_words(e.parallel) if e.per_gpu else "one GPU"] if layouts else []
         row += [str(e.settings.batch), str(e.settings.seq), format_bytes(e.activation_bytes or 0, unit), e.peak.phase,
                format_bytes(e.peak.allocated_bytes, unit), format_bytes(e.peak.required_bytes, unit)]
         if gpu is not None:
-            row.append("yes" if e.fits(gpu) else "no")
+            row += ["yes" if e.fits(gpu) else "no", format_bytes(gpu.memory_bytes - e.peak.required_bytes, unit)]
         table.add_row(*row)
     console.print(table)
 

@@ -14,12 +14,13 @@ from typing import Any
 
 from .errors import ConfigError
 from .estimate import DEFAULT_HEADROOM, MAX_CUDA_OVERHEAD_BYTES, DeviceOptions
-from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION, GPU, MIB, get_gpu
+from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION, GPU, MIB, custom_gpu, get_gpu
 from .models import ModelSpec, nominal_spec
 from .optimizers import get_optimizer
 from .settings import TrainingSettings, make_settings
 from .lora import FineTune, LoraOptions
 from .sharding import Parallel, read_deepspeed_config
+from .units import parse_sized
 
 MAX_PARAMS = 1e16
 
@@ -67,7 +68,7 @@ def _number(name: str, value: Any) -> float:
 
 
 def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: Any = None,
-                 gpu: str | GPU | None = None,
+                 gpu: str | GPU | None = None, gpu_memory: str | int | None = None,
                  headroom: float = DEFAULT_HEADROOM, fragmentation: float = DEFAULT_FRAGMENTATION,
                  cuda_overhead: float = DEFAULT_CUDA_OVERHEAD_MIB, hub: bool = False, need_config: str = "",
                  gpus: int = 1, gpus_per_node: int = 0, zero: int | None = None, fsdp: str | None = None,
@@ -88,6 +89,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     modules_to_save: lm_head, embed_tokens), ``adapter_dtype``, ``base_quant``, ``double_quant`` and ``qlora`` (nf4
     with double quantization) train adapters on a frozen base (lora.py). ``tp``, ``sp``, ``pp``, ``pp_schedule``,
     ``virtual_stages``, ``micro_batches``, ``cp`` and ``ep`` split the model across the GPUs (modelparallel.py).
+    ``gpu_memory`` (``"48GiB"``, ``"80GB"``, ``"49140MiB"`` or an int of bytes) is the GPU's memory: ``gpu``'s card
+    with that memory, or without ``gpu`` a custom card ("custom 48 GiB").
     ``settings`` are TrainingSettings fields. Checks that cost nothing come before the model is read."""
     if need_config and params is not None:
         raise ConfigError(f"{need_config} needs a model config, not --params")
@@ -107,6 +110,9 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     if gpu is not None and not isinstance(gpu, (str, GPU)):
         raise ConfigError(f"gpu must be a GPU name, got {type(gpu).__name__}")
     target = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if gpu_memory is not None:  # a custom card, or the named card with this memory
+        nbytes, label = parse_sized(gpu_memory, "gpu-memory")
+        target = custom_gpu(nbytes, target, label)
     parallel = Parallel(gpus=gpus, gpus_per_node=gpus_per_node, zero=zero, fsdp=fsdp, offload=offload,
                         ddp_bucket_view=ddp_bucket_view, tp=tp, sp=sp, pp=pp, pp_schedule=pp_schedule,
                         virtual_stages=virtual_stages, micro_batches=micro_batches, cp=cp, ep=ep)
