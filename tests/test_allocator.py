@@ -294,3 +294,62 @@ def test_allocated_counts_the_live_blocks_and_everything_freed_coalesces(conf, o
     assert all(len(s.blocks) == 1 and not s.blocks[0][1] for s in a.snapshot())
     a.empty_cache()
     assert a.reserved_bytes == 0
+
+
+# -- the traced step through the allocator (needs torch and transformers) ----------------------------------------
+
+_TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=211, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    pytest.importorskip("transformers")
+    from trainmem.models import spec_from_config
+    from trainmem.settings import TrainingSettings
+    from trainmem.trace import trace_step
+
+    settings_ = TrainingSettings(batch=1, seq=16, recipe="mixed-bf16")
+    return (trace_step(_TINY, settings_, spec_from_config(_TINY)),
+            trace_step(_TINY, settings_, spec_from_config(_TINY), record_allocations=True))
+
+
+def test_recording_the_allocations_changes_no_phase_and_replays_the_traced_peak(recorded):
+    """The recorded trace (warm-up step under trackers too) has the same phases as the plain one, records two
+    steps after the model's state, and its replay's max_memory_allocated is the traced peak: the allocator counts
+    the same 512-byte-rounded storages MemTracker does (no request here is large enough to leave a remainder)."""
+    plain, traced = recorded
+    assert [p.allocated_bytes for p in traced.phases] == [p.allocated_bytes for p in plain.phases]
+    log = traced.allocations
+    assert log.steps == 2 and log.step_starts[0] > 0
+    assert {e.label for e in log.events[:log.step_starts[0]]} >= {"parameters"}
+    assert "optimizer_states" in {e.label for e in log.step_events(0)}  # the warm-up creates the states
+    report = replay(log)
+    assert report.unmatched_frees == 0 and report.max_allocated == traced.peak.allocated_bytes
+    assert report.max_reserved >= report.max_allocated and report.max_reserved % (2 * MIB) == 0
+
+
+def test_trace_allocator_command(run_cli, recorded, monkeypatch, tmp_path):
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(_TINY))
+    args = ("trace", str(config), "--seq", "16", "--recipe", "mixed-bf16", "--allocator")
+    code, out, _ = run_cli(*args, "--alloc-conf", "expandable_segments:True", "--json")
+    doc = json.loads(out)["allocator"]
+    assert code == 0 and doc["settings"] == "expandable_segments:True" and doc["steps"] == 2
+    assert doc["max_memory_allocated_bytes"] == doc["traced_max_allocated_bytes"] == recorded[0].peak.allocated_bytes
+    assert doc["oom"] is None and doc["capacity_bytes"] is None
+    # L4 (23,034 MiB) less 23,033 MiB of CUDA overhead leaves 1 MiB: the first parameter's 2 MiB segment fails
+    code, out, _ = run_cli(*args, "--gpu", "L4", "--cuda-overhead", "23033", "--units", "MiB")
+    assert code == 0 and "replayed max_memory_reserved" in out
+    assert "first failing allocation on 1.00 MiB: event 0 (step 0)" in out and "(parameters; tried to allocate 2.00" in out
+    for extra, words in ((("--alloc-conf", "max_split_size_mb:1"), "--alloc-conf: max_split_size_mb too small"),
+                         (("--gpus", "2", "--fsdp", "full"), "not with --fsdp or --tp")):
+        code, _, err = run_cli(*args, *extra)
+        assert code == 2 and words in err and err.strip().count("\n") == 0
+    code, _, err = run_cli("trace", str(config), "--alloc-conf", "expandable_segments:True")
+    assert code == 2 and "give --allocator too" in err
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:maybe")
+    code, _, err = run_cli(*args)
+    assert code == 2 and "PYTORCH_CUDA_ALLOC_CONF: expandable_segments takes True or False" in err
