@@ -343,7 +343,8 @@ def test_trace_allocator_command(run_cli, recorded, monkeypatch, tmp_path):
     # L4 (23,034 MiB) less 23,033 MiB of CUDA overhead leaves 1 MiB: the first parameter's 2 MiB segment fails
     code, out, _ = run_cli(*args, "--gpu", "L4", "--cuda-overhead", "23033", "--units", "MiB")
     assert code == 0 and "replayed max_memory_reserved" in out
-    assert "first failing allocation on 1.00 MiB: event 0 (step 0)" in out and "(parameters; tried to allocate 2.00" in out
+    assert "first failing allocation on 1.00 MiB: event 0 (step 0)" in out
+    assert "(parameters; tried to allocate 2.00" in out
     for extra, words in ((("--alloc-conf", "max_split_size_mb:1"), "--alloc-conf: max_split_size_mb too small"),
                          (("--gpus", "2", "--fsdp", "full"), "not with --fsdp or --tp")):
         code, _, err = run_cli(*args, *extra)

@@ -53,7 +53,8 @@ _BOOL_KEYS = frozenset({"expandable_segments", "pinned_use_background_threads", 
                         "graph_capture_record_stream_reuse", "pinned_free_catch_all", "throw_on_cudamalloc_oom"})
 _SIZE_KEYS = frozenset({"pinned_max_round_threshold_mb", "pinned_max_cached_size_mb", "pinned_reserve_segment_size_mb",
                         "pinned_num_register_threads"})
-NO_DEVICE_EFFECT = frozenset({"pinned_use_background_threads", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
+NO_DEVICE_EFFECT = frozenset({"pinned_use_background_threads", "release_lock_on_cudamalloc",
+                              "release_lock_on_hipmalloc",
                               "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
                               "graph_capture_record_stream_reuse", "pinned_free_catch_all",
                               "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb",
@@ -1043,7 +1044,8 @@ def replay(log: AllocationLog, config: AllocatorConfig = DEFAULT_CONFIG, capacit
     stride = max(1, -(-len(after) // TIMELINE_POINTS))
     timeline = tuple((i, after[i], reserved_after[i]) for i in range(0, len(after), stride))
     return ReplayReport(
-        settings=config.describe(), steps=log.steps, events=len(log.events), max_allocated=allocator.max_allocated_bytes,
+        settings=config.describe(), steps=log.steps, events=len(log.events),
+        max_allocated=allocator.max_allocated_bytes,
         max_reserved=allocator.max_reserved_bytes, peak_event=peak, peak_step=_step_of(log, peak),
         reserved_at_peak=at_peak.reserved_bytes, largest_inactive_split=at_peak.largest_inactive_split(),
         largest_free_block=at_peak.largest_free_block(), max_inactive_split_bytes=allocator.max_inactive_split_bytes,
