@@ -699,7 +699,7 @@ class CachingAllocator:
                     self._release_block(block, pool)
             for block in to_unmap:
                 self._unmap_block(block, pool)
-                if block.prev is None and block.next is None:  # release_expandable_segment
+                if not block.mapped and block.prev is None and block.next is None:  # release_expandable_segment
                     pool.erase_unmapped(block)
                     self.expandable.remove(block.segment)
 
