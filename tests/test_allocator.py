@@ -335,8 +335,13 @@ def test_trace_allocator_command(run_cli, recorded, monkeypatch, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(_TINY))
     args = ("trace", str(config), "--seq", "16", "--recipe", "mixed-bf16", "--allocator")
+    jsonschema = pytest.importorskip("jsonschema")
+    from trainmem.report import json_schema
+
     code, out, _ = run_cli(*args, "--alloc-conf", "expandable_segments:True", "--json")
-    doc = json.loads(out)["allocator"]
+    document = json.loads(out)
+    assert not list(jsonschema.Draft202012Validator(json_schema()).iter_errors(document))
+    doc = document["trace"]["allocator"]
     assert code == 0 and doc["settings"] == "expandable_segments:True" and doc["steps"] == 2
     assert doc["max_memory_allocated_bytes"] == doc["traced_max_allocated_bytes"] == recorded[0].peak.allocated_bytes
     assert doc["oom"] is None and doc["capacity_bytes"] is None

@@ -356,7 +356,8 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
     if as_json:
         document = trace_to_dict(est, result.phases, result.seconds, result.rounded, result.host_bytes)
         if replayed is not None:
-            document["allocator"] = {**replayed.to_dict(), "traced_max_allocated_bytes": result.peak.allocated_bytes}
+            document["trace"]["allocator"] = {**replayed.to_dict(),
+                                              "traced_max_allocated_bytes": result.peak.allocated_bytes}
         _emit_json(document)
     else:
         console = _console()
