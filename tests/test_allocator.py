@@ -359,3 +359,62 @@ def test_trace_allocator_command(run_cli, recorded, monkeypatch, tmp_path):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:maybe")
     code, _, err = run_cli(*args)
     assert code == 2 and "PYTORCH_CUDA_ALLOC_CONF: expandable_segments takes True or False" in err
+
+
+def test_the_recorder_follows_memtracker_s_storages_and_resizes():
+    """trace.py's _AllocationRecorder under _recording: a storage is allocated when MemTracker first makes its
+    _WeakRefInfo (once, however many trackers see it), a resize_ is a new allocation then the free of the old
+    size (as a CUDA storage resize copies into a new block), and a storage is freed when it dies."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from trainmem.trace import _AllocationRecorder, _recording
+
+    recorder = _AllocationRecorder()
+    with _recording(recorder):
+        t = torch.zeros(256)  # 1 KiB
+        for _ in range(2):
+            MemTracker().track_external(t)
+        tracker = MemTracker()
+        tracker.track_external(t)
+        with tracker:
+            u = t * 2
+            t.untyped_storage().resize_(2048)
+            del u
+    log = recorder.log()
+    assert [(e.key, e.nbytes) for e in log.events] == [(0, 1024), (1, 1024), (2, 2048), (0, 0), (1, 0)]
+    assert log.events[1].label == "activations"
+    del t
+    assert len(recorder.log().events) == 5  # after log(), nothing more is recorded
+
+
+def test_the_cuda_benchmark_compares_reserved_memory():
+    """benchmarks/cuda_accuracy.py's reserved table (it runs only on a GPU): a snapshot's segments are counted as
+    torch.cuda.memory._snapshot() lists them, and each row shows the replay's and the flat factor's error."""
+    import importlib.util
+    from pathlib import Path
+
+    from trainmem.estimate import estimate
+    from trainmem.measure import Measurement, PhasePeak
+
+    path = Path(__file__).parent.parent / "benchmarks" / "cuda_accuracy.py"
+    spec = importlib.util.spec_from_file_location("cuda_accuracy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    snapshot = {"segments": [
+        {"total_size": 20 * MIB, "allocated_size": 18 * MIB, "blocks": [
+            {"size": 9 * MIB, "state": "active_allocated"}, {"size": 9 * MIB, "state": "active_allocated"},
+            {"size": 2 * MIB, "state": "inactive"}]},
+        {"total_size": 2 * MIB, "allocated_size": 0, "blocks": [{"size": 2 * MIB, "state": "inactive"}]}]}
+    summary = bench.snapshot_summary(snapshot)
+    assert summary == {"segments": 2, "reserved": 22 * MIB, "allocated": 18 * MIB, "sizes": [2 * MIB, 20 * MIB],
+                       "largest_inactive_split": 2 * MIB}
+    report = replay(log_from_sizes([("alloc", 1, 9 * MIB), ("alloc", 2, 9 * MIB)]), steps=1)
+    assert bench.replay_summary(report) == {"segments": 1, "reserved": 20 * MIB, "allocated": 18 * MIB,
+                                            "sizes": [20 * MIB], "largest_inactive_split": 2 * MIB}
+    est = estimate("gpt2", recipe="amp-bf16", batch=8, seq=1024)
+    measured = Measurement("cuda", [PhasePeak("forward", 18 * MIB, 25 * MIB)])  # the replay is 20% under
+    section = bench.cuda_section([], "NVIDIA H200", "2.13.0", "2026-12-01",
+                                 [("gpt2", dict(batch=8), measured, est, summary, report, "PyTorch's defaults")])
+    row = next(line for line in section.splitlines() if line.startswith("| gpt2 | batch=8 | PyTorch's defaults |"))
+    assert "| 0.024 GiB | 0.020 GiB | -20.00% |" in row and row.endswith("| 2 / 1 |")
