@@ -418,3 +418,27 @@ def test_the_cuda_benchmark_compares_reserved_memory():
                                  [("gpt2", dict(batch=8), measured, est, summary, report, "PyTorch's defaults")])
     row = next(line for line in section.splitlines() if line.startswith("| gpt2 | batch=8 | PyTorch's defaults |"))
     assert "| 0.024 GiB | 0.020 GiB | -20.00% |" in row and row.endswith("| 2 / 1 |")
+
+
+@settings(max_examples=60, deadline=None)
+@given(conf=st.sampled_from(_CONFIGS + ["garbage_collection_threshold:0.6,per_process_memory_fraction:0.8",
+                                        "expandable_segments:True,roundup_power2_divisions:[64:4,>:2]"]),
+       capacity_mib=st.integers(8, 256),
+       ops=st.lists(st.tuples(st.booleans(), _SIZES, st.integers(0, 10**6)), min_size=1, max_size=60))
+def test_on_a_full_device_reserved_never_passes_the_capacity(conf, capacity_mib, ops):
+    """With a capacity, an allocation either succeeds or raises OutOfMemory after the cache was freed (malloc's
+    retries, release_cached_blocks, unmap_block); reserved memory never passes the capacity, allocated stays the
+    sum of the live blocks, and after an OOM every cached segment that holds no live block has been returned."""
+    a = CachingAllocator(parse_alloc_conf(conf), capacity=capacity_mib * MIB)
+    live = []
+    for allocate, size, pick in ops:
+        if allocate or not live:
+            try:
+                live.append(a.malloc(size))
+            except OutOfMemory as error:
+                assert error.rounded + a.reserved_bytes > 0
+                assert all(any(used for _, used in s.blocks) for s in a.snapshot() if not s.is_expandable)
+        else:
+            a.free(live.pop(pick % len(live)))
+        assert a.reserved_bytes <= a.capacity and a.allocated_bytes == sum(b.size for b in live)
+        assert a.reserved_bytes == sum(s.total_size for s in a.snapshot())
