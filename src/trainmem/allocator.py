@@ -1077,7 +1077,7 @@ def render_lines(report: ReplayReport, traced_max_allocated: int | None, unit: s
         return format_bytes(n, unit)
 
     lines = [f"caching allocator replay ({report.settings}; {report.steps} steps, {report.events:,} allocations "
-             f"and frees; model of c10/cuda/CUDACachingAllocator.cpp, torch 2.13):"]
+             f"and frees; torch 2.13's CUDACachingAllocator):"]
     if traced_max_allocated is not None:
         lines.append(f"  traced max allocated            {b(traced_max_allocated)}")
     lines += [
