@@ -442,3 +442,17 @@ def test_on_a_full_device_reserved_never_passes_the_capacity(conf, capacity_mib,
             a.free(live.pop(pick % len(live)))
         assert a.reserved_bytes <= a.capacity and a.allocated_bytes == sum(b.size for b in live)
         assert a.reserved_bytes == sum(s.total_size for s in a.snapshot())
+
+
+def test_bad_allocation_logs_are_one_line():
+    with pytest.raises(ConfigError, match="step starts must be ascending"):
+        log_from_sizes([("alloc", 1, 512)], step_starts=(1, 0))
+    with pytest.raises(ConfigError, match="'alloc' or 'free'"):
+        log_from_sizes([("malloc", 1, 512)])
+    with pytest.raises(ConfigError, match="positive size"):
+        log_from_sizes([("alloc", 1, 0)])
+    with pytest.raises(ConfigError, match="allocated twice"):
+        replay(log_from_sizes([("alloc", 1, 512), ("alloc", 1, 512)]), steps=1)
+    with pytest.raises(ConfigError, match="capacity"):
+        replay(log_from_sizes([("alloc", 1, 512)]), capacity=-1)
+    assert replay(log_from_sizes([("free", 7, 0)]), steps=1).unmatched_frees == 1

@@ -318,6 +318,10 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
         from .allocator import config_from_environment, parse_alloc_conf
 
         alloc_config = parse_alloc_conf(alloc_conf) if alloc_conf is not None else config_from_environment()
+        # the card's memory less what is not PyTorch's (--cuda-overhead: the CUDA context and libraries)
+        capacity = w.gpu.memory_bytes - w.device.cuda_overhead_bytes if w.gpu is not None else None
+        if capacity is not None and capacity <= 0:
+            raise ConfigError(f"--cuda-overhead leaves nothing of {w.gpu.name}'s memory to the caching allocator")
     if tensor_parallel:
         from .trace import check_tp_traceable
 
@@ -349,9 +353,7 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
     if replay_allocator:
         from .allocator import render_lines, replay
 
-        # the card's memory less what is not PyTorch's (--cuda-overhead: the CUDA context and libraries)
-        capacity = w.gpu.memory_bytes - w.device.cuda_overhead_bytes if w.gpu is not None else None
-        replayed = replay(result.allocations, alloc_config, capacity=capacity if capacity and capacity > 0 else None,
+        replayed = replay(result.allocations, alloc_config, capacity=capacity,
                           device_total=w.gpu.memory_bytes if w.gpu is not None else None)
     if as_json:
         document = trace_to_dict(est, result.phases, result.seconds, result.rounded, result.host_bytes)
