@@ -456,3 +456,16 @@ def test_bad_allocation_logs_are_one_line():
     with pytest.raises(ConfigError, match="capacity"):
         replay(log_from_sizes([("alloc", 1, 512)]), capacity=-1)
     assert replay(log_from_sizes([("free", 7, 0)]), steps=1).unmatched_frees == 1
+
+
+def test_equal_blocks_go_oldest_first_not_lowest_address_first():
+    """The pool orders free blocks by size, then registration counter (BlockComparatorRegistrationCounter; the
+    counter is given in Block's constructor). A split hands out a new Block at the front and keeps the old one as
+    the remainder (alloc_found_block), so after 4 MiB and 12 MiB from one segment, freeing the 4 MiB block leaves two
+    free 4 MiB blocks: the front one is newer. The next 4 MiB request takes the older one at the end."""
+    a = CachingAllocator()
+    front = a.malloc(4 * MIB)
+    a.malloc(12 * MIB)
+    a.free(front)
+    a.malloc(4 * MIB)
+    assert _segments(a) == [[(4 * MIB, False), (12 * MIB, True), (4 * MIB, True)]]

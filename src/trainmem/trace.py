@@ -158,11 +158,11 @@ class _AllocationRecorder:
         self._event = AllocEvent
         self.events: list = []
         self.step_starts: list[int] = []
-        self._live: dict[int, list] = {}  # id(storage) -> [weakref, key or None, nbytes]
+        self._live: dict[int, list] = {}  # id(storage) -> [weakref, key (None for 0 bytes), nbytes, label]
         self._next_key = 0
         self.active = True
 
-    def _died(self, ident: int, key: int, _ref) -> None:
+    def _died(self, ident: int, key: int | None, _ref) -> None:
         entry = self._live.get(ident)
         if entry is not None and entry[1] == key:
             del self._live[ident]
