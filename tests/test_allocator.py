@@ -469,3 +469,19 @@ def test_equal_blocks_go_oldest_first_not_lowest_address_first():
     a.free(front)
     a.malloc(4 * MIB)
     assert _segments(a) == [[(4 * MIB, False), (12 * MIB, True), (4 * MIB, True)]]
+
+
+def test_with_max_split_size_an_oom_first_frees_cached_oversize_blocks():
+    """release_available_cached_blocks (only with a max_split_size): a cached 90 MiB oversize block cannot serve
+    60 MiB (90 >= 60 + max_non_split_rounding_size, 20 MiB: get_free_block) and cudaMalloc has no room beside it on
+    120 MiB, so the smallest oversize block covering the request is freed and alloc_block succeeds without the
+    retry; with only a cached 50 MiB block, it is freed but does not cover the request, so the retry
+    (release_cached_blocks, then alloc_block once more) makes the allocation."""
+    a = CachingAllocator(parse_alloc_conf("max_split_size_mb:40"), capacity=120 * MIB)
+    a.free(a.malloc(90 * MIB))
+    a.malloc(60 * MIB)
+    assert a.reserved_bytes == 60 * MIB and a.num_device_free == 1 and a.num_alloc_retries == 0
+    b = CachingAllocator(parse_alloc_conf("max_split_size_mb:40"), capacity=100 * MIB)
+    b.free(b.malloc(50 * MIB))
+    b.malloc(60 * MIB)
+    assert b.reserved_bytes == 60 * MIB and b.num_device_free == 1 and b.num_alloc_retries == 1
