@@ -227,6 +227,7 @@ def test_replay_reports_the_peak_and_the_first_failing_allocation():
     assert report.steps == 2 and report.events == 13
     assert report.max_allocated == 25 * MIB + 512 and report.max_reserved == 38 * MIB  # + the small pool's 2 MiB
     assert report.peak_step == 1 and report.reserved_at_peak == 38 * MIB
+    assert report.allocated == 512 and report.reserved == 38 * MIB  # everything but key 0 freed, nothing released
     assert report.fragmentation == 13 * MIB - 512 and len(report.segments_at_peak) == 3
     oom = report.oom
     assert oom is not None and oom.step == 1 and oom.requested == 15 * MIB and oom.alloc_size == 16 * MIB

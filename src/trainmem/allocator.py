@@ -959,6 +959,10 @@ class ReplayReport:
     """Frees of keys the log never allocated (ignored)."""
     capacity: int | None = None
     oom: OOMReport | None = None
+    allocated: int = 0
+    """memory_allocated() after the replay (what the steps leave alive)."""
+    reserved: int = 0
+    """memory_reserved() after the replay."""
     timeline: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
     """(event, allocated, reserved) samples through the replay, at most ``TIMELINE_POINTS``."""
 
@@ -978,7 +982,8 @@ class ReplayReport:
                 "segment_sizes_at_peak": [s.total_size for s in self.segments_at_peak],
                 "num_alloc_retries": self.num_alloc_retries, "num_device_alloc": self.num_device_alloc,
                 "num_device_free": self.num_device_free, "unmatched_frees": self.unmatched_frees,
-                "capacity_bytes": self.capacity, "oom": self.oom.to_dict() if self.oom else None}
+                "capacity_bytes": self.capacity, "oom": self.oom.to_dict() if self.oom else None,
+                "allocated_bytes": self.allocated, "reserved_bytes": self.reserved}
 
 
 TIMELINE_POINTS = 2000
@@ -1051,7 +1056,8 @@ def replay(log: AllocationLog, config: AllocatorConfig = DEFAULT_CONFIG, capacit
         largest_free_block=at_peak.largest_free_block(), max_inactive_split_bytes=allocator.max_inactive_split_bytes,
         segments_at_peak=at_peak.snapshot(), num_alloc_retries=allocator.num_alloc_retries,
         num_device_alloc=allocator.num_device_alloc, num_device_free=allocator.num_device_free,
-        unmatched_frees=unmatched, capacity=capacity, oom=oom, timeline=timeline)
+        unmatched_frees=unmatched, capacity=capacity, oom=oom, allocated=allocator.allocated_bytes,
+        reserved=allocator.reserved_bytes, timeline=timeline)
 
 
 def log_from_sizes(sequence: Iterable[tuple[str, int, int]], step_starts: tuple[int, ...] = (0,)) -> AllocationLog:
@@ -1088,6 +1094,7 @@ def render_lines(report: ReplayReport, traced_max_allocated: int | None, unit: s
         f"  largest inactive split          {b(report.largest_inactive_split)} (largest cached block "
         f"{b(report.largest_free_block)})",
         f"  segments at the peak            {len(report.segments_at_peak)}",
+        f"  after the last step             allocated {b(report.allocated)}, reserved {b(report.reserved)}",
     ]
     if report.capacity is not None:
         if report.oom is None:
