@@ -302,7 +302,13 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
 @click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
 @click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
 @click.option("--no-round", is_flag=True, help="Keep raw tensor sizes (CUDA rounds each allocation to 512 B).")
-def trace(batch, seq, no_round, **options) -> None:
+@click.option("--allocator", "replay_allocator", is_flag=True,
+              help="Replay two steps' allocations through a model of CUDA's caching allocator: max_memory_reserved, "
+                   "fragmentation at the peak, largest inactive split, and the first allocation that fails on --gpu.")
+@click.option("--alloc-conf", default=None, metavar="TEXT",
+              help="PYTORCH_CUDA_ALLOC_CONF options for --allocator, e.g. expandable_segments:True (default: the "
+                   "environment's PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF).")
+def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None:
     """Run one real training step of MODEL's transformers implementation under FakeTensorMode on the CPU
     (no GPU, no memory), count every allocation, and compare with the estimate. With --gpus N --fsdp full, one rank
     of FSDP2 on a fake process group; with --gpus N --tp N [--sp], one rank of DTensor tensor parallelism.
@@ -311,9 +317,12 @@ def trace(batch, seq, no_round, **options) -> None:
     Example: trainmem trace llama-2-7b --batch 1 --seq 2048 --recipe mixed-bf16
              trainmem trace llama-3-8b --gpus 8 --fsdp full --recipe mixed-bf16
              trainmem trace llama-3-8b --gpus 2 --tp 2 --sp --recipe pure-bf16-bf16states
+             trainmem trace llama-3.2-1b --allocator --alloc-conf expandable_segments:True --gpu L4
     """
     from .step import check_runnable
 
+    if alloc_conf is not None and not replay_allocator:
+        raise ConfigError("--alloc-conf sets the allocator that --allocator replays: give --allocator too")
     w = _workload(options, batch, seq, need_config="trace")
     if w.finetune is not None and w.finetune.base_quant:
         raise ConfigError("trace runs LoRA on a full-precision base: bitsandbytes' quantized kernels cannot run on "
@@ -323,6 +332,16 @@ def trace(batch, seq, no_round, **options) -> None:
     if sharded and w.parallel.engine != "fsdp2":
         raise ConfigError("trace runs one GPU, one rank of FSDP2 (--gpus N --fsdp full|grad-op) or of tensor "
                           "parallelism (--gpus N --tp N [--sp]); DDP and DeepSpeed are estimated only")
+    if replay_allocator and (tensor_parallel or sharded):
+        raise ConfigError("trace --allocator replays the one-GPU trace; not with --fsdp or --tp yet")
+    if replay_allocator:
+        from .allocator import config_from_environment, parse_alloc_conf
+
+        alloc_config = parse_alloc_conf(alloc_conf) if alloc_conf is not None else config_from_environment()
+        # the card's memory less what is not PyTorch's (--cuda-overhead: the CUDA context and libraries)
+        capacity = w.gpu.memory_bytes - w.device.cuda_overhead_bytes if w.gpu is not None else None
+        if capacity is not None and capacity <= 0:
+            raise ConfigError(f"--cuda-overhead leaves nothing of {w.gpu.name}'s memory to the caching allocator")
     if tensor_parallel:
         from .trace import check_tp_traceable
 
@@ -348,11 +367,26 @@ def trace(batch, seq, no_round, **options) -> None:
     elif sharded:
         result = trace_fsdp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
     else:
-        result = trace_step(config, settings, spec, round_to_cuda=not no_round, finetune=w.finetune)
+        result = trace_step(config, settings, spec, round_to_cuda=not no_round, finetune=w.finetune,
+                            record_allocations=replay_allocator)
+    replayed = None
+    if replay_allocator:
+        from .allocator import render_lines, replay
+
+        replayed = replay(result.allocations, alloc_config, capacity=capacity,
+                          device_total=w.gpu.memory_bytes if w.gpu is not None else None)
     if as_json:
-        _emit_json(trace_to_dict(est, result.phases, result.seconds, result.rounded, result.host_bytes))
+        document = trace_to_dict(est, result.phases, result.seconds, result.rounded, result.host_bytes)
+        if replayed is not None:
+            document["trace"]["allocator"] = {**replayed.to_dict(),
+                                              "traced_max_allocated_bytes": result.peak.allocated_bytes}
+        _emit_json(document)
     else:
-        render_trace(est, result.phases, result.seconds, unit, _console(), result.host_bytes)
+        console = _console()
+        render_trace(est, result.phases, result.seconds, unit, console, result.host_bytes)
+        if replayed is not None:
+            for line in render_lines(replayed, result.peak.allocated_bytes, unit):
+                console.print(line, markup=False, highlight=False)
 
 
 @app.command()

@@ -46,6 +46,8 @@ class TraceResult:
     rounded: bool
     host_bytes: int = 0
     """--offload-activations: the most bytes the offload hook held in host memory at once."""
+    allocations: Any = None
+    """``trace_step(record_allocations=True)``: the step's allocations and frees (an allocator.AllocationLog)."""
 
     @property
     def peak(self) -> Phase:
@@ -139,6 +141,105 @@ def _cuda_block_sizes(enabled: bool = True):
         yield
     finally:
         mem_tracker._WeakRefInfo._calculate_mem_consumed = original
+
+
+class _AllocationRecorder:
+    """The order in which the traced program allocates and frees its storages, for the caching allocator replay
+    (trainmem.allocator). A storage is allocated when a MemTracker first sees it (its ``_WeakRefInfo`` is made: an
+    op's output, or the model and optimizer handed to ``track_external``) and freed when it dies (a weak reference,
+    as MemTracker's own ``_delete_callback``), whether a tracker is active then or not; ``resize_`` (MemTracker's
+    ``update_mem_consumed``) is a new allocation, then the free of the old one, as a CUDA storage resize copies.
+    Storages are labelled with the category MemTracker gave them first. Sizes are the storages' bytes before
+    rounding: the allocator model rounds them."""
+
+    def __init__(self) -> None:
+        from .allocator import AllocEvent
+
+        self._event = AllocEvent
+        self.events: list = []
+        self.step_starts: list[int] = []
+        self._live: dict[int, list] = {}  # id(storage) -> [weakref, key (None for 0 bytes), nbytes, label]
+        self._next_key = 0
+        self.active = True
+
+    def _died(self, ident: int, key: int | None, _ref) -> None:
+        entry = self._live.get(ident)
+        if entry is not None and entry[1] == key:
+            del self._live[ident]
+            if self.active and key is not None:
+                self.events.append(self._event(key))
+
+    def _allocate(self, nbytes: int, label: str) -> int | None:
+        if nbytes <= 0:
+            return None  # CUDACachingAllocator::allocate makes no block for 0 bytes
+        key = self._next_key
+        self._next_key += 1
+        self.events.append(self._event(key, nbytes, label))
+        return key
+
+    def see(self, storage, nbytes: int, reftype) -> None:
+        if not self.active:
+            return
+        ident = id(storage)
+        entry = self._live.get(ident)
+        if entry is not None and entry[0]() is storage:
+            return
+        label = _CATEGORY_OF.get(getattr(reftype, "value", str(reftype)), "other")
+        key = self._allocate(nbytes, label)
+        ref = weakref.ref(storage, lambda r, ident=ident, key=key: self._died(ident, key, r))
+        self._live[ident] = [ref, key, nbytes, label]
+
+    def resized(self, storage, nbytes: int) -> None:
+        entry = self._live.get(id(storage))
+        if not self.active or entry is None or entry[0]() is not storage or entry[2] == nbytes:
+            return
+        _, old, _, label = entry
+        new = self._allocate(nbytes, label)
+        if old is not None:
+            self.events.append(self._event(old))
+        entry[1], entry[2] = new, nbytes
+        # the weak reference's callback frees the key it was made for: one for the new key (not holding the storage)
+        ident = id(storage)
+        entry[0] = weakref.ref(storage, lambda r, ident=ident, key=new: self._died(ident, key, r))
+
+    def begin_step(self) -> None:
+        self.step_starts.append(len(self.events))
+
+    def log(self):
+        from .allocator import AllocationLog
+
+        self.active = False
+        return AllocationLog(tuple(self.events), tuple(self.step_starts) or (0,))
+
+
+@contextlib.contextmanager
+def _recording(recorder: _AllocationRecorder | None):
+    """Route every ``_WeakRefInfo`` MemTracker makes, and every size change it sees, to ``recorder``."""
+    if recorder is None:
+        yield
+        return
+    from torch.distributed._tools import mem_tracker
+
+    info = mem_tracker._WeakRefInfo
+    create, update = info.__dict__["create_winfo"], info.__dict__["update_mem_consumed"]
+
+    def create_winfo(cls, st, device, reftype, callback=None):
+        winfo, w_st = create.__func__(cls, st, device, reftype, callback)
+        recorder.see(st, winfo.size * winfo.element_size, reftype)
+        return winfo, w_st
+
+    def update_mem_consumed(self, st):
+        consumed = update(self, st)
+        recorder.resized(st, self.size * self.element_size)
+        return consumed
+
+    info.create_winfo = classmethod(create_winfo)
+    info.update_mem_consumed = update_mem_consumed
+    try:
+        yield
+    finally:
+        info.create_winfo = create
+        info.update_mem_consumed = update
 
 
 @contextlib.contextmanager
@@ -270,8 +371,13 @@ def _gradient_sum(tracker, temporary, func, args) -> bool:
 
 
 def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,
-               round_to_cuda: bool = True, emulate: str = "cuda", fake: bool = True, finetune=None) -> TraceResult:
+               round_to_cuda: bool = True, emulate: str = "cuda", fake: bool = True, finetune=None,
+               record_allocations: bool = False) -> TraceResult:
     """Trace one steady-state training step; returns the peak of each phase by category.
+
+    ``record_allocations=True`` also records the order of the allocations and frees of the first step (the
+    warm-up, which creates the optimizer states) and of the traced one (``TraceResult.allocations``, two steps), for
+    the caching allocator replay (``trainmem trace --allocator``); the phases are the same either way.
 
     ``emulate="cuda"`` (the default) runs CUDA's autocast policy, SDPA kernel choice and dropout
     (:mod:`trainmem.cuda_emulation`); ``emulate="cpu"`` runs what the CPU runs. ``fake=False`` runs the same
@@ -282,10 +388,22 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
     from .step import TrainingStep
 
     started = time.perf_counter()
-    with _cuda_block_sizes(round_to_cuda), (fake_gpu(emulate) if fake else _real_cpu(emulate)):
+    recorder = _AllocationRecorder() if record_allocations else None
+    with _cuda_block_sizes(round_to_cuda), (fake_gpu(emulate) if fake else _real_cpu(emulate)), _recording(recorder):
         run = TrainingStep(config, settings, "cpu", spec, finetune)
-        run.forward_backward()  # warm-up: creates the optimizer states
-        run.step()
+        if recorder is None:
+            run.forward_backward()  # warm-up: creates the optimizer states
+            run.step()
+        else:  # the warm-up is the first of the two recorded steps: each part under a tracker, as the second's
+            _track(mem_tracker.MemTracker(), mem_tracker, run)  # the model (and masters): the state before step 1
+            recorder.begin_step()
+            for _ in range(settings.grad_accum):
+                _recorded_micro_batch(mem_tracker, run)
+            warm_up_tracker = mem_tracker.MemTracker()
+            _track(warm_up_tracker, mem_tracker, run)
+            with warm_up_tracker:
+                run.step()
+            recorder.begin_step()
 
         load_tracker = mem_tracker.MemTracker()
         _track(load_tracker, mem_tracker, run)
@@ -295,7 +413,10 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
         # are alive through its forward and its backward adds to them. (MemTracker follows one forward per
         # tracker.)
         for _ in range(settings.grad_accum - 1):
-            run.micro_batch()
+            if recorder is None:
+                run.micro_batch()
+            else:
+                _recorded_micro_batch(mem_tracker, run)
         tracker = _recompute_aware_tracker(mem_tracker, run)
         _track(tracker, mem_tracker, run)
         with tracker:
@@ -325,7 +446,17 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
         step_phase,
         _phase("between_steps", "after zero_grad", between),
     )
-    return TraceResult(phases, time.perf_counter() - started, round_to_cuda, run.offloaded_peak_bytes)
+    return TraceResult(phases, time.perf_counter() - started, round_to_cuda, run.offloaded_peak_bytes,
+                       recorder.log() if recorder is not None else None)
+
+
+def _recorded_micro_batch(mem_tracker, run) -> None:
+    """A micro-batch the trace does not measure, under a tracker all the same so that its allocations are recorded
+    with the corrections a measured one gets (what a GPU runs in place)."""
+    tracker = _recompute_aware_tracker(mem_tracker, run)
+    _track(tracker, mem_tracker, run)
+    with tracker:
+        run.micro_batch()
 
 
 @contextlib.contextmanager
