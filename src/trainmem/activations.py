@@ -607,15 +607,27 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         one_head = kv_heads == 1 and settings.batch == 1
         kept_heads = 1 if one_head else a
         kv_name = "" if one_head else ", every head"
-        terms += [Term("q", c * a * d), Term("k" + kv_name, c * kept_heads * d), Term("v" + kv_name, c * kept_heads * d),
-                  Term("softmax probabilities" + (" (fp32)" if r == FP32 else ""), r * a * s,
+        # Without RoPE, q (and without a cache k and v, in the old multi-head layout) are views of the fused
+        # query_key_value output (``_split_heads``; the reshape to the same shape copies nothing); with one
+        # sequence the matmuls' fold of (batch, heads) into one batch dimension is a view too, so they keep the
+        # whole fused output (traced); with several sequences they keep their own contiguous copies. A cast (fp32
+        # q/k/v under autocast with a bias) copies.
+        views = _falcon_eager_views(att, rotary, use_cache, settings.batch == 1, v_bytes == c)
+        if views:
+            terms.append(Term(f"query_key_value output (kept by the view{'s' if len(views) > 1 else ''} "
+                              f"{', '.join(views)})", c * (a + 2 * kv) * d))
+        terms += [term for name, term in (("q", Term("q", c * a * d)), ("k", Term("k" + kv_name, c * kept_heads * d)),
+                                          ("v", Term("v" + kv_name, c * kept_heads * d))) if name not in views]
+        terms += [Term("softmax probabilities" + (" (fp32)" if r == FP32 else ""), r * a * s,
                        kind=SOFTMAX_PROBABILITIES)]
         if dropout > 0:
             terms.append(Term("attention dropout mask", MASK * a * s))
         if r != c or dropout > 0:
             terms.append(Term("probabilities in compute dtype (matmul with v)", c * a * s))
         terms.append(Term("attention output, merged (dense input)", c * a * d))
-        released = c * a * d + c * kept_heads * d + (c * a * s if r != c or dropout > 0 else 0)
+        # (v's backward frees nothing where v is a view of the fused output q or k still keeps)
+        v_freed = c * kept_heads * d if "v" not in views else c * (a + 2 * kv) * d if views == ("v",) else 0
+        released = c * a * d + v_freed + (c * a * s if r != c or dropout > 0 else 0)
         # At the softmax (without checkpointing): the scores (a local), the masked scores the softmax reads (fp32
         # under autocast, where the mask is) and, with ALiBi, the fp32 upcast, the biased logits and (in half
         # precision) the cast back the softmax makes for its dtype argument.
@@ -687,6 +699,20 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
     released, backward = math_backward_per_token(c, a, d, s, sdpa_dropout)
     return AttentionTerms(tuple(terms), MATH, k_cache + v_cache, 0.0, released, backward,
                           matmul_backward=math_matmul_backward_per_token(c, a, d, s))
+
+
+def _falcon_eager_views(att: Attention, rotary: bool, use_cache: bool, one_sequence: bool,
+                        uncast: bool) -> tuple[str, ...]:
+    """Which of q, k and v FalconAttention's eager matmuls keep as views of the fused query_key_value output
+    (modeling_falcon.py ``_split_heads``): in the old layouts q without RoPE, and k and v also without a cache
+    (DynamicLayer.update's torch.cat makes new ones) where every head has its own (multi-query indexes its one
+    key/value head with a list, which copies); only with one sequence (the matmul's reshape of a strided
+    (batch, heads) pair copies otherwise) and no autocast cast."""
+    if not (one_sequence and uncast) or att.kv_broadcast:
+        return ()  # (the new architecture's ``flatten`` of its grouped heads copies q, k and v)
+    multi_head_views = att.num_kv_heads == att.num_heads
+    return tuple(name for name, is_view in (("q", not rotary), ("k", multi_head_views and not rotary and not use_cache),
+                                            ("v", multi_head_views and not use_cache)) if is_view)
 
 
 def _falcon_forward_inputs(spec: ModelSpec, layer: Layer, p: Precision, fused_bytes: int, qk_bytes: int) -> float:
