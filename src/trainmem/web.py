@@ -232,14 +232,12 @@ def _gpu_memory(value: str | float) -> str | int:
 
     from .request import make_request
 
-    if "gpu_memory" not in inspect.signature(make_request).parameters:
-        raise _FieldError("gpu_memory", "gpu_memory is not supported by this trainmem's estimator; give a GPU name")
-    if isinstance(value, str):
-        return value
-    if not 0 < value <= 1 << 20:
+    if not isinstance(value, str) and not 0 < value <= 1 << 20:
         raise _FieldError("gpu_memory", f"gpu_memory must be from 0 to {1 << 20:,} GiB (or text such as "
                           f"\"48GiB\"), got {value!r}")
-    return int(value * 2**30)
+    if "gpu_memory" not in inspect.signature(make_request).parameters:
+        raise _FieldError("gpu_memory", "gpu_memory is not supported by this trainmem's estimator; give a GPU name")
+    return value if isinstance(value, str) else int(value * 2**30)
 
 
 def _run_plan_takes_budget() -> bool:
