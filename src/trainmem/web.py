@@ -23,7 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from .errors import ConfigError, TrainmemError
 from .estimate import DEFAULT_HEADROOM, MAX_CUDA_OVERHEAD_BYTES
@@ -99,7 +99,7 @@ class EstimateInput(BaseModel):
     base_quant: str | None = None
     double_quant: bool = False
     gpu: str | None = Field(None, description="A GPU name (GET /api/gpus): fits and max_batch answer for it.")
-    gpu_memory: str | float | None = Field(None, description="A GPU of this memory instead of (or with) a named "
+    gpu_memory: StrictStr | StrictInt | StrictFloat | None = Field(None, description="A GPU of this memory instead of (or with) a named "
                                            "one: text with a unit (\"48GiB\", \"80GB\") or a number of GiB.")
     headroom: float = Field(DEFAULT_HEADROOM, ge=1.0, le=10.0)
     fragmentation: float = Field(DEFAULT_FRAGMENTATION, ge=0, lt=1, description="Caching-allocator overhead as a "
