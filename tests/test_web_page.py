@@ -261,6 +261,11 @@ def test_a_phi_2_upload_is_answered_and_says_what_answered(server, browser, tmp_
     pytest.importorskip("transformers", reason="counting phi's parameters needs transformers (the trace extra)")
     from test_web import PHI_2
 
+    import httpx
+
+    # the server's first count of a phi config imports transformers (seconds on a busy machine): done here first,
+    # so that the page's request, answered from the server's cache, is not raced against _settled's timeout
+    assert httpx.post(server + "/api/estimate", json={"config": PHI_2}, timeout=300).status_code == 200
     page = browser.new_page(viewport={"width": 1280, "height": 800})
     page.goto(server)
     ready = _settled(page)
