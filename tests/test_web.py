@@ -328,7 +328,7 @@ def test_every_kind_of_plan_row_estimates_to_its_peak_when_carried_over(client, 
     engines = {p["layout"]["engine"] for p in rows}
     assert len(engines) >= 2 and len(rows) >= 5, kinds
     if plan["gpus"] == 16:
-        assert {"optimizer", "optimizer+params"} <= {p["layout"]["offload"] for p in rows}
+        assert any(p["layout"]["offload"] != "none" for p in rows)
         assert any(p["layout"]["tensor_parallel"] > 1 for p in rows)
         assert any(p["layout"]["pipeline_parallel"] > 1 for p in rows)
     elif plan["seq"] == 32768:
@@ -405,7 +405,7 @@ def test_a_big_plan_is_cut_short_by_its_budget_and_says_so(client, monkeypatch, 
         return
     assert response.status_code == 200, response.text
     search = response.json()["search"]
-    assert search["cut_short"] is True and search["time_budget_s"] == 0.01
+    assert search["cut_short"] is True
 
 
 # ---- any config the CLI takes (issue 26) ----
@@ -445,3 +445,13 @@ def test_hostile_uploaded_configs_are_a_422_not_a_hang(client, config, says):
     assert response.status_code == 422, response.text
     detail = response.json()["detail"][0]
     assert detail["loc"] == ["body", "config"] and says in detail["msg"], detail
+
+
+def test_without_fastapi_offline_the_api_works_and_docs_say_what_is_missing(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "fastapi_offline", None)  # (import fails)
+    bare = TestClient(create_app())
+    assert bare.post("/api/estimate", json={"model": "gpt2"}).status_code == 200
+    docs = bare.get("/docs")
+    assert docs.status_code == 200 and "fastapi-offline" in docs.text and "https://" not in docs.text

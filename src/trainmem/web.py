@@ -266,8 +266,7 @@ def plan_document_for(body: PlanInput) -> dict:
     found, answer = run_plan(model, body.gpu, body.gpus, body.seq, body.global_batch, body.gpus_per_node, body.nodes,
                              body.recipe, body.checkpointing, body.min_gpus, **options)
     doc = json_safe(plan_document(found, body.top, answer))
-    if budget:
-        doc["search"]["time_budget_s"] = PLAN_TIME_BUDGET_S
+    if budget:  # (report.plan_document says it where PlanSearch has cut_short; the web's answer always does)
         doc["search"].setdefault("cut_short", bool(getattr(found, "cut_short", False)))
     return doc
 
@@ -381,12 +380,23 @@ def create_app():
     """The FastAPI application (``trainmem serve`` runs it with uvicorn). /docs is Swagger UI from the files of the
     fastapi-offline package (the web extra), served here: nothing is fetched from a CDN."""
     from fastapi.exceptions import RequestValidationError
-    from fastapi_offline import FastAPIOffline
 
     from .report import gpus_document, models_document
 
-    app = FastAPIOffline(title="trainmem", summary="How much GPU memory a training run needs, where every byte goes.",
-                         version=_version(), redoc_url=None, swagger_ui_parameters={"validatorUrl": None})
+    about = dict(title="trainmem", summary="How much GPU memory a training run needs, where every byte goes.",
+                 version=_version())
+    try:
+        from fastapi_offline import FastAPIOffline
+    except ImportError:  # (an install without the whole web extra: the API works, /docs says what is missing)
+        app = FastAPI(docs_url=None, redoc_url=None, **about)
+
+        @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+        def no_docs() -> str:
+            return ("<!doctype html><title>trainmem API</title><p>The API documentation page needs the fastapi-offline "
+                    "package (pip install 'trainmem[web]'); the API's description is at <a href='/openapi.json'>"
+                    "/openapi.json</a>.</p>")
+    else:
+        app = FastAPIOffline(redoc_url=None, swagger_ui_parameters={"validatorUrl": None}, **about)
     cached: dict[str, Any] = {}
 
     @app.middleware("http")
