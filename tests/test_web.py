@@ -68,9 +68,11 @@ SAME_INPUTS = [
      ["llama-3.1-8b", "--lora", "8", "--base-quant", "nf4", "--double-quant"]),
 ]
 
-NOT_IN_THE_API = {"model", "ds_config", "hub", "units", "explain", "plot", "as_json"}
-"""estimate's flags the web API does not take: paths the server would read (--ds-config; `model` is a catalog name
-or the uploaded config), the network (--hub), and ways of printing (--units, --explain, --plot, --json)."""
+NOT_IN_THE_API = {"model", "ds_config", "accelerate_config", "torchtitan_config", "hub", "units", "explain", "plot",
+                  "as_json"}
+"""estimate's flags the web API does not take: paths the server would read (--ds-config and the other engines'
+files; `model` is a catalog name or the uploaded config), the network (--hub), and ways of printing (--units,
+--explain, --plot, --json)."""
 
 
 def test_every_estimate_flag_of_the_cli_is_a_field_of_the_api():
@@ -93,8 +95,8 @@ def test_api_estimate_is_the_cli_document(client, run_cli, body, flags):
 @pytest.mark.parametrize("body, flags", [
     ({"model": "llama-3-70b", "gpu": "H100-80GB", "gpus": 8, "seq": 4096, "top": 3},
      ["llama-3-70b", "--gpu", "H100-80GB", "--gpus", "8", "--seq", "4096", "--top", "3"]),
-    ({"model": "llama-3-8b", "gpu": "A100-80GB", "nodes": 2, "global_batch": 64, "recipe": "pure-bf16", "mfu": 0.5},
-     ["llama-3-8b", "--gpu", "A100-80GB", "--nodes", "2", "--global-batch", "64", "--recipe", "pure-bf16",
+    ({"model": "llama-3-8b", "gpu": "A100-80GB", "nodes": 2, "global_batch": 64, "recipe": "mixed-bf16", "mfu": 0.5},
+     ["llama-3-8b", "--gpu", "A100-80GB", "--nodes", "2", "--global-batch", "64", "--recipe", "mixed-bf16",
       "--mfu", "0.5"]),
 ])
 def test_api_plan_is_the_cli_document(client, run_cli, body, flags):

@@ -277,3 +277,23 @@ def test_a_phi_2_upload_is_answered_and_says_what_answered(server, browser, tmp_
     assert page.text_content("#error") == ""
     assert "2,779,683,840 parameters" in page.text_content("#summary")
     assert "counted by transformers for phi" in page.text_content("#path")
+
+
+def test_a_custom_gpu_memory_is_answered_for(server, browser):
+    import inspect
+
+    from trainmem.request import make_request
+
+    if "gpu_memory" not in inspect.signature(make_request).parameters:
+        pytest.skip("make_request has no gpu_memory keyword on this branch (another change adds it)")
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    page.goto(server)
+    ready = _settled(page)
+    page.select_option("#model", "llama-3.2-1b")
+    page.select_option("#gpu", "")
+    page.fill("#gpu_memory", "48GiB")
+    _settled(page, ready)
+    expected = _api(server, {"model": "llama-3.2-1b", "gpu_memory": "48GiB"})
+    assert page.text_content("#error") == "" and page.text_content("#total") == _gib(expected)
+    assert page.text_content("#fits") == ("fits" if expected["gpu"]["fits"] else "does not fit")
+    assert expected["gpu"]["name"] in page.text_content("#fits-label")
