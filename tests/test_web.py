@@ -436,6 +436,8 @@ def test_an_uploaded_config_of_any_model_type_the_cli_takes_is_taken(client, run
 
 @pytest.mark.parametrize("config, says", [
     ({"model_type": "gptj", "n_layer": 100_000, "n_embd": 64, "n_head": 4, "vocab_size": 100}, "layers"),
+    ({"model_type": "gptj", "n_layer": 513, "n_embd": 64, "n_head": 4, "vocab_size": 100}, "layers"),
+    ({"model_type": "granitemoe", "num_local_experts": 10**6, "hidden_size": 64}, "experts"),
     ({"model_type": ["llama"]}, "config"),
     ({"model_type": "gptj", "vocab_size": -5, "n_embd": 64, "n_layer": 2, "n_head": 4}, "config"),
     ({"model_type": "gptj", "vocab_size": "many", "n_embd": 64, "n_layer": 2, "n_head": 4}, "config"),
@@ -457,3 +459,18 @@ def test_without_fastapi_offline_the_api_works_and_docs_say_what_is_missing(monk
     assert bare.post("/api/estimate", json={"model": "gpt2"}).status_code == 200
     docs = bare.get("/docs")
     assert docs.status_code == 200 and "fastapi-offline" in docs.text and "https://" not in docs.text
+
+
+def test_plan_searches_past_the_concurrency_limit_are_a_429_not_a_queue():
+    from trainmem.web import PLAN_CONCURRENCY
+
+    app = create_app()
+    local = TestClient(app)
+    body = {"model": "llama-3.2-1b", "gpu": "H100-80GB", "gpus": 1}
+    for _ in range(PLAN_CONCURRENCY):  # (as if that many searches were running)
+        assert app.state.plan_slots.acquire(blocking=False)
+    response = local.post("/api/plan", json=body)
+    assert response.status_code == 429 and "try again" in response.json()["detail"][0]["msg"]
+    assert local.post("/api/estimate", json={"model": "llama-3.2-1b"}).status_code == 200
+    app.state.plan_slots.release()
+    assert local.post("/api/plan", json=body).status_code == 200

@@ -6,18 +6,25 @@ is a view of these endpoints, documented on FastAPI's /docs page:
 - ``GET /api/models``, ``GET /api/gpus``, ``GET /api/recipes``: the catalog, the GPU table and the recipes
   (report.models_document, gpus_document, recipes_table.recipes_document);
 - ``POST /api/estimate``: the document ``trainmem estimate --json`` prints for the same inputs, built by the same
-  functions (planner.estimate_searched, report.to_dict);
+  functions (planner.estimate_searched, report.to_dict); every estimate flag but the paths, --hub and the ways of
+  printing is a field of EstimateInput (``gpu_memory``: text with a unit, ``"48GiB"``, or a number of GiB);
 - ``POST /api/plan``: the document ``trainmem plan --json`` prints (plan.run_plan, report.plan_document);
 - ``GET /``: the page.
 
-What a request may name is closed: a catalog model or an uploaded config.json sent as JSON in the body (at most
-64 KiB a request, parsed as JSON only, never written to disk, never executed: configs carry no code, and nothing
-here loads one through transformers). No request names a path the server reads. Bad input comes back as 422 with
-the field named, never a traceback.
+What a request may name is closed: a catalog model, a nominal parameter count, or an uploaded config.json sent as
+JSON in the body (at most 64 KiB a request, never written to disk, never executed: configs carry no code). An
+uploaded config of a model type without a hand-written description is counted as the CLI counts it, by building the
+transformers model on the meta device (meta_count.py: a built-in model class from AutoConfig.for_model, no remote
+code, no weights, no network), after its layer and expert counts are checked against MAX_BUILT_LAYERS and
+MAX_BUILT_EXPERTS. No request names a path the server reads. Bodies are standard JSON only (_check_json: no NaN,
+Infinity, numbers past a float's range, lone surrogates, repeated keys or deep nesting). Bad input comes back as 422
+with the field named, never a traceback or a 500. A plan request searches at most MAX_PLAN_GPUS GPUs and
+MAX_PLAN_SEQ tokens, for PLAN_TIME_BUDGET_S seconds where plan.run_plan takes a time budget.
 """
 
 from __future__ import annotations
 
+import threading
 from importlib import resources
 from typing import Any
 
@@ -44,6 +51,8 @@ MAX_PLAN_SEQ = 131_072
 PLAN_TIME_BUDGET_S = 5.0
 """Seconds one POST /api/plan may search before it answers with what it found (``search.cut_short`` then says so),
 where plan.run_plan takes a time budget."""
+PLAN_CONCURRENCY = 2
+"""Plan searches running at once; one more is answered 429 at once (estimates are never held up by them)."""
 
 
 class EstimateInput(BaseModel):
@@ -141,11 +150,15 @@ REQUEST_FIELDS = ("params", "gpus", "gpus_per_node", "zero", "fsdp", "offload", 
                   "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep")
 
 
-MAX_BUILT_LAYERS = 4096
+MAX_BUILT_LAYERS = 512
 """An uploaded config of a model type without a hand-written description is counted by building it on the meta
 device (meta_count.py, as the CLI does); one with more layers than this is refused first, since building is linear
-in the layers (the largest published models have under 200)."""
+in the layers (GPT-J at 4,096 layers took 19 s here, at 512 under 13 s with transformers' import; the largest
+published models have under 200)."""
+MAX_BUILT_EXPERTS = 4096
+"""The most experts such a config may ask for (published MoE models have up to 512)."""
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers")
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _BUILT: dict[str, Any] = {}
 """Specs of uploaded configs counted by transformers, by their JSON text (the page sends the config with every
 request; building takes a second or more)."""
@@ -183,11 +196,12 @@ def _uploaded_spec(config: dict[str, Any]):
         raise _FieldError("config", str(exc)) from None
     except Exception as exc:  # JSON, but not a config's shapes: never a 500
         raise _FieldError("config", f"not a usable model config ({type(exc).__name__}: {_short(exc)})") from None
-    for key in _LAYER_KEYS:
-        layers = config.get(key)
-        if isinstance(layers, int) and not isinstance(layers, bool) and not 0 < layers <= MAX_BUILT_LAYERS:
-            raise _FieldError("config", f"upload: config field {key!r} is {layers}; a model counted by "
-                              f"transformers may have 1 to {MAX_BUILT_LAYERS:,} layers here")
+    for keys, most, what in ((_LAYER_KEYS, MAX_BUILT_LAYERS, "layers"), (_EXPERT_KEYS, MAX_BUILT_EXPERTS, "experts")):
+        for key in keys:
+            count = config.get(key)
+            if isinstance(count, int) and not isinstance(count, bool) and not 0 <= count <= most:
+                raise _FieldError("config", f"upload: config field {key!r} is {count}; a model counted by "
+                                  f"transformers may have 0 to {most:,} {what} here")
     key = json.dumps(config, sort_keys=True)
     if key not in _BUILT:
         from .meta_count import spec_by_building
@@ -453,9 +467,18 @@ def create_app():
     def estimate(body: EstimateInput) -> JSONResponse:
         return JSONResponse(estimate_document(body))
 
+    searching = threading.BoundedSemaphore(PLAN_CONCURRENCY)
+    app.state.plan_slots = searching
+
     @app.post("/api/plan", summary="The document `trainmem plan --json` prints for these inputs.")
     def plan(body: PlanInput) -> JSONResponse:
-        return JSONResponse(plan_document_for(body))
+        if not searching.acquire(blocking=False):
+            return _error([], f"{PLAN_CONCURRENCY} plan searches are running: try again when one has answered",
+                          "busy", 429)
+        try:
+            return JSONResponse(plan_document_for(body))
+        finally:
+            searching.release()
 
     return app
 
