@@ -192,6 +192,18 @@ def test_a_bad_input_or_upload_after_a_good_one_takes_the_old_results_down(serve
         page.select_option("#model", "llama-3-8b")
         ready = _settled(page, ready)
 
+    page.fill("#params", "7B")  # a nominal size: static memory only, said so
+    ready = _settled(page, ready)
+    assert page.text_content("#error") == "" and "nominal parameter count" in page.text_content("#path")
+    page.fill("#params", "seven")
+    ready = _settled(page, ready)
+    assert "params" in page.text_content("#error") and _results_are_down(page)
+
+    shared = browser.new_page(viewport={"width": 1280, "height": 800})
+    shared.goto(server + "/?model=gpt2&config=%25not-base64")  # a shared URL whose config is broken
+    _settled(shared)
+    assert "could not be read" in shared.text_content("#error") and _results_are_down(shared)
+
 
 def test_a_plan_row_loads_into_the_calculator_and_estimates_to_its_peak(server, browser):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
