@@ -63,8 +63,8 @@ class EstimateInput(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = Field(None, description="A catalog model (GET /api/models).")
     config: dict[str, Any] | None = Field(None, description="An uploaded config.json, instead of model.")
-    params: str | float | None = Field(None, description="A nominal parameter count instead of a model (7e9, "
-                                       "\"7B\"): static memory only.")
+    params: StrictStr | StrictInt | StrictFloat | None = Field(
+        None, description="A nominal parameter count instead of a model (7e9, \"7B\"): static memory only.")
     recipe: str = "mixed-bf16"
     optimizer: str = "adamw"
     optimizer_impl: str = Field("auto", description="foreach | fused | auto (fused for mixed-* recipes).")
@@ -108,8 +108,9 @@ class EstimateInput(BaseModel):
     base_quant: str | None = None
     double_quant: bool = False
     gpu: str | None = Field(None, description="A GPU name (GET /api/gpus): fits and max_batch answer for it.")
-    gpu_memory: StrictStr | StrictInt | StrictFloat | None = Field(None, description="A GPU of this memory instead of (or with) a named "
-                                           "one: text with a unit (\"48GiB\", \"80GB\") or a number of GiB.")
+    gpu_memory: StrictStr | StrictInt | StrictFloat | None = Field(
+        None, description="A GPU of this memory instead of (or with) a named one: text with a unit (\"48GiB\", "
+        "\"80GB\") or a number of GiB.")
     headroom: float = Field(DEFAULT_HEADROOM, ge=1.0, le=10.0)
     fragmentation: float = Field(DEFAULT_FRAGMENTATION, ge=0, lt=1, description="Caching-allocator overhead as a "
                                  "fraction of the dynamic memory.")
