@@ -110,7 +110,9 @@ def test_api_plan_is_the_cli_document(client, run_cli, body, flags):
 
 def test_plan_input_errors_name_the_field(client):
     for body, field in (({"model": "llama-3-8b"}, "gpu"), ({"model": "llama-3-8b", "gpu": "A10G"}, "gpu"),
-                        ({"model": "llama-3-8b", "gpu": "H100-80GB", "gpus": 8, "global_batch": 12}, None)):
+                        ({"model": "llama-3-8b", "gpu": "H100-80GB", "gpus": 8, "global_batch": 12}, None),
+                        ({"model": "llama-3-8b", "gpu": "H100-80GB", "min_gpus": True, "global_batch": 8}, "min_gpus"),
+                        ({"model": "llama-3-8b", "gpu": "H100-80GB", "recipe": "fp64"}, "recipe")):
         response = client.post("/api/plan", json=body)
         assert response.status_code == 422
         loc = response.json()["detail"][0]["loc"]

@@ -432,7 +432,8 @@ def create_app():
 
     @app.exception_handler(TrainmemError)
     async def config_error(request: Request, exc: TrainmemError):
-        field = getattr(exc, "field", None) or _field_of(str(exc), EstimateInput.model_fields)
+        names = PlanInput.model_fields if request.url.path == "/api/plan" else EstimateInput.model_fields
+        field = getattr(exc, "field", None) or _field_of(str(exc), names)
         return _error([field] if field else [], str(exc))
 
     @app.exception_handler(RequestValidationError)
