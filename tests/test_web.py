@@ -476,3 +476,18 @@ def test_plan_searches_past_the_concurrency_limit_are_a_429_not_a_queue():
     assert local.post("/api/estimate", json={"model": "llama-3.2-1b"}).status_code == 200
     app.state.plan_slots.release()
     assert local.post("/api/plan", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("path", sorted(POSTS))
+@pytest.mark.parametrize("field, value", [("hidden_dropout", "gelu"), ("attention_dropout", {"type": "linear"}),
+                                          ("resid_pdrop", [0.1])])
+def test_an_uploaded_config_with_a_value_of_the_wrong_type_is_a_422(client, path, field, value):
+    from trainmem.catalog import catalog_config
+
+    config = {**catalog_config("pythia-1b"), field: value}  # (gpt_neox: its parser reads the dropouts as given)
+    body = {**{k: v for k, v in POSTS[path].items() if k != "model"}, "config": config, "checkpointing": "full"}
+    response = client.post(path, json=body)  # (the client raises a server error: a 500 fails here)
+    assert response.status_code in (200, 422), response.text
+    if response.status_code == 422:
+        assert response.json()["detail"][0]["loc"] == ["body", "config"]
+        assert "cannot be estimated" in response.json()["detail"][0]["msg"]

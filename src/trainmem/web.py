@@ -24,6 +24,7 @@ MAX_PLAN_SEQ tokens, for PLAN_TIME_BUDGET_S seconds where plan.run_plan takes a 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from importlib import resources
 from typing import Any
@@ -235,10 +236,28 @@ def estimate_document(body) -> dict:
     options = {name: getattr(body, name) for name in SETTINGS_FIELDS + REQUEST_FIELDS}
     if body.gpu_memory is not None:
         options["gpu_memory"] = _gpu_memory(body.gpu_memory)
-    req = make_request(model, **options)
-    est, extra = estimate_searched(req.model, req.settings, req.device, req.gpu, req.parallel, req.finetune,
-                                   find_batch=body.max_batch, find_seq=body.max_seq)
-    return json_safe(to_dict(est, req.gpu, extra))
+    with _upload_guard(body):
+        req = make_request(model, **options)
+        est, extra = estimate_searched(req.model, req.settings, req.device, req.gpu, req.parallel, req.finetune,
+                                       find_batch=body.max_batch, find_seq=body.max_seq)
+        return json_safe(to_dict(est, req.gpu, extra))
+
+
+@contextlib.contextmanager
+def _upload_guard(body):
+    """An uploaded config is anything a JSON object can be: a value of a type its model_type never takes (a dropout
+    given as text, an object where a number goes) that the parser let through and the estimator trips on is a 422
+    about the config, not a 500. Requests without an upload are not guarded: a failure there is a bug to see."""
+    if body.config is None:
+        yield
+        return
+    try:
+        yield
+    except TrainmemError:
+        raise
+    except Exception as exc:
+        raise _FieldError("config", f"upload: this config cannot be estimated ({type(exc).__name__}: {_short(exc)}); "
+                          "a field holds a type or value its model_type does not take") from None
 
 
 def _gpu_memory(value: str | float) -> str | int:
@@ -278,9 +297,10 @@ def plan_document_for(body: PlanInput) -> dict:
     budget = _run_plan_takes_budget()
     if budget:
         options["time_budget_s"] = PLAN_TIME_BUDGET_S
-    found, answer = run_plan(model, body.gpu, body.gpus, body.seq, body.global_batch, body.gpus_per_node, body.nodes,
-                             body.recipe, body.checkpointing, body.min_gpus, **options)
-    doc = json_safe(plan_document(found, body.top, answer))
+    with _upload_guard(body):
+        found, answer = run_plan(model, body.gpu, body.gpus, body.seq, body.global_batch, body.gpus_per_node,
+                                 body.nodes, body.recipe, body.checkpointing, body.min_gpus, **options)
+        doc = json_safe(plan_document(found, body.top, answer))
     if budget:  # (report.plan_document says it where PlanSearch has cut_short; the web's answer always does)
         doc["search"].setdefault("cut_short", bool(getattr(found, "cut_short", False)))
     return doc
