@@ -491,3 +491,31 @@ def test_an_uploaded_config_with_a_value_of_the_wrong_type_is_a_422(client, path
     if response.status_code == 422:
         assert response.json()["detail"][0]["loc"] == ["body", "config"]
         assert "cannot be estimated" in response.json()["detail"][0]["msg"]
+
+
+def test_hypothesis_mutated_catalog_configs_never_answer_500(client):
+    """Any catalog config with up to three fields given values of any JSON type: 200 or a 422 about the config."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    from trainmem.catalog import catalog_config, catalog_names
+
+    values = st.one_of(st.sampled_from([0, -1, 1, 3, 10**6, 10**30, 1e308, 1e-320, -0.0, 0.5, True, None, "", "x",
+                                        "gelu", [], {}, [1, 2], {"type": "linear", "factor": 2.0},
+                                        {"rope_type": "yarn", "factor": 1e300}, {"type": ["x"]}]),
+                       st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(name=st.sampled_from(catalog_names()), data=st.data(), full=st.booleans())
+    def check(name, data, full):
+        config = dict(catalog_config(name))
+        keys = data.draw(st.lists(st.sampled_from(sorted(k for k in config if k != "model_type")), max_size=3,
+                                  unique=True))
+        for key in keys:
+            config[key] = data.draw(values)
+        body = {"config": config, "gpu": "H100-80GB", **({"checkpointing": "full", "batch": 2} if full else {})}
+        response = client.post("/api/estimate", json=body)
+        assert response.status_code in (200, 422), (name, keys, response.text)
+        if response.status_code == 422:
+            assert response.json()["detail"][0]["loc"][:2] == ["body", "config"], response.text
+
+    check()
