@@ -1,7 +1,9 @@
 """A bounded load test of `trainmem serve` on loopback: REQUESTS POST /api/estimate requests from CLIENTS concurrent
-clients (a mix of models, batches, sequences, recipes, LoRA and sharded layouts), against uvicorn started here.
+clients (a mix of models, batches, sequences, recipes, LoRA, sharded and model-parallel layouts, and one request in
+ten a hostile body that must answer 422), against uvicorn started here.
 
-Prints the error count, requests per second and latency percentiles; README.md quotes them.
+Prints the error count (any answer but 200 to a good body or 422 to a hostile one), requests per second and latency
+percentiles; README.md quotes them.
     python benchmarks/web_load.py [--requests 2000] [--clients 8]
 """
 
@@ -22,8 +24,13 @@ BODIES = [
     for m, b, s, r, extra in itertools.product(
         ["llama-3-8b", "llama-2-7b", "mistral-7b", "qwen2.5-0.5b", "gpt2"], [1, 4], [2048, 8192],
         ["mixed-bf16", "pure-bf16"],
-        [{}, {"checkpointing": "full"}, {"gpus": 8, "zero": 3}, {"lora": 16, "recipe": "pure-bf16-bf16states"}])
+        [{}, {"checkpointing": "full"}, {"gpus": 8, "zero": 3}, {"lora": 16, "recipe": "pure-bf16-bf16states"},
+         {"gpus": 8, "zero": 3, "offload": "optimizer"}, {"gpus": 8, "tp": 2, "sp": True, "pp": 2, "fsdp": "full"}])
 ]
+HOSTILE = [b'{"model": "gpt2", "headroom": NaN}', b'{"model": "gpt2", "batch": 1e999}', b'{"model": "\\ud800"}',
+           b'{"config": {"model_type": "llama", "hidden_size": Infinity}}', b"[" * 2000 + b"]" * 2000,
+           b'{"model": "gpt2", "model": "gpt2"}']
+"""Bodies the API must refuse with a 422 (tests/test_web.py has the full set)."""
 
 
 async def client(base: str, queue: asyncio.Queue, latencies: list[float], errors: list[str]) -> None:
@@ -34,16 +41,22 @@ async def client(base: str, queue: asyncio.Queue, latencies: list[float], errors
             except asyncio.QueueEmpty:
                 return
             started = time.perf_counter()
-            response = await http.post("/api/estimate", json=body)
+            if isinstance(body, bytes):
+                response = await http.post("/api/estimate", content=body,
+                                           headers={"content-type": "application/json"})
+                expected = 422
+            else:
+                response = await http.post("/api/estimate", json=body)
+                expected = 200
             latencies.append(time.perf_counter() - started)
-            if response.status_code != 200:
-                errors.append(f"{response.status_code}: {response.text[:200]}")
+            if response.status_code != expected:
+                errors.append(f"{response.status_code} (expected {expected}): {response.text[:200]}")
 
 
 async def load(base: str, requests: int, clients: int) -> tuple[list[float], list[str], float]:
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(requests):
-        queue.put_nowait(BODIES[i % len(BODIES)])
+        queue.put_nowait(HOSTILE[(i // 10) % len(HOSTILE)] if i % 10 == 9 else BODIES[i % len(BODIES)])
     latencies: list[float] = []
     errors: list[str] = []
     started = time.perf_counter()
@@ -70,7 +83,8 @@ def main() -> None:
     def pct(p: float) -> float:
         return 1000 * latencies[min(len(latencies) - 1, int(p * len(latencies)))]
 
-    print(f"{len(latencies)} requests, {args.clients} clients, {len(BODIES)} distinct bodies: {len(errors)} errors")
+    print(f"{len(latencies)} requests, {args.clients} clients, {len(BODIES)} distinct bodies and {len(HOSTILE)} "
+          f"hostile ones (one request in ten): {len(errors)} errors")
     print(f"{len(latencies) / seconds:.0f} requests/s; latency p50 {pct(0.50):.1f} ms, p99 {pct(0.99):.1f} ms, "
           f"max {1000 * latencies[-1]:.1f} ms")
     for line in errors[:5]:
