@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import tempfile
@@ -209,8 +210,21 @@ def _yaml_scalar(value: Any) -> str:
             raise ConfigError(f"cannot write the non-finite number {value!r} into a YAML file")
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a YAML double-quoted scalar (YAML 1.2, section 7.3.1)
+        return _yaml_string(value)
     raise TypeError(f"no YAML scalar for {type(value).__name__}")
+
+
+_YAML_PRINTABLE = re.compile("[\t\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufeff\uff00-\ufffd"
+                             "\U00010000-\U0010ffff]")
+"""The characters a YAML stream may hold as they are (YAML 1.1 c-printable, PyYAML's reader), less the line breaks
+(NEL, LS, PS) that a double-quoted scalar would fold."""
+
+
+def _yaml_string(text: str) -> str:
+    """A double-quoted YAML scalar that reads back as ``text`` exactly: JSON's escapes (a JSON string is a YAML
+    double-quoted scalar), every other character outside the printable set as \\uXXXX (so no surrogate pairs)."""
+    body = json.dumps(text, ensure_ascii=False)[1:-1]
+    return '"' + "".join(c if c == "\\" or _YAML_PRINTABLE.fullmatch(c) else f"\\u{ord(c):04x}" for c in body) + '"'
 
 
 def to_yaml(config: dict, indent: int = 0) -> str:
@@ -219,7 +233,7 @@ def to_yaml(config: dict, indent: int = 0) -> str:
     lines = []
     pad = " " * indent
     for key, value in config.items():
-        name = json.dumps(str(key))
+        name = _yaml_string(str(key))
         if isinstance(value, dict):
             if value:
                 lines.append(f"{pad}{name}:")
@@ -621,6 +635,8 @@ def accelerate_file_settings(path: str | os.PathLike) -> tuple[dict[str, Any], s
                           "DEEPSPEED")
     if kind != "DEEPSPEED" and precision != "no":
         out["recipe"] = f"amp-{precision}"  # accelerate's native AMP: torch.autocast over the fp32 model
+    elif kind != "DEEPSPEED":
+        out["recipe_of_the_model"] = ("fp32", "pure-bf16-bf16states")
     return out, ds_file
 
 
@@ -717,6 +733,10 @@ def merge_engine_files(given: dict[str, Any], ds_config=None, accelerate_config=
         found.append((str(ds_config), values))
     merged = dict(given)
     for source, values in found:
+        choices = values.pop("recipe_of_the_model", None)
+        if choices is not None and merged.get("recipe", REQUEST_DEFAULTS["recipe"]) not in choices:
+            raise ConfigError(f"{source}: mixed_precision no keeps the model's own dtype, which the file does not "
+                              f"say: give --recipe {' or '.join(choices)} (launch.sh's --torch_dtype)")
         for key, value in values.items():
             default = REQUEST_DEFAULTS.get(key)
             if merged.get(key, default) in (default, value):

@@ -75,9 +75,10 @@ et al. 2022 report 46% for PaLM 540B; Megatron-LM reports 41-48% on A100/H100)."
 MAX_MIN_GPUS = 1 << 16
 MAX_PLAN_GPUS = 1 << 16
 """The most GPUs one search takes (and --min-gpus looks at): 65,536, past the largest published training runs."""
-MAX_GLOBAL_BATCH = 1 << 24
-"""The most sequences a step's global batch may hold (16,777,216: at 2,048 tokens, 34 billion tokens a step, three
-orders of magnitude past the largest published batches); its divisors are the micro-batches searched."""
+MAX_GLOBAL_BATCH = 1 << 20
+"""The most sequences a step's global batch may hold (1,048,576: at 2,048 tokens, two billion tokens a step, two
+orders of magnitude past the largest published batches; also the most micro-batches a pipeline takes); its divisors
+are the micro-batches searched."""
 MFU_RANGE = (0.01, 1.0)
 INTER_NODE_GBPS_RANGE = (0.01, 100_000.0)
 """GB/s per GPU between nodes: from a slow Ethernet link to far past any fabric built (NVLink switch systems: 900)."""
