@@ -51,8 +51,9 @@ def test_api_estimate_is_the_cli_document(client, run_cli, body, flags):
 @pytest.mark.parametrize("body, flags", [
     ({"model": "llama-3-70b", "gpu": "H100-80GB", "gpus": 8, "seq": 4096, "top": 3},
      ["llama-3-70b", "--gpu", "H100-80GB", "--gpus", "8", "--seq", "4096", "--top", "3"]),
-    ({"model": "llama-3-8b", "gpu": "A100-80GB", "nodes": 2, "global_batch": 64, "recipe": "pure-bf16", "mfu": 0.5},
-     ["llama-3-8b", "--gpu", "A100-80GB", "--nodes", "2", "--global-batch", "64", "--recipe", "pure-bf16",
+    ({"model": "llama-3-8b", "gpu": "A100-80GB", "nodes": 2, "global_batch": 64, "recipe": "pure-bf16-bf16states",
+      "mfu": 0.5},
+     ["llama-3-8b", "--gpu", "A100-80GB", "--nodes", "2", "--global-batch", "64", "--recipe", "pure-bf16-bf16states",
       "--mfu", "0.5"]),
 ])
 def test_api_plan_is_the_cli_document(client, run_cli, body, flags):
