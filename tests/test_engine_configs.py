@@ -419,3 +419,57 @@ def test_the_largest_global_batch_answers(run_cli):
     code, out, err = run_cli("plan", "llama-3.2-1b", "--gpu", "H100-80GB", "--gpus", "8", "--global-batch",
                              str(MAX_GLOBAL_BATCH), "--json", "--top", "1")
     assert code == 0, err and json.loads(out)["plans"]
+
+
+def _re_estimate_flags(folder, layout: dict) -> list[list[str]]:
+    """Every way the written files can be re-estimated: each config file with what launch.sh gives the script
+    (transformers' TrainingArguments, or Megatron-DeepSpeed's own flags)."""
+    names = {p.name for p in folder.iterdir()}
+    launch = (folder / "launch.sh").read_text()
+    words = shlex.split(launch.replace("\\\n", " "), comments=True)
+    script = _script_flags(launch)
+    ways = []
+    if "ds_config.json" in names and "pretrain_gpt.py" in launch:
+        arg = dict(zip(words, words[1:]))
+        flags = ["--ds-config", str(folder / "ds_config.json"), "--gpus", str(layout["gpus"]),
+                 "--tp", arg["--tensor-model-parallel-size"], "--pp", arg["--pipeline-model-parallel-size"]]
+        flags += ["--sp"] if "--sequence-parallel" in words else []
+        if int(arg["--pipeline-model-parallel-size"]) > 1:
+            flags += ["--micro-batches", str(layout["grad_accum"])]
+        flags += ["--checkpointing", "full"] if "--recompute-granularity" in words else []
+        ways.append(flags)
+    elif "accelerate.yaml" in names:
+        flags = ["--accelerate-config", str(folder / "accelerate.yaml"), "--batch", script["--batch"],
+                 "--grad-accum", script["--grad-accum"]]
+        flags += ["--checkpointing", "full"] if "--checkpointing" in script else []
+        if "ds_config.json" not in names and "--bf16" not in launch and "--fp16" not in launch:
+            flags += ["--recipe", {"bfloat16": "pure-bf16-bf16states", "float32": "fp32"}[script["dtype"]]]
+        ways.append(flags)
+    if "torchtitan.json" in names:
+        ways.append(["--torchtitan-config", str(folder / "torchtitan.json")])
+    assert ways, names
+    return ways
+
+
+@pytest.mark.parametrize("args", [
+    ["llama-3-70b", "--gpus", "8", "--seq", "4096"],
+    ["llama-3-70b", "--gpus", "64", "--seq", "4096", "--global-batch", "512"],
+    ["llama-3-70b", "--gpus", "64", "--seq", "4096", "--global-batch", "512", "--recipe", "mixed-bf16"],
+    ["llama-3-8b", "--nodes", "2", "--global-batch", "256", "--recipe", "mixed-bf16", "--checkpointing", "full"],
+    ["llama-3-8b", "--gpus", "16", "--seq", "4096", "--global-batch", "64", "--recipe", "pure-bf16-bf16states"],
+    ["llama-3.2-1b", "--gpus", "8", "--global-batch", "64", "--recipe", "amp-bf16"],
+    ["llama-3.2-1b", "--gpus", "1", "--global-batch", "8"],
+    ["mixtral-8x7b", "--gpus", "32", "--seq", "4096", "--global-batch", "256"],
+], ids=lambda a: " ".join(a))
+def test_plan_out_re_estimates_to_the_plan(run_cli, tmp_path, args):
+    """`trainmem plan ... --out DIR`, then `trainmem estimate` on each file written (with launch.sh's flags for what
+    the script sets): the plan's peak, byte for byte."""
+    code, out, err = run_cli("plan", *args, "--gpu", "H100-80GB", "--json", "--top", "1", "--out", str(tmp_path))
+    assert code == 0, err
+    plan = json.loads(out)["plans"][0]
+    model = args[0]
+    seq = args[args.index("--seq") + 1] if "--seq" in args else "2048"
+    for flags in _re_estimate_flags(tmp_path, plan["layout"]):
+        assert _peak(run_cli, model, "--seq", seq, *flags) == plan["estimate"]["peak"]["required_bytes"], flags
+    for script in tmp_path.glob("*.sh"):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

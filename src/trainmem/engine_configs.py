@@ -134,7 +134,9 @@ def deepspeed_config(layout: Layout) -> dict:
     if layout.zero is None or layout.recipe not in DEEPSPEED_RECIPES:
         raise ConfigError(f"{layout.engine} {layout.recipe}: DeepSpeed's config runs ZeRO with "
                           f"{' or '.join(DEEPSPEED_RECIPES)} only")
-    zero: dict = {"stage": layout.zero, "overlap_comm": True, "contiguous_gradients": True}
+    # (overlap_comm and the buckets left at DeepSpeed's defaults, which the plan's estimate assumes: overlap_comm,
+    # on by default in stage 3 only, doubles the gradient bucket; sharding.DeepSpeedConfig)
+    zero: dict = {"stage": layout.zero, "contiguous_gradients": True}
     if layout.offload in ("optimizer", "optimizer+params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if layout.offload == "optimizer+params":
