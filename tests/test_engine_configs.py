@@ -118,6 +118,16 @@ def test_fsdp2_hybrid_is_written_with_accelerates_parallelism_config(tmp_path, r
     assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is True
     assert fsdp["fsdp_activation_checkpointing"] == (L.checkpointing == "full")
     assert cluster.mixed_precision == "no"  # (accelerate would upcast the bf16 model to fp32 otherwise)
+    # what `accelerate launch --config_file accelerate.yaml` hands the processes: a 2 x 8 mesh, not 16-way sharding
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(
+        ["--config_file", str(out / "accelerate.yaml"), "train.py"]))
+    env = prepare_multi_gpu_env(args)
+    assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "8")
+    assert (env["FSDP_VERSION"], env["FSDP_RESHARD_AFTER_FORWARD"], env["ACCELERATE_MIXED_PRECISION"]) == \
+        ("2", "true", "no")
     flags = _script_flags((out / "launch.sh").read_text())
     assert flags["dtype"] == "bfloat16" and "--checkpointing" not in flags  # (FSDP2's own checkpointing)
     args = ["llama-3-8b", "--accelerate-config", str(out / "accelerate.yaml"), "--batch", flags["--batch"],
