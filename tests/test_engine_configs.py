@@ -4,6 +4,7 @@ user strings cannot escape their field, the YAML needs no PyYAML, and bad DeepSp
 DeepSpeed refuses them. Plus the search's bounds (time budget, caps, finite numbers)."""
 
 import json
+import math
 import re
 import shlex
 import subprocess
@@ -483,3 +484,31 @@ def test_plan_out_re_estimates_to_the_plan(run_cli, tmp_path, args):
         assert _peak(run_cli, model, "--seq", seq, *flags) == plan["estimate"]["peak"]["required_bytes"], flags
     for script in tmp_path.glob("*.sh"):
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_out_refuses_unusable_folders_in_one_line(run_cli, tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "launch.sh").mkdir()
+    (tmp_path / "full" / "accelerate.yaml").write_text("untouched")
+    for out in (tmp_path / "dangling", tmp_path / ("x" * 300), tmp_path / "no" / "such", tmp_path / "full"):
+        code, _, err = run_cli("plan", "llama-3.2-1b", "--gpu", "H100-80GB", "--gpus", "1", "--out", str(out))
+        assert code == 2 and "--out" in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "full" / "accelerate.yaml").read_text() == "untouched"  # nothing half-written
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(name=st.sampled_from(["mfu", "inter_node_gbps", "host_memory_gib"]),
+       value=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**30, 10**30)))
+def test_any_number_is_taken_in_range_or_refused_in_one_line(name, value):
+    from trainmem.plan import HOST_MEMORY_GIB_RANGE, INTER_NODE_GBPS_RANGE, MFU_RANGE
+
+    low, high = {"mfu": MFU_RANGE, "inter_node_gbps": INTER_NODE_GBPS_RANGE,
+                 "host_memory_gib": HOST_MEMORY_GIB_RANGE}[name]
+    spec = catalog_spec("gpt2")
+    try:
+        found = search(spec, H100, 1, 128, **{name: value}, checkpointing=("none",), recipes=("amp-bf16",))
+    except ConfigError as exc:
+        assert not low <= value <= high and "\n" not in str(exc)
+    else:
+        assert low <= value <= high and all(math.isfinite(p.time.seconds) for p in found.plans)

@@ -438,11 +438,20 @@ def write_configs(layout: Layout, seq: int, model_name: str, out: str | os.PathL
     if not str(out):
         raise ConfigError("--out is empty; give a folder")
     target = Path(out)
-    if target.exists() and not target.is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a file; give a folder")
-    if not target.parent.is_dir():
-        raise ConfigError(f"--out: the folder {str(target.parent)!r} does not exist")
+    try:
+        if target.exists() and not target.is_dir():
+            raise ConfigError(f"--out {str(out)!r} is a file; give a folder")
+        if not target.parent.is_dir():
+            raise ConfigError(f"--out: the folder {str(target.parent)!r} does not exist")
+    except OSError as exc:
+        raise ConfigError(f"--out {str(out)!r}: not a usable folder ({exc.strerror or exc})") from None
     files = plan_files(layout, seq, model_name)
+    try:
+        for name in files:  # (refused before anything is written: nothing half-written)
+            if (target / name).is_dir() or (target / name).is_symlink():
+                raise ConfigError(f"--out {str(out)!r}: {name} there is a folder or a link; give another folder")
+    except OSError as exc:
+        raise ConfigError(f"--out {str(out)!r}: not a usable folder ({exc.strerror or exc})") from None
     try:
         target.mkdir(exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".trainmem-plan-", dir=target))
