@@ -399,17 +399,31 @@ def test_a_time_budget_cuts_the_search_short_and_says_so(run_cli):
     assert "cut this search short" in out
 
 
-def test_run_plan_and_min_gpus_take_a_budget():
-    found, answer = run_plan("llama-3.1-405b", "H100-80GB", seq=4096, min_gpus_wanted=True)
-    assert found.plans and not found.cut_short
+def test_min_gpus_is_the_fewest_even_where_fitting_is_not_monotone():
+    """Which counts fit is not monotone (405B at 65,536 tokens fits 96 H100s, not 104: no tensor x context split of
+    104 holds it), so --min-gpus tries the counts in order: every smaller count trains nothing."""
+    from trainmem.plan import min_gpus_counts
+
     spec = catalog_spec("llama-3.1-405b")
-    # the answer is the fewest: the count before it in min_gpus's list trains nothing
-    smaller = [c for c in [1, 2, 4] + list(range(8, answer, 8)) if c < answer]
-    assert not search(spec, H100, smaller[-1], 4096, None, min(8, smaller[-1])).plans
+    options = {"checkpointing": ("none", "full")}
+    assert search(spec, H100, 96, 65536, None, 8, **options).plans
+    assert not search(spec, H100, 104, 65536, None, 8, **options).plans
+    for seq in (4096, 65536):
+        found, answer = run_plan("llama-3.1-405b", "H100-80GB", seq=seq, min_gpus_wanted=True)
+        assert found.plans and not found.cut_short and found.gpus == answer
+        assert answer <= 96
+        for n in [c for c in min_gpus_counts(8) if c < answer]:
+            assert not search(spec, H100, n, seq, None, min(8, n), **options).plans, n
+
+
+def test_run_plan_and_min_gpus_take_a_budget():
+    spec = catalog_spec("llama-3.1-405b")
     cut = min_gpus(spec, H100, 4096, time_budget_s=0.0)
     assert cut is None or cut[1].cut_short
     with pytest.raises(ConfigError, match="time budget"):
         run_plan("llama-3-8b", "H100-80GB", min_gpus_wanted=True, time_budget_s=0.0)
+    found, _ = run_plan("llama-3-8b", "H100-80GB", gpus=64, seq=4096, global_batch=512, time_budget_s=0.0)
+    assert found.cut_short and found.candidates == 0
 
 
 @pytest.mark.parametrize("keywords, says", [

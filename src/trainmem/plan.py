@@ -563,55 +563,45 @@ def _search_layout(spec, gpu, seq, device, mfu, inter_node_gbps, host_memory, no
     plans.append(Plan(layout, peak, step_time(spec, layout, seq, gpu, mfu, inter_node_gbps), host, step_for(b), seq))
 
 
+MIN_GPUS_EVERY_COUNT_UP_TO = 512
+"""--min-gpus tries every count up to this one (1, 2, 4, then each multiple of the node size), then the node size
+times powers of two: which counts fit is not monotone (a count whose factors give no tensor x pipeline x context
+split the model needs can fail where a smaller one fits: Llama-3.1-405B at 65,536 tokens fits 64 and 96 H100s, not
+104), so no bisection finds the fewest; the failing searches are cheap (a floor rules most layouts out)."""
+
+
+def min_gpus_counts(gpus_per_node: int) -> list[int]:
+    """The GPU counts --min-gpus tries, in order (MIN_GPUS_EVERY_COUNT_UP_TO)."""
+    counts = {1, 2, 4} | set(range(gpus_per_node, MIN_GPUS_EVERY_COUNT_UP_TO + 1, gpus_per_node))
+    power = gpus_per_node
+    while power <= MAX_MIN_GPUS:
+        counts.add(power)
+        power *= 2
+    return sorted(c for c in counts if c <= MAX_MIN_GPUS)
+
+
 def min_gpus(spec: ModelSpec, gpu: GPU, seq: int, gpus_per_node: int = 8, time_budget_s: float | None = None,
              **options) -> tuple[int, PlanSearch] | None:
     """The fewest GPUs of this type that can train the model at all (one sequence per GPU, any engine, checkpointing
-    and offload), among 1, 2, 4, then multiples of the node size; None past MAX_MIN_GPUS. More GPUs never need
-    more memory per GPU here (sharded states shrink, activations stay), so the counts are galloped through (the
-    1st, 2nd, 4th, 8th, ... of the list) until one fits, then bisected. With ``time_budget_s`` the searches share
-    that many seconds; when it runs out the answer is the fewest found to fit so far, its search marked
-    ``cut_short`` (None if none was found)."""
+    and offload), among min_gpus_counts, tried in ascending order; None past MAX_MIN_GPUS. With ``time_budget_s``
+    the searches share that many seconds; when it runs out before a count fits the answer is None, and a search
+    the budget cut short is marked ``cut_short``."""
     if time_budget_s is not None:
         _check_number("time budget", time_budget_s, 0.0, 86_400.0, " s")
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or not 1 <= gpus_per_node <= \
             MAX_PLAN_GPUS:
         raise ConfigError(f"gpus_per_node must be a whole number from 1 to {MAX_PLAN_GPUS:,}, got {gpus_per_node!r}")
-    counts = [1, 2, 4] + [gpus_per_node * k for k in range(1, MAX_MIN_GPUS // gpus_per_node + 1)]
-    counts = sorted({c for c in counts if c <= MAX_MIN_GPUS})
     deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
-    searched: dict[int, PlanSearch] = {}
-    short = False
-
-    def works(n: int) -> bool:
-        nonlocal short
-        if n not in searched:  # (the answer's search is the bisection's last, not run again)
-            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-            searched[n] = search(spec, gpu, n, seq, None, min(gpus_per_node, n), time_budget_s=left, **options)
-            short = short or searched[n].cut_short
-        return bool(searched[n].plans)
-
-    def out_of_time() -> bool:
-        return deadline is not None and time.perf_counter() >= deadline
-
-    # gallop: indices 0, 1, 3, 7, 15, ... until a count fits
-    low, index = 0, 0
-    while not works(counts[index]):
-        if index == len(counts) - 1 or out_of_time():
+    for n in min_gpus_counts(gpus_per_node):
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 0:
             return None
-        low, index = index + 1, min(len(counts) - 1, 2 * index + 1)
-    high = index
-    while low < high and not out_of_time():
-        mid = (low + high) // 2
-        if works(counts[mid]):
-            high = mid
-        else:
-            low = mid + 1
-    found = searched[counts[high]]
-    if short or low < high:
-        from dataclasses import replace
-
-        found = replace(found, cut_short=True)
-    return counts[high], found
+        found = search(spec, gpu, n, seq, None, min(gpus_per_node, n), time_budget_s=left, **options)
+        if found.plans:
+            return n, found
+        if found.cut_short:
+            return None
+    return None
 
 
 def run_plan(model, gpu: str, gpus: int | None = None, seq: int = 2048, global_batch: int | None = None,
