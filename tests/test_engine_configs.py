@@ -526,3 +526,65 @@ def test_any_number_is_taken_in_range_or_refused_in_one_line(name, value):
         assert not low <= value <= high and "\n" not in str(exc)
     else:
         assert low <= value <= high and all(math.isfinite(p.time.seconds) for p in found.plans)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(device=st.one_of(st.sampled_from(["cpu", "nvme", "none", "CPU", "Cpu", "gpu", "", "cpu "]), st.text(max_size=6),
+                        st.integers(), st.none(), st.booleans()))
+def test_an_offload_device_is_deepspeeds_or_refused(device):
+    from trainmem.sharding import read_deepspeed_config
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "ds.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": device}}}))
+        try:
+            _, stage, offload = read_deepspeed_config(path, 4096)
+        except ConfigError as exc:
+            assert device not in ("cpu", "nvme", "none") and "\n" not in str(exc)
+        else:
+            assert device in ("cpu", "nvme", "none") and stage == 3
+            assert offload == (None if device == "none" else "optimizer")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("distributed_type: MEGATRON_LM\nnum_processes: 8\n", "not read here"),
+    ("- a\n- b\n", "not a YAML mapping"),
+    ("num_processes: [\n", "not readable YAML"),
+    ("distributed_type: FSDP\nnum_processes: 8\nfsdp_config: {fsdp_version: 1}\n", "fsdp_version must be 2"),
+    ("distributed_type: FSDP\nnum_processes: 8\nmixed_precision: bf16\nfsdp_config: {fsdp_version: 2}\n",
+     "upcasts to fp32"),
+    ("distributed_type: MULTI_GPU\nnum_processes: -1\n", "num_processes must be"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 8\nnum_machines: 3\n", "does not split"),
+    ("distributed_type: DEEPSPEED\nnum_processes: 8\n", "deepspeed_config_file"),
+])
+def test_bad_accelerate_configs_are_one_line(run_cli, tmp_path, text, says):
+    pytest.importorskip("yaml")
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text)
+    code, _, err = run_cli("estimate", "llama-2-7b", "--accelerate-config", str(path))
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_accelerate_config_without_pyyaml_is_one_line(run_cli, tmp_path, monkeypatch):
+    path = tmp_path / "accelerate.yaml"
+    path.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\n")
+    monkeypatch.setitem(sys.modules, "yaml", None)
+    code, _, err = run_cli("estimate", "llama-2-7b", "--accelerate-config", str(path))
+    assert code == 2 and "PyYAML" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("doc, says", [
+    ('{"training": {}, "parallelism": {}, "training": {}}', "appears twice"),
+    ({"training": {"local_batch_size": "8"}, "parallelism": {}}, "local_batch_size must be"),
+    ({"training": {"dtype": "float16"}, "parallelism": {}}, "must be float32 or bfloat16"),
+    ({"training": {}, "parallelism": {}, "activation_checkpoint": "selective"}, "must be none or full"),
+    ({"training": {"local_batch_size": 2, "global_batch_size": 3}, "parallelism": {}}, "not a multiple"),
+    ({"parallelism": {}}, "needs a training"),
+])
+def test_bad_torchtitan_configs_are_one_line(run_cli, tmp_path, doc, says):
+    path = tmp_path / "torchtitan.json"
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    code, _, err = run_cli("estimate", "llama-2-7b", "--torchtitan-config", str(path))
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err

@@ -819,8 +819,10 @@ def recipes(optimizer: Optional[str], as_json: bool) -> None:
 @click.option("--gpus-per-node", type=int, default=8, show_default=True, help="GPUs per node.")
 @click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
 @click.option("--global-batch", type=int, default=None, help="Sequences per optimizer step (default: one per GPU).")
-@click.option("--recipe", default=None, help="Search only this recipe (default: the bf16 recipes).")
-@click.option("--checkpointing", default=None, help="Search only none, selective or full (default: all three).")
+@click.option("--recipe", default=None, help="Search only this recipe (default: mixed-bf16, amp-bf16 and "
+              "pure-bf16-bf16states, as the engines write them).")
+@click.option("--checkpointing", default=None, help="Search only none or full (default: both; selective is no "
+              "engine's setting).")
 @click.option("--mfu", type=float, default=None, help="Fraction of peak FLOPS the time model assumes (default 0.4).")
 @click.option("--inter-node-gbps", type=float, default=None, help="Node-to-node GB/s per GPU (default 50).")
 @click.option("--host-memory-gib", type=float, default=None, help="Host memory per node for offload (default 2048).")

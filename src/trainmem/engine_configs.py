@@ -484,8 +484,7 @@ def _strict_json(path: str | os.PathLike, what: str) -> dict:
 
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"{what} {path}: no such file; give a {'JSON' if what != '--accelerate-config' else 'YAML'}"
-                          " file")
+        raise ConfigError(f"{what} {path}: no such file (or not a regular file); give a JSON file")
     try:
         data = p.read_bytes()[:CONFIG_SIZE_LIMIT + 1]
     except OSError as exc:
@@ -577,7 +576,8 @@ def _load_yaml_mapping(path: str | os.PathLike) -> dict:
             from None
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--accelerate-config {path}: no such file; give accelerate's config YAML")
+        raise ConfigError(f"--accelerate-config {path}: no such file (or not a regular file); give accelerate's "
+                          "config YAML")
     try:
         doc = yaml.safe_load(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
