@@ -597,7 +597,7 @@ def accelerate_file_settings(path: str | os.PathLike) -> tuple[dict[str, Any], s
     if processes % machines:
         raise ConfigError(f"{path}: num_processes {processes} does not split over num_machines {machines}")
     out["gpus"] = processes
-    if machines > 1:
+    if processes > 1:
         out["gpus_per_node"] = processes // machines
     kind = doc.get("distributed_type", "NO")
     precision = doc.get("mixed_precision", "no")
