@@ -109,7 +109,7 @@ def test_fsdp2_hybrid_is_written_with_accelerates_parallelism_config(tmp_path, r
     assert writers(L)[0] == "accelerate"
     out = tmp_path / "hsdp"
     names = {p.name for p in write_configs(L, 2048, "llama-3-8b", out)}
-    assert {"accelerate.yaml", "launch.sh", "torchtitan.json", "torchtitan_plan.py", "launch_torchtitan.sh"} == names
+    assert {"accelerate.yaml", "launch.sh"} == names  # (torchtitan reduces in fp32: not this recipe's FSDP2)
     cluster = accelerate_args.ClusterConfig.from_yaml_file(str(out / "accelerate.yaml"))
     par = cluster.parallelism_config
     assert (par["parallelism_config_dp_replicate_size"], par["parallelism_config_dp_shard_size"]) == (2, 8)
@@ -143,7 +143,7 @@ def test_ddp_with_autocast_is_accelerates_multi_gpu(tmp_path, run_cli):
     accelerate_args = pytest.importorskip("accelerate.commands.config.config_args")
     plan = _best("llama-3.2-1b", 8, 2048, 32, recipes=("amp-bf16",), engines=("DDP",), model_parallel=False)
     out = tmp_path / "ddp"
-    write_configs(plan.layout, 2048, "llama-3.2-1b", out)
+    assert {p.name for p in write_configs(plan.layout, 2048, "llama-3.2-1b", out)} == {"accelerate.yaml", "launch.sh"}
     cluster = accelerate_args.ClusterConfig.from_yaml_file(str(out / "accelerate.yaml"))
     assert (cluster.distributed_type, cluster.mixed_precision, cluster.num_processes) == ("MULTI_GPU", "bf16", 8)
     flags = _script_flags((out / "launch.sh").read_text())
@@ -234,14 +234,27 @@ def test_a_tensor_and_pipeline_plan_is_torchtitans_and_re_estimates_to_the_plan(
         plan.peak.required_bytes
 
 
-def test_pure_bf16_states_are_torchtitans_training_dtype(tmp_path, monkeypatch, run_cli):
-    plan = _best("llama-3-8b", 8, 4096, 32, recipes=("pure-bf16-bf16states",), engines=("FSDP2 full",),
-                 model_parallel=False)
-    write_configs(plan.layout, 4096, "llama-3-8b", tmp_path)
-    config, _ = _run_torchtitan_module(tmp_path, monkeypatch)
-    assert config.training.dtype == "bfloat16"
-    assert _peak(run_cli, "llama-3-8b", "--torchtitan-config", str(tmp_path / "torchtitan.json")) == \
-        plan.peak.required_bytes
+def test_torchtitan_runs_fsdp2_in_mixed_bf16_or_fp32_only(tmp_path, run_cli):
+    """torchtitan 0.3.0 applies fully_shard to every model and reduces in float32: its bf16 training dtype is not
+    pure-bf16-bf16states (bf16 reduce) and its replicate-only runs are not DDP, so neither is written for it, and
+    such a file is refused in one line."""
+    for recipe, engine, fsdp in (("pure-bf16-bf16states", "FSDP2 full", "full"), ("amp-bf16", "DDP", None),
+                                 ("mixed-bf16", "DDP", None)):
+        assert "torchtitan" not in writers(Layout(recipe, engine, None, fsdp, "none", "none", 1, 1, 8, 8))
+    assert "torchtitan" not in writers(Layout("pure-bf16-bf16states", "DDP", None, None, "none", "none", 1, 1, 64,
+                                              8, tp=8, pp=2))
+    for training, parallelism, says in (({"dtype": "bfloat16"}, {"data_parallel_shard_degree": 8}, "reduces"),
+                                        ({}, {"data_parallel_replicate_degree": 8}, "shard degree of 1")):
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps({"training": training, "parallelism": parallelism}))
+        code, _, err = run_cli("estimate", "llama-3-8b", "--torchtitan-config", str(path))
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    fp32 = Layout("fp32", "FSDP2 grad-op", None, "grad-op", "none", "full", 1, 2, 8, 8)
+    assert writers(fp32) == ("accelerate", "torchtitan")
+    titan = torchtitan_json = json.loads(plan_files(fp32, 2048, "llama-3-8b")["torchtitan.json"])
+    assert (titan["training"]["dtype"], titan["training"]["mixed_precision_param"]) == ("float32", "float32")
+    assert titan["parallelism"]["fsdp_reshard_after_forward"] == "never" and torchtitan_json["activation_checkpoint"] \
+        == "full"
 
 
 def test_no_layout_an_engine_cannot_run_is_offered():
@@ -271,7 +284,7 @@ def test_the_70b_plan_with_bf16_states_says_so(run_cli, monkeypatch):
     assert code == 0, err
     assert "pure-bf16-bf16states*" in out and "mixed-bf16, fp32 master weights and Adam states" in " ".join(out.split())
     table = out.split("layouts searched")[0]
-    rows = [line for line in table.splitlines() if re.match(r"\s*\d+\s", line)]
+    rows = [line for line in table.splitlines() if re.match(r"\s*\d+\s+\S+/\d+/\d+/\d+\s", line)]
     assert len(rows) == 10 and "…" not in table  # every cell whole, the recipe names too
     assert all(re.search(r"\s(mixed-bf16|amp-bf16|pure-bf16-bf16states\*)\s", row) for row in rows)
     code, out, _ = run_cli("plan", "llama-3-70b", "--gpu", "H100-80GB", "--gpus", "64", "--seq", "4096",
@@ -309,7 +322,7 @@ HOSTILE = ['x"\n[checkpoint]\nfolder = "pwn"\n#', "a'; rm -rf / #\n", "$(touch /
 @pytest.mark.parametrize("name", HOSTILE)
 def test_a_user_string_stays_inside_its_field(tmp_path, name):
     yaml = pytest.importorskip("yaml")
-    layout = Layout("pure-bf16-bf16states", "FSDP2 full", None, "full", "none", "full", 1, 4, 8, 8)
+    layout = Layout("fp32", "FSDP2 full", None, "full", "none", "full", 1, 4, 8, 8)
     write_configs(layout, 2048, name, tmp_path)
     titan = json.loads((tmp_path / "torchtitan.json").read_text())
     assert titan["trainmem"]["model"] == name and titan["base_config"] is None
@@ -400,18 +413,18 @@ def test_a_time_budget_cuts_the_search_short_and_says_so(run_cli):
 
 
 def test_min_gpus_is_the_fewest_even_where_fitting_is_not_monotone():
-    """Which counts fit is not monotone (405B at 65,536 tokens fits 96 H100s, not 104: no tensor x context split of
-    104 holds it), so --min-gpus tries the counts in order: every smaller count trains nothing."""
+    """Which counts fit is not monotone (405B at 65,536 tokens fits 128 and 160 H100s, not 144: no tensor x context
+    split of 144 holds it), so --min-gpus tries the counts in order: every smaller count trains nothing."""
     from trainmem.plan import min_gpus_counts
 
     spec = catalog_spec("llama-3.1-405b")
     options = {"checkpointing": ("none", "full")}
-    assert search(spec, H100, 96, 65536, None, 8, **options).plans
-    assert not search(spec, H100, 104, 65536, None, 8, **options).plans
+    assert search(spec, H100, 160, 65536, None, 8, **options).plans
+    assert not search(spec, H100, 144, 65536, None, 8, **options).plans
     for seq in (4096, 65536):
         found, answer = run_plan("llama-3.1-405b", "H100-80GB", seq=seq, min_gpus_wanted=True)
         assert found.plans and not found.cut_short and found.gpus == answer
-        assert answer <= 96
+        assert answer <= 160
         for n in [c for c in min_gpus_counts(8) if c < answer]:
             assert not search(spec, H100, n, seq, None, min(8, n), **options).plans, n
 
@@ -485,6 +498,9 @@ def _re_estimate_flags(folder, layout: dict) -> list[list[str]]:
     ["llama-3.2-1b", "--gpus", "8", "--global-batch", "64", "--recipe", "amp-bf16"],
     ["llama-3.2-1b", "--gpus", "1", "--global-batch", "8"],
     ["mixtral-8x7b", "--gpus", "32", "--seq", "4096", "--global-batch", "256"],
+    ["llama-3-8b", "--gpus", "16", "--seq", "32768", "--global-batch", "32"],
+    ["llama-3-8b", "--gpus", "8", "--seq", "65536", "--global-batch", "8", "--recipe", "mixed-bf16"],
+    ["mixtral-8x7b", "--gpus", "32", "--seq", "4096", "--global-batch", "256", "--recipe", "pure-bf16-bf16states"],
 ], ids=lambda a: " ".join(a))
 def test_plan_out_re_estimates_to_the_plan(run_cli, tmp_path, args):
     """`trainmem plan ... --out DIR`, then `trainmem estimate` on each file written (with launch.sh's flags for what
@@ -579,7 +595,8 @@ def test_accelerate_config_without_pyyaml_is_one_line(run_cli, tmp_path, monkeyp
     ('{"training": {}, "parallelism": {}, "training": {}}', "appears twice"),
     ({"training": {"local_batch_size": "8"}, "parallelism": {}}, "local_batch_size must be"),
     ({"training": {"dtype": "float16"}, "parallelism": {}}, "must be float32 or bfloat16"),
-    ({"training": {}, "parallelism": {}, "activation_checkpoint": "selective"}, "must be none or full"),
+    ({"training": {}, "parallelism": {"data_parallel_shard_degree": 8}, "activation_checkpoint": "selective"},
+     "must be none or full"),
     ({"training": {"local_batch_size": 2, "global_batch_size": 3}, "parallelism": {}}, "not a multiple"),
     ({"parallelism": {}}, "needs a training"),
 ])

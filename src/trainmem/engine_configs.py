@@ -25,14 +25,15 @@ of them does, docs/method.md "Plans and their files"):
   ``prepare_extend_env_parallelism_config``); full checkpointing is ``fsdp_activation_checkpointing`` under FSDP2
   and the training script's ``--gradient_checkpointing`` otherwise; CPU offload is ``fsdp_offload_params``.
 - torchtitan 0.3.0 (``torchtitan.json`` with ``torchtitan_plan.py``; 0.3.0 loads a config only as a Python
-  ``config_registry`` function named by ``--module``/``--config``, torchtitan/config/manager.py, no TOML): FSDP2,
-  DDP, tensor, pipeline, context and expert parallelism; ``training.dtype = "bfloat16"`` is
-  ``pure-bf16-bf16states`` ("all parameters, gradients, and optimizer states in bfloat16, without an extra copy of
-  fp32 weights", torchtitan/config/configs.py); ``mixed_precision_param = "bfloat16"`` is ``mixed-bf16`` where
-  fully_shard applies it (a sharded data-parallel degree) and ``amp-bf16`` (torch.autocast) under DDP or one GPU
-  without model parallelism; ``fp32`` everywhere; ``training.enable_cpu_offload`` is FSDP2's offload of
-  parameters, gradients and states; ``activation_checkpoint`` is FullAC or None (0.3.0's ``SelectiveAC`` is
-  per-op, every second matmul: trainmem's layer-selective checkpointing is written by no engine, so not offered).
+  ``config_registry`` function named by ``--module``/``--config``, torchtitan/config/manager.py, no TOML): FSDP2
+  full / grad-op / hybrid, with tensor, pipeline, context and expert parallelism, and FSDP2's CPU offload
+  (``training.enable_cpu_offload``), in ``mixed-bf16`` (``mixed_precision_param = "bfloat16"`` over the fp32 model)
+  or ``fp32``. 0.3.0 applies fully_shard to every model, with a shard degree of 1 too (torchtitan/models/llama3/
+  parallelize.py: "Always run apply_fsdp_to_decoder"), so its DDP and its runs without data parallelism are not
+  trainmem's DDP; and it reduces in float32 whatever the dtype (``mixed_precision_reduce`` takes only "float32"),
+  so its ``training.dtype = "bfloat16"`` is not ``pure-bf16-bf16states`` (bf16 reduce). ``activation_checkpoint``
+  is FullAC or None (0.3.0's ``SelectiveAC`` is per-op, every second matmul: trainmem's layer-selective
+  checkpointing is written by no engine, so not offered).
 - ``pure-bf16`` (fp32 states over bf16 weights without a master copy) is no engine's setting: torch's AdamW keeps
   its states in the parameters' dtype, DeepSpeed keeps a master partition.
 
@@ -69,6 +70,9 @@ TORCHTITAN_BASES = {"llama-3-8b": "llama3:llama3_8b", "llama-3.1-8b": "llama3:ll
                     "llama-3.1-405b": "llama3:llama3_405b"}
 """trainmem catalog names whose architecture torchtitan 0.3.0 ships a config for (torchtitan/models/llama3/
 config_registry.py); other models name theirs in TORCHTITAN_BASE=module:function when launching."""
+TORCHTITAN_RECIPES = {"mixed-bf16": "bfloat16", "fp32": "float32"}
+"""torchtitan 0.3.0's recipes as trainmem models them: the fp32 model (training.dtype float32) with fully_shard's
+param_dtype (mixed_precision_param) and a float32 reduce."""
 MODEL_DTYPE = {"fp32": "float32", "amp-bf16": "float32", "amp-fp16": "float32", "pure-bf16-bf16states": "bfloat16",
                "mixed-bf16": "bfloat16", "mixed-fp16": "float16"}
 """The dtype the training script loads the model in (``--torch_dtype``)."""
@@ -116,10 +120,11 @@ def writers(layout: Layout) -> tuple[str, ...]:
         recipes = ACCELERATE_FSDP_RECIPES if layout.fsdp else ACCELERATE_REPLICATED_RECIPES
         if layout.recipe in recipes and (layout.offload == "none" or layout.fsdp):
             out.append("accelerate")
-    sharded = layout.fsdp is not None
-    titan_recipe = (layout.recipe in ("fp32", "pure-bf16-bf16states") or layout.recipe == "mixed-bf16" and sharded
-                    or layout.recipe == "amp-bf16" and not sharded and split == 1)
-    if titan_recipe and (layout.offload == "none" or sharded and layout.offload == "optimizer+params"):
+    # torchtitan 0.3.0 applies fully_shard to every model, a shard degree of 1 included ("Always run
+    # apply_fsdp_to_decoder", torchtitan/models/llama3/parallelize.py): it runs FSDP2 layouts only, and reduces in
+    # float32 (mixed_precision_reduce takes nothing else), which is trainmem's FSDP2 for mixed-bf16 and fp32
+    if layout.fsdp is not None and layout.recipe in TORCHTITAN_RECIPES and layout.offload in ("none",
+                                                                                               "optimizer+params"):
         out.append("torchtitan")
     return tuple(out)
 
@@ -269,8 +274,8 @@ def torchtitan_config(layout: Layout, seq: int, model_name: str) -> dict | None:
         "local_batch_size": local,
         "global_batch_size": layout.micro_batch * layout.grad_accum * dp,
         "seq_len": seq,
-        "dtype": "bfloat16" if layout.recipe == "pure-bf16-bf16states" else "float32",
-        "mixed_precision_param": "bfloat16" if layout.recipe in ("mixed-bf16", "amp-bf16") else "float32",
+        "dtype": "float32",
+        "mixed_precision_param": TORCHTITAN_RECIPES[layout.recipe],
         "mixed_precision_reduce": "float32",
         "enable_cpu_offload": layout.offload == "optimizer+params",
     }
@@ -671,8 +676,9 @@ def torchtitan_file_settings(path: str | os.PathLike) -> dict[str, Any]:
     if gpus_per_node is not None:
         out["gpus_per_node"] = _whole(gpus_per_node, f"{path}: trainmem.gpus_per_node")
     reshard = par.get("fsdp_reshard_after_forward", "default")
-    if shard > 1:
-        out["fsdp"] = "hybrid" if replicate > 1 else ("grad-op" if reshard == "never" else "full")
+    if reshard not in ("default", "always", "never"):
+        raise ConfigError(f"{path}: fsdp_reshard_after_forward must be default, always or never, got {reshard!r}")
+    out["fsdp"] = "hybrid" if replicate > 1 and shard > 1 else ("grad-op" if reshard == "never" else "full")
     local = _whole(training.get("local_batch_size", 8), f"{path}: local_batch_size")
     global_batch = training.get("global_batch_size", -1)
     global_batch = local * dp if global_batch == -1 else _whole(global_batch, f"{path}: global_batch_size")
@@ -695,16 +701,13 @@ def torchtitan_file_settings(path: str | os.PathLike) -> dict[str, Any]:
     if dtype not in ("float32", "bfloat16") or param not in ("float32", "bfloat16"):
         raise ConfigError(f"{path}: training.dtype and mixed_precision_param must be float32 or bfloat16")
     if dtype == "bfloat16":
-        out["recipe"] = "pure-bf16-bf16states"
-    elif param == "float32":
-        out["recipe"] = "fp32"
-    elif shard > 1 or cp > 1:
-        out["recipe"] = "mixed-bf16"  # fully_shard's MixedPrecisionPolicy, fp32 reduce
-    elif tp * pp * ep == 1:
-        out["recipe"] = "amp-bf16"  # torch.autocast under DDP or one GPU
-    else:
-        raise ConfigError(f"{path}: mixed_precision_param bfloat16 without a sharded data-parallel degree and with "
-                          "model parallelism is applied by neither fully_shard nor autocast in torchtitan 0.3.0")
+        raise ConfigError(f"{path}: training.dtype bfloat16 reduces the bf16 gradients in float32 "
+                          "(mixed_precision_reduce), which no trainmem recipe models; estimate it with --fsdp and "
+                          "--recipe pure-bf16-bf16states for the states alone")
+    if shard == 1 and cp == 1:
+        raise ConfigError(f"{path}: a data-parallel shard degree of 1 (torchtitan 0.3.0 applies fully_shard anyway, "
+                          "over the replicas) is not modelled; estimate it with --gpus and --fsdp")
+    out["recipe"] = "fp32" if param == "float32" else "mixed-bf16"  # fully_shard's MixedPrecisionPolicy
     if _flag(training.get("enable_cpu_offload", False), f"{path}: enable_cpu_offload"):
         out["offload"] = "optimizer+params"
     ac = doc.get("activation_checkpoint", "none")

@@ -516,8 +516,8 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
     # columns and more; _console() is at least 120 wide)
     for col, left in (("#", False), ("tp/pp\n/cp/dp", False), ("engine", True), ("recipe", True), ("ckpt", True),
                       ("offload", True), ("micro\nx accum", False), (f"needed\n{unit}", False),
-                      (f"host/node\n{unit}", False), ("step\ns", False), ("tokens\n/s/GPU", False),
-                      ("comm\n/compute", False)):
+                      (f"host\n{unit}/node", False), ("step\ns", False), ("tokens\n/s/GPU", False),
+                      ("comm/\ncomp", False)):
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
     marked = False
     for i, p in enumerate(found.plans[:top], 1):
