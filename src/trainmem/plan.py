@@ -566,8 +566,8 @@ def _search_layout(spec, gpu, seq, device, mfu, inter_node_gbps, host_memory, no
 MIN_GPUS_EVERY_COUNT_UP_TO = 512
 """--min-gpus tries every count up to this one (1, 2, 4, then each multiple of the node size), then the node size
 times powers of two: which counts fit is not monotone (a count whose factors give no tensor x pipeline x context
-split the model needs can fail where a smaller one fits: Llama-3.1-405B at 65,536 tokens fits 64 and 96 H100s, not
-104), so no bisection finds the fewest; the failing searches are cheap (a floor rules most layouts out)."""
+split the model needs can fail where a smaller one fits: Llama-3.1-405B at 65,536 tokens fits 128 and 160 H100s,
+not 144), so no bisection finds the fewest; the failing searches are cheap (a floor rules most layouts out)."""
 
 
 def min_gpus_counts(gpus_per_node: int) -> list[int]:
