@@ -92,6 +92,15 @@ def test_a_zero_plan_is_deepspeeds_bf16_mode_and_re_estimates_to_the_plan(tmp_pa
     cluster = accelerate_args.ClusterConfig.from_yaml_file(str(out / "accelerate.yaml"))
     assert cluster.distributed_type == "DEEPSPEED" and cluster.num_processes == 8
     assert cluster.deepspeed_config["deepspeed_config_file"] == "ds_config.json" and cluster.mixed_precision == "bf16"
+    # launch.sh's accelerate line, as accelerate's launcher reads it: DeepSpeed with this folder's JSON
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    assert '--config_file "$HERE/accelerate.yaml"' in launch and '--deepspeed_config_file "$HERE/ds_config.json"' in launch
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(
+        ["--config_file", str(out / "accelerate.yaml"), "--deepspeed_config_file", str(out / "ds_config.json"),
+         "train.py"]))
+    assert args.use_deepspeed and args.deepspeed_config_file == str(out / "ds_config.json")
+    assert (args.mixed_precision, args.num_processes, args.zero3_init_flag) == ("bf16", 8, True)
     assert _peak(run_cli, "llama-3-70b", "--seq", "4096", "--accelerate-config", str(out / "accelerate.yaml"),
                  "--checkpointing", "full") == plan.peak.required_bytes
 

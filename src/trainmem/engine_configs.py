@@ -411,6 +411,7 @@ def launch_script(layout: Layout, seq: int = 0, engine: str | None = None) -> st
         'TRAIN_SCRIPT="${TRAIN_SCRIPT:-train.py}"',
         f'accelerate launch --config_file "$HERE/accelerate.yaml" --num_machines {nodes} '
         f"--num_processes {layout.gpus} \\",
+        *(['    --deepspeed_config_file "$HERE/ds_config.json" \\'] if engine == "deepspeed" else []),
         '    --machine_rank "${NODE_RANK:-0}" --main_process_ip "${MASTER_ADDR:-127.0.0.1}" '
         '--main_process_port "${MASTER_PORT:-29500}" \\',
         '    "$TRAIN_SCRIPT" ' + " \\\n    ".join(flags) + ' \\\n    "$@"',
