@@ -95,7 +95,8 @@ def test_a_zero_plan_is_deepspeeds_bf16_mode_and_re_estimates_to_the_plan(tmp_pa
     # launch.sh's accelerate line, as accelerate's launcher reads it: DeepSpeed with this folder's JSON
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
-    assert '--config_file "$HERE/accelerate.yaml"' in launch and '--deepspeed_config_file "$HERE/ds_config.json"' in launch
+    assert '--config_file "$HERE/accelerate.yaml"' in launch
+    assert '--deepspeed_config_file "$HERE/ds_config.json"' in launch
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(
         ["--config_file", str(out / "accelerate.yaml"), "--deepspeed_config_file", str(out / "ds_config.json"),
          "train.py"]))

@@ -296,10 +296,10 @@ def torchtitan_config(layout: Layout, seq: int, model_name: str) -> dict | None:
             "activation_checkpoint": "full" if layout.checkpointing == "full" else "none"}
 
 
-TORCHTITAN_MODULE = '''"""torchtitan 0.3.0 config_registry written by `trainmem plan`: the planned layout, read from torchtitan.json beside
-this file, applied to a torchtitan base config (torchtitan.json's base_config, or TORCHTITAN_BASE=module:function,
-e.g. llama3:llama3_70b). Run: PYTHONPATH=<this folder> torchrun ... -m torchtitan.train --module torchtitan_plan
---config trainmem_plan"""
+TORCHTITAN_MODULE = '''"""torchtitan 0.3.0 config_registry written by `trainmem plan`: the planned layout,
+read from torchtitan.json beside this file, applied to a torchtitan base config (torchtitan.json's base_config, or
+TORCHTITAN_BASE=module:function, e.g. llama3:llama3_70b). Run: PYTHONPATH=<this folder> torchrun ...
+-m torchtitan.train --module torchtitan_plan --config trainmem_plan"""
 
 import importlib
 import json
