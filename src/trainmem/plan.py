@@ -3,8 +3,8 @@
 The search: recipe x engine (DDP, ZeRO 1-3, FSDP2 full / grad-op / hybrid) x activation checkpointing (none,
 full; layer-selective, every second layer, is modelled but written by no engine) x offload x micro-batch, for a
 global batch of sequences split evenly over the data-parallel ranks (micro-batch x accumulation = global batch /
-data parallel); and tensor parallelism (with sequence parallelism, inside a node) x pipeline stages (1F1B, the accumulated micro-batches through the pipeline) x
-context parallelism (from 16k tokens) x expert parallelism (MoE), as torchtitan runs them: with FSDP2 full sharding
+data parallel); and tensor parallelism (with sequence parallelism, inside a node) x pipeline stages (1F1B, the
+accumulated micro-batches through the pipeline) x context parallelism (from 16k tokens) x expert parallelism (MoE), as torchtitan runs them: with FSDP2 full sharding
 or DDP over the data-parallel ranks (modelparallel.py), and tensor x pipeline parallelism with ZeRO-1 as
 Megatron-DeepSpeed runs them. Each layout's memory is the estimator's (stepmodel.py:
 compiled once per recipe, engine, checkpointing and offload, each pipeline stage shared by the layouts that hold it);
