@@ -1,18 +1,19 @@
 """``trainmem plan``: the layouts that fit a GPU, ranked by a stated time model.
 
-The search: recipe x engine (DDP, ZeRO 1-3, FSDP2 full / grad-op / hybrid) x activation checkpointing (none,
-full; layer-selective, every second layer, is modelled but written by no engine) x offload x micro-batch, for a
-global batch of sequences split evenly over the data-parallel ranks (micro-batch x accumulation = global batch /
-data parallel); and tensor parallelism (with sequence parallelism, inside a node) x pipeline stages (1F1B, the
-accumulated micro-batches through the pipeline) x context parallelism (from 16k tokens) x expert parallelism (MoE), as torchtitan runs them: with FSDP2 full sharding
-or DDP over the data-parallel ranks (modelparallel.py), and tensor x pipeline parallelism with ZeRO-1 as
-Megatron-DeepSpeed runs them. Each layout's memory is the estimator's (stepmodel.py:
-compiled once per recipe, engine, checkpointing and offload, each pipeline stage shared by the layouts that hold it);
-memory grows with the micro-batch, so the largest that fits is looked for by galloping from the last answer of the
-same degrees, then bisection (largest_fitting), each probe ruled out by a lower bound where it can be, and the
-larger ones are counted as searched without being evaluated. What is not searched is listed in NOT_SEARCHED; a
-layout no engine's files run as planned (engine_configs.writers) is not offered. The work is bounded: at most
-MAX_PLAN_GPUS GPUs and MAX_GLOBAL_BATCH sequences, and ``time_budget_s`` seconds when given (PlanSearch.cut_short).
+The search: recipe x engine (DDP, ZeRO 1-3, FSDP2 full / grad-op / hybrid) x activation checkpointing (none, full;
+layer-selective, every second layer, is modelled but written by no engine) x offload x micro-batch, for a global
+batch of sequences split evenly over the data-parallel ranks (micro-batch x accumulation = global batch / data
+parallel); and tensor parallelism (with sequence parallelism, inside a node) x pipeline stages (1F1B, the
+accumulated micro-batches through the pipeline) x context parallelism (from 16k tokens) x expert parallelism (MoE),
+as torchtitan runs them: with FSDP2 full sharding or DDP over the data-parallel ranks (modelparallel.py), and tensor
+x pipeline parallelism with ZeRO-1 as Megatron-DeepSpeed runs them. Each layout's memory is the estimator's
+(stepmodel.py: compiled once per recipe, engine, checkpointing and offload, each pipeline stage shared by the
+layouts that hold it); memory grows with the micro-batch, so the largest that fits is looked for by galloping from
+the last answer of the same degrees, then bisection (largest_fitting), each probe ruled out by a lower bound where
+it can be, and the larger ones are counted as searched without being evaluated. What is not searched is listed in
+NOT_SEARCHED; a layout no engine's files run as planned (engine_configs.writers) is not offered. The work is
+bounded: at most MAX_PLAN_GPUS GPUs and MAX_GLOBAL_BATCH sequences, and ``time_budget_s`` seconds when given
+(PlanSearch.cut_short).
 
 The time model ranks; it does not promise seconds (docs/method.md, "The plan's time model"):
 
