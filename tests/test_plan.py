@@ -120,18 +120,21 @@ def test_out_writes_configs_the_engines_parsers_load(run_cli, tmp_path):
                            "--checkpointing", "full")
     assert code == 0, err
     written = {p.name for p in (tmp_path / "ds").iterdir()}
-    assert {"accelerate.yaml", "launch.sh"} <= written
-    config = accelerate_args.ClusterConfig.from_yaml_file(str(tmp_path / "ds" / "accelerate.yaml"))
-    assert config.num_processes == 16 and config.num_machines == 2
-    if "torchtitan.toml" in written:
-        titan = tomllib.loads((tmp_path / "ds" / "torchtitan.toml").read_text())
-        assert titan["parallelism"]["data_parallel_shard_degree"] * \
-            titan["parallelism"]["data_parallel_replicate_degree"] == 16
-        assert titan["training"]["global_batch_size"] == 256 and titan["activation_checkpoint"]["mode"] == "full"
+    assert "launch.sh" in written
+    if "accelerate.yaml" in written:
+        config = accelerate_args.ClusterConfig.from_yaml_file(str(tmp_path / "ds" / "accelerate.yaml"))
+        assert config.num_processes == 16 and config.num_machines == 2
+    if "torchtitan.json" in written:
+        titan = json.loads((tmp_path / "ds" / "torchtitan.json").read_text())
+        par = titan["parallelism"]
+        assert par["data_parallel_shard_degree"] * par["data_parallel_replicate_degree"] * \
+            par["tensor_parallel_degree"] * par["pipeline_parallel_degree"] * par["context_parallel_degree"] == 16
+        assert titan["training"]["global_batch_size"] * par["tensor_parallel_degree"] * \
+            par["pipeline_parallel_degree"] * par["context_parallel_degree"] >= 256 // 16
+        assert titan["activation_checkpoint"] == "full"
     if "ds_config.json" in written:
         ds = json.loads((tmp_path / "ds" / "ds_config.json").read_text())
-        assert ds["train_batch_size"] == 256 == ds["train_micro_batch_size_per_gpu"] * \
-            ds["gradient_accumulation_steps"] * 16
+        assert ds["bf16"]["enabled"] and not ds["bf16"]["bf16_optimizer_states"]
     assert subprocess.run(["bash", "-n", str(tmp_path / "ds" / "launch.sh")]).returncode == 0
     assert not [p for p in (tmp_path / "ds").iterdir() if p.name.startswith(".")]  # no staging folder left
 
@@ -162,6 +165,20 @@ def test_a_deepspeed_layout_writes_a_config_deepspeed_reads(tmp_path, monkeypatc
     (["--min-gpus", "--out", "x"], "--min-gpus answers"),
     (["--nodes", "2", "--gpus", "8"], "is not --nodes"),
     (["--mfu", "1.5"], "mfu must be"),
+    (["--mfu", "inf"], "mfu must be"),
+    (["--mfu", "nan"], "mfu must be"),
+    (["--mfu", "1e-320"], "mfu must be"),
+    (["--inter-node-gbps", "inf"], "inter-node bandwidth"),
+    (["--inter-node-gbps", "1e-320"], "inter-node bandwidth"),
+    (["--inter-node-gbps", "1e308"], "inter-node bandwidth"),
+    (["--host-memory-gib", "inf"], "host memory"),
+    (["--host-memory-gib", "1e308"], "host memory"),
+    (["--host-memory-gib", "-1"], "host memory"),
+    (["--global-batch", str(10**18)], "global batch must be"),
+    (["--gpus", str(10**6)], "gpus must be"),
+    (["--time-budget", "nan"], "time budget"),
+    (["--recipe", "pure-bf16"], "no engine's config"),
+    (["--out", ""], "--out is empty"),
 ])
 def test_bad_plan_input_is_one_line(run_cli, args, says):
     gpu = [] if "--gpu" in args else ["--gpu", "H100-80GB"]
@@ -213,15 +230,19 @@ def test_time_model_of_tensor_and_pipeline_parallelism():
 def test_out_writes_torchtitan_for_a_tensor_and_pipeline_layout(tmp_path):
     from trainmem.engine_configs import write_configs
 
-    layout = Layout("pure-bf16", "FSDP2 full", None, "full", "none", "full", 2, 8, 64, 8, tp=4, pp=4)
+    layout = Layout("mixed-bf16", "FSDP2 full", None, "full", "none", "full", 2, 8, 64, 8, tp=4, pp=4)
     written = {p.name for p in write_configs(layout, 4096, "llama-3-70b", tmp_path / "tp")}
-    assert written == {"torchtitan.toml", "launch.sh"}  # accelerate and DeepSpeed's files cannot say TP and PP
-    titan = tomllib.loads((tmp_path / "tp" / "torchtitan.toml").read_text())
+    # accelerate's and DeepSpeed's files cannot say TP and PP; torchtitan 0.3.0 loads a config_registry module
+    assert written == {"torchtitan.json", "torchtitan_plan.py", "launch.sh"}
+    titan = json.loads((tmp_path / "tp" / "torchtitan.json").read_text())
     par = titan["parallelism"]
     assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["data_parallel_shard_degree"]) == \
         (4, 4, 4)
     assert par["pipeline_parallel_microbatch_size"] == 2 and titan["training"]["local_batch_size"] == 16
-    assert titan["training"]["global_batch_size"] == 64
+    assert titan["training"]["global_batch_size"] == 64 and titan["base_config"] == "llama3:llama3_70b"
+    assert (titan["training"]["dtype"], titan["training"]["mixed_precision_param"]) == ("float32", "bfloat16")
+    launch = (tmp_path / "tp" / "launch.sh").read_text()
+    assert "--module torchtitan_plan --config trainmem_plan" in launch and "job.config_file" not in launch
     assert subprocess.run(["bash", "-n", str(tmp_path / "tp" / "launch.sh")]).returncode == 0
 
 
@@ -241,7 +262,9 @@ def test_context_and_expert_parallel_layouts_are_searched_and_are_the_estimators
         assert est.peak == plan.peak and est.fits(H100)
 
 
-def test_selective_checkpointing_is_searched_and_written_for_torchtitan(tmp_path):
+def test_selective_checkpointing_is_modelled_but_not_offered(tmp_path, run_cli):
+    """Layer-selective checkpointing is timed and estimated, but no engine's file sets it (torchtitan 0.3.0's
+    SelectiveAC is per-op): the search keeps it only when asked for unwritable layouts, and plan refuses it."""
     from trainmem.engine_configs import write_configs
 
     spec = catalog_spec("llama-3-8b")
@@ -250,15 +273,16 @@ def test_selective_checkpointing_is_searched_and_written_for_torchtitan(tmp_path
     # half the layers (0, 2, ...) recompute their forward: (3 + 1/2) forward-equivalents against 3 and 4
     assert selective.compute_seconds == pytest.approx(none.compute_seconds * 3.5 / 3)
     assert full.compute_seconds == pytest.approx(none.compute_seconds * 4 / 3)
-    found = search(spec, H100, 8, 8192, global_batch=64, checkpointing=("selective",))
-    assert found.plans and all(p.layout.zero is None and p.layout.offload == "none" and
-                               p.layout.recipe != "amp-bf16" for p in found.plans)
-    layout = Layout("pure-bf16", "DDP", None, None, "none", "selective", 2, 4, 8, 8)
-    written = {p.name for p in write_configs(layout, 4096, "llama-3-8b", tmp_path / "sel")}
-    assert written == {"torchtitan.toml", "launch.sh"}  # (accelerate's and DeepSpeed's files have no such setting)
-    titan = tomllib.loads((tmp_path / "sel" / "torchtitan.toml").read_text())
-    assert titan["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "2"}
-    assert titan["parallelism"]["data_parallel_replicate_degree"] == 8
+    modelled = search(spec, H100, 8, 8192, global_batch=64, checkpointing=("selective",), writable=False)
+    assert modelled.plans and all(p.layout.zero is None and p.layout.offload == "none" and
+                                  p.layout.recipe != "amp-bf16" for p in modelled.plans)
+    assert not search(spec, H100, 8, 8192, global_batch=64, checkpointing=("selective",)).plans
+    with pytest.raises(ConfigError, match="no engine's files"):
+        write_configs(Layout("pure-bf16-bf16states", "DDP", None, None, "none", "selective", 2, 4, 8, 8), 4096,
+                      "llama-3-8b", tmp_path / "sel")
+    assert not (tmp_path / "sel").exists()
+    code, _, err = run_cli("plan", "llama-3-8b", "--gpu", "H100-80GB", "--checkpointing", "selective")
+    assert code == 2 and "selective" in err and len(err.strip().splitlines()) == 1
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -333,7 +357,9 @@ def test_tensor_and_pipeline_parallelism_with_zero_1_is_written_for_megatron_dee
 def test_every_kept_layouts_search_peak_is_its_full_estimates():
     """What the search found for each layout it keeps (from shared compiled stages, lower bounds and the last
     answer's guess) is the peak `trainmem estimate` gives for that layout, over every layout that fits."""
-    found = search(catalog_spec("llama-3-70b"), H100, 64, 4096, 512)
+    found = search(catalog_spec("llama-3-70b"), H100, 64, 4096, 512, recipes=("mixed-bf16", "pure-bf16",
+                                                                              "amp-bf16", "pure-bf16-bf16states"),
+                   checkpointing=("none", "selective", "full"), writable=False)  # (every layout modelled)
     assert len(found.plans) > 100
     assert {(p.layout.tp, p.layout.pp) for p in found.plans} > {(1, 1)}
     for plan in found.plans:

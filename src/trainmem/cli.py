@@ -93,7 +93,9 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
                            cuda_overhead=options["cuda_overhead"], hub=options["hub"], need_config=need_config,
                            gpus=gpus, gpus_per_node=options["gpus_per_node"], zero=zero, fsdp=options["fsdp"],
                            offload=options["offload"], ddp_bucket_view=options["ddp_bucket_view"],
-                           ds_config=options["ds_config"], lora=options["lora"], lora_alpha=options["lora_alpha"],
+                           ds_config=options["ds_config"], accelerate_config=options["accelerate_config"],
+                           torchtitan_config=options["torchtitan_config"], lora=options["lora"],
+                           lora_alpha=options["lora_alpha"],
                            lora_targets=options["lora_targets"], lora_dropout=options["lora_dropout"],
                            dora=options["dora"], train_modules=options["train_modules"],
                            adapter_dtype=options["adapter_dtype"],
@@ -198,7 +200,14 @@ def _workload_options(f):
         click.option("--ddp-bucket-view", is_flag=True,
                      help="DDP with gradient_as_bucket_view=True (no second copy of the gradients)."),
         click.option("--ds-config", type=click.Path(dir_okay=False),
-                     help="A DeepSpeed config: its zero_optimization keys (stage, buckets, offload) apply."),
+                     help="A DeepSpeed config: its stage, buckets, offload, bf16/fp16 mode, micro-batch and "
+                          "accumulation apply where the flags are at their defaults."),
+        click.option("--accelerate-config", type=click.Path(dir_okay=False),
+                     help="An accelerate config YAML (trainmem plan --out writes one): its processes, machines, "
+                          "FSDP2 / DeepSpeed layout, mixed precision and checkpointing apply likewise."),
+        click.option("--torchtitan-config", type=click.Path(dir_okay=False),
+                     help="The torchtitan.json trainmem plan --out writes: its batch, dtypes, degrees and "
+                          "checkpointing apply likewise."),
         click.option("--tp", type=int, default=1, show_default=True,
                      help="Tensor parallel: heads, MLP width and vocabulary split across TP GPUs."),
         click.option("--sp", is_flag=True, help="Sequence parallel on the tensor-parallel GPUs (needs --tp)."),
@@ -892,22 +901,29 @@ def recipes(optimizer: Optional[str], as_json: bool) -> None:
 @click.option("--gpus-per-node", type=int, default=8, show_default=True, help="GPUs per node.")
 @click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
 @click.option("--global-batch", type=int, default=None, help="Sequences per optimizer step (default: one per GPU).")
-@click.option("--recipe", default=None, help="Search only this recipe (default: the bf16 recipes).")
-@click.option("--checkpointing", default=None, help="Search only none, selective or full (default: all three).")
+@click.option("--recipe", default=None, help="Search only this recipe (default: mixed-bf16, amp-bf16 and "
+              "pure-bf16-bf16states, as the engines write them).")
+@click.option("--checkpointing", default=None, help="Search only none or full (default: both; selective is no "
+              "engine's setting).")
 @click.option("--mfu", type=float, default=None, help="Fraction of peak FLOPS the time model assumes (default 0.4).")
 @click.option("--inter-node-gbps", type=float, default=None, help="Node-to-node GB/s per GPU (default 50).")
 @click.option("--host-memory-gib", type=float, default=None, help="Host memory per node for offload (default 2048).")
 @click.option("--min-gpus", is_flag=True, help="Answer the fewest GPUs of this type that can train the model at all.")
+@click.option("--time-budget", type=float, default=None,
+              help="Stop the search after this many seconds and show what it found (the answer says so).")
 @click.option("--top", type=click.IntRange(1, 1000), default=10, show_default=True, help="Layouts to show.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write the best layout's ds_config.json, "
-              "accelerate.yaml, torchtitan.toml (FSDP2) and launch.sh into this folder.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write the best layout's files into this "
+              "folder: ds_config.json (ZeRO), accelerate.yaml (DeepSpeed, FSDP2, DDP), torchtitan.json with "
+              "torchtitan_plan.py (torchtitan 0.3.0), and launch.sh.")
 @click.option("--units", default=DEFAULT_UNIT, show_default=True, help="GiB, GB, MiB, ...")
 @click.option("--hub", is_flag=True, help="Allow fetching a config from the Hugging Face Hub.")
 @click.option("--json", "as_json", is_flag=True, help="Print the versioned JSON document (bytes as integers).")
 def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, checkpointing, mfu, inter_node_gbps,
-         host_memory_gib, min_gpus, top, out_dir, units, hub, as_json) -> None:
-    """Search data-parallel layouts of MODEL on GPU (engine, recipe, checkpointing, offload, micro-batch) and rank
-    the ones that fit by a stated time model. Tensor/pipeline/context/expert parallelism are not searched yet.
+         host_memory_gib, min_gpus, time_budget, top, out_dir, units, hub, as_json) -> None:
+    """Search the layouts of MODEL on GPU that fit and rank them by a stated time model: data parallelism (DDP,
+    ZeRO 1-3, FSDP2 full / grad-op / hybrid) x recipe x checkpointing x offload x micro-batch, with tensor (and
+    sequence), pipeline, context (from 16k tokens) and expert parallelism; only layouts some engine's files run as
+    planned are offered (--out writes them). What is not searched is listed in the answer.
 
     \b
     Example: trainmem plan llama-3-70b --gpu H100-80GB --gpus 8 --seq 4096 --global-batch 64
@@ -920,10 +936,12 @@ def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, chec
     unit = parse_unit(units)
     if min_gpus and out_dir:
         raise ConfigError("--min-gpus answers a GPU count (one sequence per GPU): it takes no --global-batch or --out")
+    if out_dir is not None and not out_dir.strip():
+        raise ConfigError("--out is empty; give a folder")
     options = {key: value for key, value in (("mfu", mfu), ("inter_node_gbps", inter_node_gbps),
                                              ("host_memory_gib", host_memory_gib)) if value is not None}
     found, answer = run_plan(model, gpu, gpus, seq, global_batch, gpus_per_node, nodes, recipe, checkpointing,
-                             min_gpus, hub, **options)
+                             min_gpus, hub, time_budget_s=time_budget, **options)
     if out_dir:
         if not found.plans:
             raise ConfigError("nothing fits, so --out has no layout to write")

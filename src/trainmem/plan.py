@@ -1,16 +1,19 @@
 """``trainmem plan``: the layouts that fit a GPU, ranked by a stated time model.
 
-The search: recipe x engine (DDP, ZeRO 1-3, FSDP2 full / grad-op / hybrid) x activation checkpointing (none,
-selective: every second layer, full) x offload x micro-batch, for a global batch of sequences split evenly over the
-data-parallel ranks (micro-batch x accumulation = global batch / data parallel); and tensor parallelism (with
-sequence parallelism, inside a node) x pipeline stages (1F1B, the accumulated micro-batches through the pipeline) x
-context parallelism (from 16k tokens) x expert parallelism (MoE), as torchtitan runs them: with FSDP2 full sharding
-or DDP over the data-parallel ranks (modelparallel.py), and tensor x pipeline parallelism with ZeRO-1 as
-Megatron-DeepSpeed runs them. Each layout's memory is the estimator's (stepmodel.py:
-compiled once per recipe, engine, checkpointing and offload, each pipeline stage shared by the layouts that hold it);
-memory grows with the micro-batch, so the largest that fits is looked for by galloping from the last answer of the
-same degrees, then bisection (largest_fitting), each probe ruled out by a lower bound where it can be, and the
-larger ones are counted as searched without being evaluated. What is not searched is listed in NOT_SEARCHED.
+The search: recipe x engine (DDP, ZeRO 1-3, FSDP2 full / grad-op / hybrid) x activation checkpointing (none, full;
+layer-selective, every second layer, is modelled but written by no engine) x offload x micro-batch, for a global
+batch of sequences split evenly over the data-parallel ranks (micro-batch x accumulation = global batch / data
+parallel); and tensor parallelism (with sequence parallelism, inside a node) x pipeline stages (1F1B, the
+accumulated micro-batches through the pipeline) x context parallelism (from 16k tokens) x expert parallelism (MoE),
+as torchtitan runs them: with FSDP2 full sharding or DDP over the data-parallel ranks (modelparallel.py), and tensor
+x pipeline parallelism with ZeRO-1 as Megatron-DeepSpeed runs them. Each layout's memory is the estimator's
+(stepmodel.py: compiled once per recipe, engine, checkpointing and offload, each pipeline stage shared by the
+layouts that hold it); memory grows with the micro-batch, so the largest that fits is looked for by galloping from
+the last answer of the same degrees, then bisection (largest_fitting), each probe ruled out by a lower bound where
+it can be, and the larger ones are counted as searched without being evaluated. What is not searched is listed in
+NOT_SEARCHED; a layout no engine's files run as planned (engine_configs.writers) is not offered. The work is
+bounded: at most MAX_PLAN_GPUS GPUs and MAX_GLOBAL_BATCH sequences, and ``time_budget_s`` seconds when given
+(PlanSearch.cut_short).
 
 The time model ranks; it does not promise seconds (docs/method.md, "The plan's time model"):
 
@@ -61,19 +64,37 @@ TIME_MODEL = ("step = max(compute, communication) + offload + exposed; compute =
               "key/value gathers and expert-parallel all-to-alls, not overlapped")
 """The time model in one line, for the JSON document (the module docstring and docs/method.md in full)."""
 
-PLAN_RECIPES = ("mixed-bf16", "pure-bf16", "amp-bf16", "pure-bf16-bf16states")
-"""Searched unless --recipe names one: the bf16 recipes (fp32 and fp16 ones change the numerics, not just memory)."""
+PLAN_RECIPES = ("mixed-bf16", "amp-bf16", "pure-bf16-bf16states")
+"""Searched unless --recipe names one: the bf16 recipes some engine's files run (fp32 and fp16 ones change the
+numerics, not just memory; pure-bf16, fp32 states without a master copy, is no engine's setting: engine_configs)."""
+BF16_STATES_NOTE = ("bf16 optimizer states (pure-bf16-bf16states, marked *): the usual recipe is mixed-bf16, fp32 "
+                    "master weights and Adam states; in pure bf16 an update smaller than half a weight's last bit "
+                    "rounds away (trainmem precision-check counts how many), so give --recipe mixed-bf16 to plan "
+                    "with the usual one")
+"""What a plan that relies on bf16 optimizer states says about it (the table's mark and the JSON's note)."""
 DEFAULT_MFU = 0.4
 """Fraction of peak FLOPS the model's matmuls reach: 0.4 is typical of well-tuned dense training at scale (Chowdhery
 et al. 2022 report 46% for PaLM 540B; Megatron-LM reports 41-48% on A100/H100)."""
 MAX_MIN_GPUS = 1 << 16
+MAX_PLAN_GPUS = 1 << 16
+"""The most GPUs one search takes (and --min-gpus looks at): 65,536, past the largest published training runs."""
+MAX_GLOBAL_BATCH = 1 << 20
+"""The most sequences a step's global batch may hold (1,048,576: at 2,048 tokens, two billion tokens a step, two
+orders of magnitude past the largest published batches; also the most micro-batches a pipeline takes); its divisors
+are the micro-batches searched."""
+MFU_RANGE = (0.01, 1.0)
+INTER_NODE_GBPS_RANGE = (0.01, 100_000.0)
+"""GB/s per GPU between nodes: from a slow Ethernet link to far past any fabric built (NVLink switch systems: 900)."""
+HOST_MEMORY_GIB_RANGE = (0.0, float(1 << 20))
+"""Host memory per node, GiB: up to 1 PiB."""
 NOT_SEARCHED = ("context parallelism below 16,384 tokens (estimate it with --cp)",
                 "the interleaved pipeline schedule (estimate it with --pp-schedule interleaved)",
                 "ZeRO-2 and ZeRO-3 with tensor or pipeline parallelism, and ZeRO with context or expert parallelism "
                 "(DeepSpeed's pipeline engine takes ZeRO-1 only; Megatron-DeepSpeed's sequence and expert "
                 "parallelism are schemes of their own); offload with tensor or pipeline parallelism",
-                "op-level selective checkpointing (torchtitan's 'op' option; layer-selective, every second "
-                "layer, is searched without autocast, ZeRO or offload)")
+                "selective checkpointing (layer-selective, every second layer, is estimated with trainmem estimate "
+                "--checkpointing selective, but no engine's file sets it: torchtitan 0.3.0's SelectiveAC is per-op)",
+                "pure-bf16 (fp32 Adam states over bf16 weights without a master copy): no engine's file sets it")
 MAX_PIPELINE_STAGES = 16
 CONTEXT_PARALLEL_FROM = 16_384
 """Context parallelism is searched for sequences this long or longer (below, its gathers cost more than the memory
@@ -186,6 +207,9 @@ class PlanSearch:
     host_memory_bytes: int
     skipped: tuple[str, ...] = field(default=())
     """Engines left out of this search, and why."""
+    cut_short: bool = False
+    """True when the time budget (or a cap) ended the search before every layout was looked at: the plans are the
+    ones found by then, and a faster or fitting layout may be missing."""
 
 
 def _engines(gpus: int, gpus_per_node: int):
@@ -381,162 +405,249 @@ def _cycle_collection_paused(function):
     return paused
 
 
+class _OutOfTime(Exception):
+    """The search's time budget is spent: what was found so far is the answer (PlanSearch.cut_short)."""
+
+
+def _check_number(name: str, value, low: float, high: float, unit: str = "") -> float:
+    """A finite number in [low, high], or one line naming the input and the range (the CLI and the API share it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise ConfigError(f"{name} must be a finite number from {low:g} to {high:g}{unit}, got {value!r}")
+    return float(value)
+
+
+def check_search_numbers(gpus: int, seq: int, gpus_per_node: int, mfu: float, inter_node_gbps: float,
+                         host_memory_gib: float, global_batch: int | None,
+                         time_budget_s: float | None = None) -> None:
+    """What a search refuses before it starts, in one line each: the CLI and POST /api/plan call search, so both
+    refuse the same input the same way."""
+    for name, value, least, most in (("gpus", gpus, 1, MAX_PLAN_GPUS), ("seq", seq, 1, 1 << 30),
+                                      ("gpus_per_node", gpus_per_node, 1, MAX_PLAN_GPUS)):
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+            raise ConfigError(f"{name} must be a whole number from {least} to {most:,}, got {value!r}")
+    _check_number("mfu", mfu, *MFU_RANGE)
+    _check_number("inter-node bandwidth (--inter-node-gbps)", inter_node_gbps, *INTER_NODE_GBPS_RANGE, " GB/s")
+    _check_number("host memory (--host-memory-gib)", host_memory_gib, *HOST_MEMORY_GIB_RANGE, " GiB")
+    if time_budget_s is not None:
+        _check_number("time budget", time_budget_s, 0.0, 86_400.0, " s")
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or not 1 <= global_batch <= MAX_GLOBAL_BATCH):
+        raise ConfigError(f"global batch must be a whole number of sequences from 1 to {MAX_GLOBAL_BATCH:,}, "
+                          f"got {global_batch!r}")
+
+
 @_cycle_collection_paused
 def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | None = None,
            gpus_per_node: int = 8, recipes: tuple[str, ...] = PLAN_RECIPES, device: DeviceOptions | None = None,
            mfu: float = DEFAULT_MFU, inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS,
            host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB,
            checkpointing: tuple[str, ...] = ("none", "selective", "full"),
-           engines: tuple[str, ...] | None = None, model_parallel: bool = True) -> PlanSearch:
+           engines: tuple[str, ...] | None = None, model_parallel: bool = True,
+           time_budget_s: float | None = None, writable: bool = True) -> PlanSearch:
     """Every layout of ``gpus`` GPUs for ``global_batch`` sequences of ``seq`` tokens (default: one sequence per GPU),
-    the fitting ones ranked by step_time; ``model_parallel=False`` searches data parallelism alone."""
+    the fitting ones ranked by step_time; ``model_parallel=False`` searches data parallelism alone. With
+    ``time_budget_s`` the search stops when that many seconds have passed and answers what it found
+    (``cut_short``). ``writable`` (the default) keeps only the layouts some engine's files can run as planned
+    (engine_configs.writers): a recipe an engine cannot configure is not offered for that engine."""
     if not spec.has_architecture:
         raise ConfigError("trainmem plan needs the model's architecture: give a model config, not --params")
     throughput_of(gpu)
-    for name, value, least in (("gpus", gpus, 1), ("seq", seq, 1), ("gpus_per_node", gpus_per_node, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigError(f"{name} must be a whole number of at least {least}, got {value!r}")
-    if not 0 < mfu <= 1:
-        raise ConfigError(f"mfu must be in (0, 1], got {mfu!r}")
-    if not inter_node_gbps > 0 or not host_memory_gib >= 0:
-        raise ConfigError("inter-node bandwidth must be positive and host memory at least 0")
+    check_search_numbers(gpus, seq, gpus_per_node, mfu, inter_node_gbps, host_memory_gib, global_batch,
+                         time_budget_s)
     global_batch = gpus if global_batch is None else global_batch
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ConfigError(f"global batch must be a whole number of sequences, at least 1, got {global_batch!r}")
     if global_batch % gpus:
         raise ConfigError(f"the global batch ({global_batch} sequences) must split evenly over {gpus} GPUs: give a "
                           f"multiple of {gpus}")
+    from .engine_configs import writers
+
     node = min(gpus_per_node, gpus)
     device = device or DeviceOptions()
     host_memory = int(host_memory_gib * 2**30)
     started = time.perf_counter()
+    deadline = None if time_budget_s is None else started + time_budget_s
     plans: list[Plan] = []
-    candidates = evaluated = 0
+    counts = [0, 0]  # candidates, evaluated
+    unwritable: set[str] = set()
     cache: dict = {}  # compiled steps, shared by every layout that holds the same one (stepmodel.compile_step)
     guesses: dict[tuple, int] = {}  # the last answer of these degrees (and checkpointing): where the next is looked for
-    for tp, pp, cp, ep in (model_parallel_degrees(spec, gpus, node, seq) if model_parallel else [(1, 1, 1, 1)]):
-        data_parallel = gpus // (tp * pp * cp)
-        per_rank = global_batch // data_parallel  # sequences per model replica and step
-        micro_batches = divisors(per_rank)
-        engine_list = _engines(gpus, node) if (tp, pp, cp, ep) == (1, 1, 1, 1) else \
-            _model_parallel_engines(data_parallel * cp, cp, ep)
-        for recipe in recipes:
-            get_recipe(recipe)
-            for label, zero, fsdp, offloads in engine_list:
-                if engines is not None and label not in engines:
-                    continue
-                for offload in offloads:
-                    for ckpt in checkpointing:
-                        if ckpt == "selective" and (get_recipe(recipe).autocast or zero is not None
-                                                    or offload != "none"):
-                            continue  # (modelled without autocast; written as torchtitan's, which has no ZeRO)
-                        steps: dict[int, StepModel] = {}
 
-                        def step_for(b: int):
-                            """The compiled step at micro-batch b, from the search's cache. Its accumulation steps
-                            (per_rank / b) matter only as more than one (the gradients then live through forward:
-                            timeline._static) and, with a pipeline, as what each stage holds in flight (min(M, P))
-                            and, in torch's pipelining, as its receive buffers (M): one step per distinct M, whose
-                            compiled stages are shared with every layout that holds them."""
-                            m = per_rank // b
-                            m = (m if zero is None else min(m, pp)) if pp > 1 else min(m, 2)
-                            if m not in steps:
-                                parallel = Layout(recipe, label, zero, fsdp, offload, ckpt, b, m, gpus, node, tp,
-                                                  pp, cp, ep).parallel if gpus > 1 else None
-                                settings = make_settings(recipe=recipe, checkpointing=ckpt, seq=seq, batch=1,
-                                                         grad_accum=min(m, 2))
-                                steps[m] = compile_step(spec, settings, device, parallel, cache=cache)
-                            return steps[m]
+    def layouts():
+        for tp, pp, cp, ep in (model_parallel_degrees(spec, gpus, node, seq) if model_parallel else [(1, 1, 1, 1)]):
+            data_parallel = gpus // (tp * pp * cp)
+            engine_list = _engines(gpus, node) if (tp, pp, cp, ep) == (1, 1, 1, 1) else \
+                _model_parallel_engines(data_parallel * cp, cp, ep)
+            for recipe in recipes:
+                get_recipe(recipe)
+                for label, zero, fsdp, offloads in engine_list:
+                    if engines is not None and label not in engines:
+                        continue
+                    for offload in offloads:
+                        for ckpt in checkpointing:
+                            if ckpt == "selective" and (get_recipe(recipe).autocast or zero is not None
+                                                        or offload != "none"):
+                                continue  # (modelled without autocast; written as torchtitan's, which has no ZeRO)
+                            yield tp, pp, cp, ep, recipe, label, zero, fsdp, offload, ckpt
 
-                        step = step_for(micro_batches[0])
-                        candidates += len(micro_batches)
-                        host = step.rank.host_bytes_per_rank * node if step.rank is not None else 0
-                        if host > host_memory:  # (the offloaded states, whatever the micro-batch)
-                            continue
-                        # the step's peak holds at least its static memory: a layout whose model states alone,
-                        # with the CUDA overhead and headroom, exceed the GPU fits at no micro-batch
-                        floor = (sum(c.bytes for c in step.static) + device.cuda_overhead_bytes) * device.headroom
-                        if floor > gpu.memory_bytes:
-                            continue
-                        # memory grows with the micro-batch (with a pipeline too: b x min(P, M) activations):
-                        # the largest divisor that fits, looked for first where the last layout of these degrees
-                        # and checkpointing found it
-                        def peak_at(index: int) -> Peak | None:
-                            b = micro_batches[index]
-                            return step_for(b).fitting_peak(b, seq, gpu)
-
-                        guess = guesses.get((tp, pp, cp, ep, ckpt), guesses.get((tp, pp, cp, ep)))
-                        index, peak, probes = largest_fitting(len(micro_batches), peak_at, guess)
-                        evaluated += probes
-                        guesses[(tp, pp, cp, ep, ckpt)] = guesses[(tp, pp, cp, ep)] = max(index, 0)
-                        if peak is None:
-                            continue
-                        b = micro_batches[index]
-                        layout = Layout(recipe, label, zero, fsdp, offload, ckpt, b, per_rank // b, gpus, node, tp,
-                                        pp, cp, ep)
-                        plans.append(Plan(layout, peak, step_time(spec, layout, seq, gpu, mfu, inter_node_gbps),
-                                          host, step_for(b), seq))
+    try:
+        for tp, pp, cp, ep, recipe, label, zero, fsdp, offload, ckpt in layouts():
+            if deadline is not None and time.perf_counter() > deadline:
+                raise _OutOfTime
+            per_rank = global_batch // (gpus // (tp * pp * cp))  # sequences per model replica and step
+            if writable and not writers(Layout(recipe, label, zero, fsdp, offload, ckpt, 1, per_rank, gpus, node,
+                                               tp, pp, cp, ep)):
+                unwritable.add(recipe)
+                continue
+            _search_layout(spec, gpu, seq, device, mfu, inter_node_gbps, host_memory, node, gpus, per_rank, recipe,
+                           label, zero, fsdp, offload, ckpt, tp, pp, cp, ep, cache, guesses, plans, counts)
+        cut_short = False
+    except _OutOfTime:
+        cut_short = True
     # fastest first; on a tie (the time model has no per-kernel efficiency), no offload, the larger micro-batch
     # (larger matmuls run closer to peak), then the least memory needed
     plans.sort(key=lambda pl: (round(pl.time.seconds, 9), pl.layout.offload != "none", -pl.layout.micro_batch,
                                pl.peak.required_bytes))
-    return PlanSearch(spec, tuple(plans), candidates, evaluated, len(plans), time.perf_counter() - started, gpu,
-                      gpus, seq, global_batch, mfu, inter_node_gbps, host_memory, NOT_SEARCHED)
+    skipped = NOT_SEARCHED
+    if unwritable:
+        skipped += (f"layouts whose recipe no engine's files set as planned ({', '.join(sorted(unwritable))} with "
+                    "some engines: engine_configs.writers and docs/method.md say which engine runs which recipe)",)
+    return PlanSearch(spec, tuple(plans), counts[0], counts[1], len(plans), time.perf_counter() - started, gpu,
+                      gpus, seq, global_batch, mfu, inter_node_gbps, host_memory, skipped, cut_short)
 
 
-def min_gpus(spec: ModelSpec, gpu: GPU, seq: int, gpus_per_node: int = 8, **options) -> tuple[int, PlanSearch] | None:
+def _search_layout(spec, gpu, seq, device, mfu, inter_node_gbps, host_memory, node, gpus, per_rank, recipe, label,
+                   zero, fsdp, offload, ckpt, tp, pp, cp, ep, cache, guesses, plans, counts) -> None:
+    """One engine, recipe, offload, checkpointing and degrees: the largest micro-batch that fits, appended to
+    ``plans``; ``counts`` (candidates, evaluated) grow by what was counted and probed."""
+    micro_batches = divisors(per_rank)
+    steps: dict[int, StepModel] = {}
+
+    def step_for(b: int):
+        """The compiled step at micro-batch b, from the search's cache. Its accumulation steps (per_rank / b)
+        matter only as more than one (the gradients then live through forward: timeline._static) and, with a
+        pipeline, as what each stage holds in flight (min(M, P)) and, in torch's pipelining, as its receive buffers
+        (M): one step per distinct M, whose compiled stages are shared with every layout that holds them."""
+        m = per_rank // b
+        m = (m if zero is None else min(m, pp)) if pp > 1 else min(m, 2)
+        if m not in steps:
+            parallel = Layout(recipe, label, zero, fsdp, offload, ckpt, b, m, gpus, node, tp, pp, cp,
+                              ep).parallel if gpus > 1 else None
+            settings = make_settings(recipe=recipe, checkpointing=ckpt, seq=seq, batch=1, grad_accum=min(m, 2))
+            steps[m] = compile_step(spec, settings, device, parallel, cache=cache)
+        return steps[m]
+
+    step = step_for(micro_batches[0])
+    counts[0] += len(micro_batches)
+    host = step.rank.host_bytes_per_rank * node if step.rank is not None else 0
+    if host > host_memory:  # (the offloaded states, whatever the micro-batch)
+        return
+    # the step's peak holds at least its static memory: a layout whose model states alone, with the CUDA overhead
+    # and headroom, exceed the GPU fits at no micro-batch
+    floor = (sum(c.bytes for c in step.static) + device.cuda_overhead_bytes) * device.headroom
+    if floor > gpu.memory_bytes:
+        return
+
+    # memory grows with the micro-batch (with a pipeline too: b x min(P, M) activations): the largest divisor that
+    # fits, looked for first where the last layout of these degrees and checkpointing found it
+    def peak_at(index: int) -> Peak | None:
+        b = micro_batches[index]
+        return step_for(b).fitting_peak(b, seq, gpu)
+
+    guess = guesses.get((tp, pp, cp, ep, ckpt), guesses.get((tp, pp, cp, ep)))
+    index, peak, probes = largest_fitting(len(micro_batches), peak_at, guess)
+    counts[1] += probes
+    guesses[(tp, pp, cp, ep, ckpt)] = guesses[(tp, pp, cp, ep)] = max(index, 0)
+    if peak is None:
+        return
+    b = micro_batches[index]
+    layout = Layout(recipe, label, zero, fsdp, offload, ckpt, b, per_rank // b, gpus, node, tp, pp, cp, ep)
+    plans.append(Plan(layout, peak, step_time(spec, layout, seq, gpu, mfu, inter_node_gbps), host, step_for(b), seq))
+
+
+MIN_GPUS_EVERY_COUNT_UP_TO = 512
+"""--min-gpus tries every count up to this one (1, 2, 4, then each multiple of the node size), then the node size
+times powers of two: which counts fit is not monotone (a count whose factors give no tensor x pipeline x context
+split the model needs can fail where a smaller one fits: Llama-3.1-405B at 65,536 tokens fits 128 and 160 H100s,
+not 144), so no bisection finds the fewest; the failing searches are cheap (a floor rules most layouts out)."""
+
+
+def min_gpus_counts(gpus_per_node: int) -> list[int]:
+    """The GPU counts --min-gpus tries, in order (MIN_GPUS_EVERY_COUNT_UP_TO)."""
+    counts = {1, 2, 4} | set(range(gpus_per_node, MIN_GPUS_EVERY_COUNT_UP_TO + 1, gpus_per_node))
+    power = gpus_per_node
+    while power <= MAX_MIN_GPUS:
+        counts.add(power)
+        power *= 2
+    return sorted(c for c in counts if c <= MAX_MIN_GPUS)
+
+
+def min_gpus(spec: ModelSpec, gpu: GPU, seq: int, gpus_per_node: int = 8, time_budget_s: float | None = None,
+             **options) -> tuple[int, PlanSearch] | None:
     """The fewest GPUs of this type that can train the model at all (one sequence per GPU, any engine, checkpointing
-    and offload), among 1, 2, 4, then multiples of the node size; None past MAX_MIN_GPUS."""
-    counts = [1, 2, 4] + [gpus_per_node * k for k in range(1, MAX_MIN_GPUS // gpus_per_node + 1)]
-    counts = sorted({c for c in counts if c <= MAX_MIN_GPUS})
-    # more GPUs never need more memory per GPU here (sharded states shrink, activations stay): bisect
-    searched: dict[int, PlanSearch] = {}
-
-    def works(n: int) -> PlanSearch | None:
-        if n not in searched:  # (the answer's search is the bisection's last, not run again)
-            searched[n] = search(spec, gpu, n, seq, None, min(gpus_per_node, n), **options)
-        return searched[n] if searched[n].plans else None
-
-    if works(counts[-1]) is None:
-        return None
-    low, high = 0, len(counts) - 1
-    while low < high:
-        mid = (low + high) // 2
-        if works(counts[mid]) is not None:
-            high = mid
-        else:
-            low = mid + 1
-    return counts[low], works(counts[low])
+    and offload), among min_gpus_counts, tried in ascending order; None past MAX_MIN_GPUS. With ``time_budget_s``
+    the searches share that many seconds; when it runs out before a count fits the answer is None, and a search
+    the budget cut short is marked ``cut_short``."""
+    if time_budget_s is not None:
+        _check_number("time budget", time_budget_s, 0.0, 86_400.0, " s")
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or not 1 <= gpus_per_node <= \
+            MAX_PLAN_GPUS:
+        raise ConfigError(f"gpus_per_node must be a whole number from 1 to {MAX_PLAN_GPUS:,}, got {gpus_per_node!r}")
+    deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
+    for n in min_gpus_counts(gpus_per_node):
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 0:
+            return None
+        found = search(spec, gpu, n, seq, None, min(gpus_per_node, n), time_budget_s=left, **options)
+        if found.plans:
+            return n, found
+        if found.cut_short:
+            return None
+    return None
 
 
 def run_plan(model, gpu: str, gpus: int | None = None, seq: int = 2048, global_batch: int | None = None,
              gpus_per_node: int = 8, nodes: int | None = None, recipe: str | None = None,
              checkpointing: str | None = None, min_gpus_wanted: bool = False, hub: bool = False,
-             **options) -> tuple[PlanSearch, int | None]:
+             time_budget_s: float | None = None, **options) -> tuple[PlanSearch, int | None]:
     """What ``trainmem plan`` and POST /api/plan answer: the search (or, with ``min_gpus_wanted``, the fewest GPUs
     and the search at that count). ``model`` as trainmem.estimate takes it; ``options``: mfu, inter_node_gbps,
-    host_memory_gib, device."""
+    host_memory_gib, device. ``time_budget_s`` bounds the seconds the answer may take (PlanSearch.cut_short says
+    when it ended the search early)."""
     from .request import make_request
 
     if nodes is not None:
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise ConfigError(f"nodes must be a whole number of at least 1, got {nodes!r}")
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_PLAN_GPUS:
+            raise ConfigError(f"nodes must be a whole number from 1 to {MAX_PLAN_GPUS:,}, got {nodes!r}")
         if gpus is not None and gpus != nodes * gpus_per_node:
             raise ConfigError(f"--gpus {gpus} is not --nodes {nodes} x --gpus-per-node {gpus_per_node}; give one")
         gpus = nodes * gpus_per_node
     gpus = 8 if gpus is None else gpus
+    # the numbers first: a search's inputs are refused before the model is read
+    check_search_numbers(gpus, seq, gpus_per_node, options.get("mfu", DEFAULT_MFU),
+                         options.get("inter_node_gbps", DEFAULT_INTER_NODE_GBPS),
+                         options.get("host_memory_gib", DEFAULT_HOST_MEMORY_GIB), global_batch, time_budget_s)
     req = make_request(model, gpu=gpu, hub=hub, seq=seq, recipe=recipe or "mixed-bf16",
                        checkpointing=checkpointing or "none")
     options.setdefault("device", req.device)
+    from .engine_configs import written_recipe
+
+    if recipe:
+        written_recipe(recipe)
+    if checkpointing == "selective":
+        raise ConfigError("--checkpointing selective: no engine's file sets layer-selective checkpointing (torchtitan "
+                          "0.3.0's SelectiveAC is per-op), so plan does not offer it; accepted: none, full (estimate "
+                          "it with trainmem estimate --checkpointing selective)")
     options["recipes"] = (recipe,) if recipe else PLAN_RECIPES
-    options["checkpointing"] = (checkpointing,) if checkpointing else ("none", "selective", "full")
+    options["checkpointing"] = (checkpointing,) if checkpointing else ("none", "full")
     if min_gpus_wanted:
         if global_batch is not None:
             raise ConfigError("--min-gpus answers a GPU count (one sequence per GPU): it takes no --global-batch")
-        result = min_gpus(req.model, req.gpu, seq, gpus_per_node, **options)
+        result = min_gpus(req.model, req.gpu, seq, gpus_per_node, time_budget_s=time_budget_s, **options)
         if result is None:
             raise ConfigError(f"no count of {req.gpu.name} up to {MAX_MIN_GPUS:,} trains {req.model.name} at {seq} "
-                              "tokens with the layouts searched")
+                              "tokens with the layouts searched" + (" in the time budget" if time_budget_s is not None
+                                                                    else ""))
         answer, found = result
         return found, answer
-    return search(req.model, req.gpu, gpus, seq, global_batch, gpus_per_node, **options), None
+    return search(req.model, req.gpu, gpus, seq, global_batch, gpus_per_node, time_budget_s=time_budget_s,
+                  **options), None

@@ -564,21 +564,35 @@ def plan_document(found, top: int, min_gpus: int | None = None) -> dict[str, Any
                    "candidates": found.candidates, "evaluated": found.evaluated, "fitting": found.fitting,
                    "seconds": round(found.seconds, 4), "mfu": found.mfu, "inter_node_gbps": found.inter_node_gbps,
                    "host_memory_bytes_per_node": found.host_memory_bytes, "time_model": TIME_MODEL,
-                   "not_searched": list(found.skipped)},
+                   "not_searched": list(found.skipped), "cut_short": found.cut_short,
+                   **({"cut_short_note": "the time budget (or a cap) cut this search short: the plans are the ones "
+                                         "found by then"} if found.cut_short else {})},
         "plans": [{"layout": p.layout.as_dict(), "time": p.time.as_dict(), "host_bytes_per_node": p.host_bytes_per_node,
                    "estimate": json_safe(to_dict(p.estimate, found.gpu))} for p in found.plans[:top]],
     }
+    if any(p.layout.recipe == "pure-bf16-bf16states" for p in found.plans[:top]):
+        from .plan import BF16_STATES_NOTE
+
+        doc["search"]["bf16_states_note"] = BF16_STATES_NOTE
     if min_gpus is not None:
         doc["min_gpus"] = min_gpus
     return doc
 
 
 def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None) -> None:
+    from rich import box
     from rich.table import Table
 
+    from .plan import BF16_STATES_NOTE
+    from .units import to_unit
+
+    short = ("[bold yellow]the time budget (or a cap) cut this search short: the layouts below are the ones found "
+             "by then[/bold yellow]")
     if not found.plans:
         console.print(f"[bold red]no layout of {found.gpus} x {found.gpu.name} fits[/bold red] "
                       f"(searched {found.candidates:,} layouts; try more GPUs, --min-gpus, or a shorter --seq)")
+        if found.cut_short:
+            console.print(short)
         return
     model = found.model
     table = Table(title=f"{model.name}: {found.gpus} x {found.gpu.name}, {found.global_batch} sequences of "
@@ -586,18 +600,36 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
                   caption=f"{found.candidates:,} layouts searched ({found.evaluated:,} evaluated) in "
                           f"{found.seconds:.2f} s; {found.fitting:,} fit. Time: {found.mfu:.0%} of peak FLOPS, "
                           "communication overlapped, offload not (docs/method.md): it ranks, it does not promise "
-                          "seconds.")
-    for col in ("#", "tp x pp x cp x dp", "engine", "recipe", "ckpt", "offload", "micro x accum", "needed", "host/node",
-                "step (s)", "tokens/s/GPU", "comm/compute"):
-        table.add_column(col, justify="right" if col not in ("engine", "recipe", "ckpt", "offload") else "left")
+                          "seconds.", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+    # (every cell whole: the headers are on two lines and the offload shortened, so that the table fits 100
+    # columns and more; _console() is at least 120 wide)
+    for col, left in (("#", False), ("tp/pp\n/cp/dp", False), ("engine", True), ("recipe", True), ("ckpt", True),
+                      ("offload", True), ("micro\nx accum", False), (f"needed\n{unit}", False),
+                      (f"host\n{unit}/node", False), ("step\ns", False), ("tokens\n/s/GPU", False),
+                      ("comm/\ncomp", False)):
+        table.add_column(col, justify="left" if left else "right", no_wrap=True)
+    marked = False
     for i, p in enumerate(found.plans[:top], 1):
         L, t = p.layout, p.time
-        table.add_row(str(i), _degrees(L), L.engine, L.recipe, L.checkpointing, L.offload,
+        states = L.recipe == "pure-bf16-bf16states"
+        marked = marked or states
+        degrees = f"{L.tp}{'+sp' if L.tp > 1 else ''}/{L.pp}/{L.cp}/{L.data_parallel}" + \
+            (f" ep{L.ep}" if L.ep > 1 else "")
+        engine = "no DP" if L.engine == "no data parallelism" else L.engine
+        table.add_row(str(i), degrees, engine, L.recipe + ("*" if states else ""), L.checkpointing,
+                      {"optimizer+params": "opt+params"}.get(L.offload, L.offload),
                       f"{L.micro_batch} x {L.grad_accum}",
-                      format_bytes(p.peak.required_bytes, unit), format_bytes(p.host_bytes_per_node, unit, 0),
+                      f"{to_unit(p.peak.required_bytes, unit):,.{0 if unit == 'B' else 2}f}",
+                      f"{to_unit(p.host_bytes_per_node, unit):,.0f}",
                       f"{t.seconds:.2f}", f"{t.as_dict()['tokens_per_second_per_gpu']:,.0f}",
                       f"{t.communication_seconds / t.compute_seconds:.2f}")
     console.print(table)
+    if found.cut_short:
+        console.print(short)
+    if marked:
+        console.print("* " + BF16_STATES_NOTE)
+    if any(p.layout.offload == "optimizer+params" for p in found.plans[:top]):
+        console.print("opt+params: the optimizer states and the parameters offloaded to host memory")
     for line in plan_reasons(found):
         console.print(line)
 

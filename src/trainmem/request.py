@@ -78,7 +78,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
                  adapter_dtype: str = "auto", base_quant: str | None = None, double_quant: bool = False,
                  qlora: bool = False, tp: int = 1, sp: bool = False, pp: int = 1, pp_schedule: str = "1f1b",
                  virtual_stages: int = 1, micro_batches: int = 0, cp: int = 1, ep: int = 1,
-                 **settings: Any) -> Request:
+                 accelerate_config: str | os.PathLike | None = None,
+                 torchtitan_config: str | os.PathLike | None = None, **settings: Any) -> Request:
     """Validate a request. ``model`` is a catalog name, a Hub repo id, a path to a config.json or its folder, or a
     ModelSpec; ``params`` a nominal size instead (``7e9``, ``"7B"``). ``cuda_overhead`` is in MiB. ``hub`` allows
     fetching a config from the Hugging Face Hub (never otherwise: a Hub id must be in the local cache).
@@ -91,13 +92,24 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     ``virtual_stages``, ``micro_batches``, ``cp`` and ``ep`` split the model across the GPUs (modelparallel.py).
     ``gpu_memory`` (``"48GiB"``, ``"80GB"``, ``"49140MiB"`` or an int of bytes) is the GPU's memory: ``gpu``'s card
     with that memory, or without ``gpu`` a custom card ("custom 48 GiB").
-    ``settings`` are TrainingSettings fields. Checks that cost nothing come before the model is read."""
+    ``settings`` are TrainingSettings fields. ``ds_config``, ``accelerate_config`` and ``torchtitan_config`` (the
+    files `trainmem plan --out` writes, or yours) set the recipe, batch, accumulation, checkpointing, offload and
+    degrees they hold where the keywords are at their defaults (engine_configs.merge_engine_files). Checks that cost
+    nothing come before the model is read."""
     if need_config and params is not None:
         raise ConfigError(f"{need_config} needs a model config, not --params")
     if model is None and params is None:
         raise ConfigError("give a model (catalog name, Hub id or config path) or --params")
     if model is not None and params is not None:
         raise ConfigError("give a model (catalog name, Hub id or config path) or --params, not both")
+    if ds_config is not None or accelerate_config is not None or torchtitan_config is not None:
+        from .engine_configs import merge_engine_files
+
+        layout = dict(gpus=gpus, gpus_per_node=gpus_per_node, zero=zero, fsdp=fsdp, offload=offload, tp=tp, sp=sp,
+                      pp=pp, micro_batches=micro_batches, cp=cp, ep=ep)
+        merged, ds_config = merge_engine_files({**layout, **settings}, ds_config, accelerate_config, torchtitan_config)
+        gpus, gpus_per_node, zero, fsdp, offload, tp, sp, pp, micro_batches, cp, ep = (merged.pop(k) for k in layout)
+        settings = merged
     training = make_settings(**settings)
     overhead = _number("cuda-overhead", cuda_overhead)
     if not 0 <= overhead <= MAX_CUDA_OVERHEAD_BYTES / MIB:
@@ -181,7 +193,7 @@ def _names(value, what: str, example: str) -> tuple[str, ...]:
 def _with_deepspeed_config(parallel: Parallel, path, spec: ModelSpec) -> Parallel:
     if parallel.fsdp is not None:
         raise ConfigError("--ds-config is DeepSpeed's: it does not go with --fsdp")
-    knobs, stage, offload = read_deepspeed_config(path, spec.hidden_size or 1)
+    knobs, stage, offload = read_deepspeed_config(path, spec.hidden_size or 1, parallel.zero)
     if stage is not None and parallel.zero is not None and stage != parallel.zero:
         raise ConfigError(f"--zero {parallel.zero} and {path}'s zero_optimization.stage {stage} disagree; give one")
     if offload is not None and parallel.offload != "none" and offload != parallel.offload:

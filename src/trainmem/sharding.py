@@ -73,16 +73,23 @@ _DS_INT_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_max_live_
                 "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "sub_group_size")
 
 
-def read_deepspeed_config(path: str | Path, hidden_size: int) -> tuple[DeepSpeedConfig, int | None, str | None]:
+def read_deepspeed_config(path: str | Path, hidden_size: int,
+                          given_stage: int | None = None) -> tuple[DeepSpeedConfig, int | None, str | None]:
     """(the memory knobs, the ZeRO stage, the offload) a DeepSpeed config file sets; None where it says nothing.
     ``"auto"`` values are resolved as the Hugging Face Trainer does (transformers integrations/deepspeed.py:
-    reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2, stage3_param_persistence_threshold 10 h)."""
-    from .models import read_config_file
+    reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2, stage3_param_persistence_threshold 10 h).
+    Refused as DeepSpeed refuses them (deepspeed/runtime/config.py, zero/config.py, zero/offload_config.py):
+    duplicate keys, an ``offload_optimizer`` / ``offload_param`` that is not an object (or null), a device other
+    than "none", "cpu" or "nvme" (OffloadDeviceEnum is case-sensitive: "CPU" fails its validation). DeepSpeed reads
+    ``offload_param`` in stage 3 only (stage3.py; stages 1 and 2 never look at it), so below stage 3 it changes
+    nothing here either; in stage 3 without ``offload_optimizer`` it offloads the parameters alone, which trainmem
+    does not model: refused in one line. ``given_stage`` is the stage the caller gives where the file names none."""
+    from .engine_configs import _strict_json
 
-    if not Path(path).is_file():
-        raise ConfigError(f"--ds-config {path}: no such file; give a DeepSpeed config (JSON)")
-    raw = read_config_file(Path(path))
+    raw = _strict_json(path, "--ds-config")
     zero = raw.get("zero_optimization", {})
+    if zero is None:
+        zero = {}
     if not isinstance(zero, dict):
         raise ConfigError(f"{path}: zero_optimization must be an object")
     auto = {"reduce_bucket_size": hidden_size**2, "stage3_prefetch_bucket_size": int(0.9 * hidden_size**2),
@@ -105,13 +112,30 @@ def read_deepspeed_config(path: str | Path, hidden_size: int) -> tuple[DeepSpeed
                 raise ConfigError(f"{path}: zero_optimization.{key} must be true or false, got {zero[key]!r}")
             values[key] = zero[key]
     stage = zero.get("stage")
-    if stage is not None and stage not in ZERO_STAGES:
+    if stage is not None and (isinstance(stage, bool) or stage not in ZERO_STAGES):
         raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
-    optimizer_device = (zero.get("offload_optimizer") or {}).get("device", "none")
-    param_device = (zero.get("offload_param") or {}).get("device", "none")
+
+    def device(key: str) -> str:
+        section = zero.get(key)
+        if section is None:
+            return "none"
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: zero_optimization.{key} must be an object such as {{\"device\": \"cpu\"}}, "
+                              f"got {section!r}")
+        name = section.get("device", "none")
+        if name not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"{path}: zero_optimization.{key}.device must be \"none\", \"cpu\" or \"nvme\" "
+                              f"(lower case, as DeepSpeed's OffloadDeviceEnum takes it), got {name!r}")
+        return name
+
+    optimizer_device, param_device = device("offload_optimizer"), device("offload_param")
     offload = None
-    if optimizer_device in ("cpu", "nvme"):
-        offload = "optimizer+params" if param_device in ("cpu", "nvme") else "optimizer"
+    stage3 = (stage if stage is not None else given_stage) == 3
+    if optimizer_device != "none":
+        offload = "optimizer+params" if param_device != "none" and stage3 else "optimizer"
+    elif param_device != "none" and stage3:
+        raise ConfigError(f"{path}: offload_param without offload_optimizer (ZeRO-3 parameters in host memory, the "
+                          "optimizer on the GPU) is not modelled; offload both or the optimizer alone")
     return DeepSpeedConfig(**values), stage, offload
 
 
