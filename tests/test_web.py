@@ -308,9 +308,11 @@ def _layout_body(model: str, gpu: str, seq: int, layout: dict) -> dict:
 
 
 @pytest.mark.parametrize("plan", [
-    {"model": "llama-3-70b", "gpu": "H100-80GB", "gpus": 16, "seq": 4096, "global_batch": 32},
+    # (the layouts some engine's files run: tensor and pipeline parallelism in mixed-bf16 need 32 H100s for 70B,
+    # expert parallelism 16 for Mixtral)
+    {"model": "llama-3-70b", "gpu": "H100-80GB", "gpus": 32, "seq": 4096, "global_batch": 64},
     {"model": "llama-3-8b", "gpu": "H100-80GB", "gpus": 8, "seq": 32768},
-    {"model": "mixtral-8x7b", "gpu": "H100-80GB", "gpus": 8, "seq": 2048},
+    {"model": "mixtral-8x7b", "gpu": "H100-80GB", "gpus": 16, "seq": 2048},
 ])
 def test_every_kind_of_plan_row_estimates_to_its_peak_when_carried_over(client, plan):
     doc = client.post("/api/plan", json={**plan, "top": 1000}).json()
@@ -331,7 +333,7 @@ def test_every_kind_of_plan_row_estimates_to_its_peak_when_carried_over(client, 
         assert estimate == p["estimate"], p["layout"]
     engines = {p["layout"]["engine"] for p in rows}
     assert len(engines) >= 2 and len(rows) >= 5, kinds
-    if plan["gpus"] == 16:
+    if plan["gpus"] == 32:
         assert any(p["layout"]["offload"] != "none" for p in rows)
         assert any(p["layout"]["tensor_parallel"] > 1 for p in rows)
         assert any(p["layout"]["pipeline_parallel"] > 1 for p in rows)
