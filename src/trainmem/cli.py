@@ -5,6 +5,7 @@ Every :class:`~trainmem.errors.TrainmemError` and every usage error becomes one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -18,6 +19,59 @@ from .errors import ConfigError, TrainmemError
 from .units import DEFAULT_UNIT, parse_unit
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+
+def _flag(param) -> str:
+    return max(param.opts, key=len) if param is not None and param.opts else "value"
+
+
+def _short(text: str) -> str:
+    if len(text) <= 24:
+        return text
+    return f"{text[:8]}...({len(text)} {'digits' if text.lstrip('-').isdigit() else 'characters'})"
+
+
+class _Whole(click.ParamType):
+    """A whole number up to ``maximum`` (and from ``minimum`` when given; else the command checks the lower end in
+    its own words): a typo such as 10**400 is refused in one line while the flags are parsed, before any work."""
+
+    name = "integer"
+
+    def __init__(self, maximum: int, minimum: int | None = None) -> None:
+        self.maximum, self.minimum = maximum, minimum
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, bool) or not isinstance(value, int):
+            try:
+                value = int(str(value).strip())
+            except ValueError:  # (also Python's 4,300-digit limit on int())
+                raise ConfigError(f"{_flag(param)} must be a whole number, got {_short(str(value))!r}") from None
+        if self.minimum is not None and value < self.minimum:
+            raise ConfigError(f"{_flag(param)} must be a whole number from {self.minimum:,} to {self.maximum:,}, "
+                              f"got {_short(str(value))}")
+        if value > self.maximum:
+            raise ConfigError(f"{_flag(param)} must be at most {self.maximum:,}, got {_short(str(value))}")
+        return value
+
+
+class _Real(click.ParamType):
+    """A finite number from ``low`` to ``high``: nan, inf and 1e308 are refused in one line while the flags are
+    parsed."""
+
+    name = "number"
+
+    def __init__(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{_flag(param)} must be a number, got {_short(str(value))!r}") from None
+        if not self.low <= number <= self.high:  # (NaN fails too)
+            raise ConfigError(f"{_flag(param)} must be a number from {self.low:g} to {self.high:g}, "
+                              f"got {_short(str(value))}")
+        return number
 
 
 @click.group(context_settings=CONTEXT)
@@ -243,18 +297,20 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
     from .planner import estimate_searched
     from .report import render_estimate, to_dict
 
-    if plot:
-        from .plots import check_plot_path
+    if plot is not None:
+        from .outputs import check_output_file
 
-        check_plot_path(plot)
+        plot_path = check_output_file(plot, "--plot", ".png")
     w = _workload(options, batch, seq)
     unit, target, as_json = w.unit, w.gpu, options["as_json"]
     est, extra = estimate_searched(w.spec, w.settings, w.device, target, w.parallel, w.finetune, max_batch, max_seq)
     nothing_fits = any(extra.get(key) == 0 for key in ("max_batch", "max_seq"))
-    if plot:
+    if plot is not None:
+        from .outputs import replacing
         from .plots import plot_estimate
 
-        plot_estimate(est, plot, unit, target)
+        with replacing(plot_path) as temporary:
+            plot_estimate(est, temporary, unit, target)
     if as_json:
         _emit_json(to_dict(est, target, extra))
     else:
@@ -353,11 +409,14 @@ def sweep(batches, seqs, plot, **options) -> None:
 
     from dataclasses import replace
 
-    batch_list, seq_list = _int_list(batches, "--batch"), _int_list(seqs, "--seq")
-    if plot:
-        from .plots import check_plot_path
+    from .settings import check_grid
 
-        check_plot_path(plot)
+    batch_list, seq_list = _int_list(batches, "--batch"), _int_list(seqs, "--seq")
+    check_grid(batch_list, seq_list, names=("--batch", "--seq"))
+    if plot is not None:
+        from .outputs import check_output_file
+
+        plot_path = check_output_file(plot, "--plot", ".png")
         if len(set(batch_list)) < 2 and len(set(seq_list)) < 2:
             raise ConfigError("--plot draws memory against the batch or the sequence: give more than one --batch or "
                               "--seq value")
@@ -379,15 +438,18 @@ def sweep(batches, seqs, plot, **options) -> None:
                 layouts.append(layout)
     if w.finetune is not None and len(layouts) > 1:
         raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
+    check_grid(batch_list, seq_list, len(layouts), names=("--batch", "--seq"))
     estimates = run_sweep(spec, settings, batch_list, seq_list, device, layouts, w.finetune)
     if any(e.peak is None for e in estimates):
         why = ("this LoRA set-up's activations are not modelled yet" if w.finetune
                else "give a model config, not --params")
         raise ConfigError(f"a sweep needs activations: {why}")
-    if plot:
+    if plot is not None:
+        from .outputs import replacing
         from .plots import plot_sweep
 
-        plot_sweep(estimates, plot, unit, target)
+        with replacing(plot_path) as temporary:
+            plot_sweep(estimates, temporary, unit, target)
     if as_json:
         _emit_json({**_header("sweep"), "sweep": [to_dict(e, target) for e in estimates]})
     else:
@@ -401,7 +463,8 @@ def sweep(batches, seqs, plot, **options) -> None:
 @click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
 @click.option("--seq", type=int, default=512, show_default=True, help="Sequence length in tokens.")
 @click.option("--device", default="auto", show_default=True, help="cuda, cuda:N, cpu or auto.")
-@click.option("--steps", type=int, default=2, show_default=True, help="Steps to run; the last one is measured.")
+@click.option("--steps", type=_Whole(1000), default=2, show_default=True,
+              help="Steps to run; the last one is measured.")
 @click.option("--snapshot", type=click.Path(dir_okay=False), help="CUDA only: write a memory snapshot for "
               "pytorch.org/memory_viz.")
 def measure(batch, seq, device, steps, snapshot, **options) -> None:
@@ -417,7 +480,17 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
 
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
+    snapshot_path = None
+    if snapshot is not None:
+        from .outputs import check_output_file
+
+        if device == "cpu":
+            raise ConfigError("--snapshot records the CUDA caching allocator's history: it needs --device cuda")
+        snapshot_path = check_output_file(snapshot, "--snapshot")
     w = _workload(options, batch, seq, need_config="measure")
+    from .models import check_learned_positions
+
+    check_learned_positions(w.spec, w.settings.seq, "measure")
     refuse_unmeasurable(w.finetune)
     for flag, on in (("--optimizer-in-backward", w.settings.optimizer_in_backward), ("--compile", w.settings.compile),
                      ("--offload-activations", w.settings.offload_activations)):
@@ -430,8 +503,12 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
     config = w.config
     est = estimate_model(spec, settings, w.device, finetune=w.finetune)
+    from .outputs import replacing
+
     try:
-        result = measure_steps(config, settings, device, steps, snapshot, finetune=w.finetune)
+        with replacing(snapshot_path) if snapshot_path else contextlib.nullcontext() as temporary:
+            result = measure_steps(config, settings, device, steps, temporary and str(temporary),
+                                   finetune=w.finetune)
     except (RuntimeError, ValueError) as exc:  # device not available, out of memory, unsupported recipe
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"measure failed on {device}: {first[:300]}") from None
@@ -499,6 +576,21 @@ def dtypes(value: Optional[float], as_json: bool) -> None:
         console.print(t)
 
 
+def _runnable_config(config: dict, name: str, seq: int) -> None:
+    """A config precision-check can build and run at ``seq``: read by its parser (or, for a model_type without one,
+    by transformers on the meta device), and no longer than a learned position table."""
+    from .models import UnsupportedModelType, check_learned_positions, spec_from_config
+
+    try:
+        spec = spec_from_config(config, name=name, source=name)
+    except UnsupportedModelType:
+        from .meta_count import build_meta_model
+
+        build_meta_model(config, name)
+        return
+    check_learned_positions(spec, seq, "precision-check")
+
+
 def _checked_model(config: dict, name: str, source: str, net) -> dict:
     """The model object of estimate's document for the (resized) model precision-check ran; a family without an
     analytic parser gets the counted parameters and what its config says."""
@@ -517,13 +609,14 @@ def _checked_model(config: dict, name: str, source: str, net) -> dict:
 
 @app.command(name="precision-check")
 @click.argument("model")
-@click.option("--layers", type=int, help="Scale down to this many layers (default: the config's).")
-@click.option("--hidden", type=int, help="Scale down to this hidden size, keeping the head size.")
+@click.option("--layers", type=_Whole(10_000), help="Scale down to this many layers (default: the config's).")
+@click.option("--hidden", type=_Whole(1 << 31), help="Scale down to this hidden size, keeping the head size.")
 @click.option("--weights", type=click.Path(exists=True, dir_okay=False), help="A local .safetensors checkpoint.")
 @click.option("--data", type=click.Path(exists=True, dir_okay=False), help="A local text file (bytes as tokens).")
-@click.option("--batch", type=int, default=4, show_default=True)
-@click.option("--seq", type=int, default=128, show_default=True)
-@click.option("--steps", type=int, default=3, show_default=True, help="Training steps; the last is analysed.")
+@click.option("--batch", type=_Whole(4096), default=4, show_default=True)
+@click.option("--seq", type=_Whole(1 << 24), default=128, show_default=True)
+@click.option("--steps", type=_Whole(10_000), default=3, show_default=True,
+              help="Training steps; the last is analysed.")
 @click.option("--lr", type=float, default=1e-4, show_default=True, help="AdamW learning rate for the updates.")
 @click.option("--loss-scale", type=float, default=1024.0, show_default=True, help="The scale to evaluate.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write the gradient histogram as a PNG.")
@@ -537,27 +630,47 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
     \b
     Example: trainmem precision-check llama-2-7b --layers 2 --hidden 256
     """
-    import torch
-
     from .catalog import load_config
-    from .precision import plot_gradients, precision_check as run_check, resize_config, text_batches
-    from .probe import build_model
-    from .recipes import get_recipe
+    from .outputs import check_output_file, replacing
+    from .precision import check_arguments, check_resize, plot_gradients, precision_check as run_check, \
+        resize_config, text_batches
+    from .settings import make_settings
 
     for flag, v in (("--batch", batch), ("--seq", seq), ("--steps", steps), ("--layers", layers),
                     ("--hidden", hidden)):
         if v is not None and v <= 0:
             raise ConfigError(f"{flag} must be a positive integer, got {v}")
-    if loss_scale <= 0 or lr <= 0:
-        raise ConfigError("--loss-scale and --lr must be positive")
+    check_arguments(steps=steps, lr=lr, loss_scale=loss_scale, batch=batch, flags=True)
+    make_settings(seq=seq)  # (the sequence's bounds)
+    plot_path = check_output_file(plot, "--plot", ".png") if plot is not None else None
+    import os
+    import stat
+
+    for flag, path in (("--weights", weights), ("--data", data)):
+        if path is not None:
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise ConfigError(f"{flag} {path!r} is not a regular file")
     config, name, source = load_config(model, hub)
+    _runnable_config(config, name, seq)  # checked before torch is imported or anything is built
+    check_resize(config, hidden, layers, name)
     config = resize_config(config, hidden, layers)
+    _runnable_config(config, name, seq)
+
+    import torch
+
+    from .probe import build_model
+    from .recipes import get_recipe
+
     torch.manual_seed(0)
     net = build_model(config, get_recipe("fp32"), "sdpa", None)
     if weights:
         from safetensors.torch import load_file
 
-        missing, unexpected = net.load_state_dict(load_file(weights), strict=False)
+        try:
+            missing, unexpected = net.load_state_dict(load_file(weights), strict=False)
+        except Exception as exc:  # noqa: BLE001 (safetensors' SafetensorError, a shape mismatch's RuntimeError)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ConfigError(f"--weights {weights!r}: cannot load it into {name} ({first})") from None
         if unexpected:
             raise ConfigError(f"{weights}: {len(unexpected)} tensors do not belong to {name} "
                               f"(first: {unexpected[0]})")
@@ -574,8 +687,9 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
                     if k in report.update_ratio else None}
                 for k, d in sorted(report.gradients.items())}
     verdict = report.verdict(torch)
-    if plot:
-        plot_gradients(torch, report, plot)
+    if plot_path is not None:
+        with replacing(plot_path) as temporary:
+            plot_gradients(torch, report, str(temporary))
     doc = {**_header("precision-check"), "model": _checked_model(config, name, source, net),
            "parameters": sum(p.numel() for p in net.parameters()),
            "losses": report.losses,
@@ -622,9 +736,9 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
 
 
 @app.command(name="amp-demo")
-@click.option("--steps", type=int, default=200, show_default=True)
-@click.option("--batch", type=int, default=8, show_default=True)
-@click.option("--grad-scale-down", type=float, default=1.0, show_default=True,
+@click.option("--steps", type=_Whole(100_000), default=200, show_default=True)
+@click.option("--batch", type=_Whole(4096), default=8, show_default=True)
+@click.option("--grad-scale-down", type=_Real(1e-12, 1e12), default=1.0, show_default=True,
               help="Shrink the gradients fp16 sees by this factor (e.g. 1e-6) to reproduce a deep model's regime.")
 @click.option("--runs", default=",".join(("fp32", "fp16-autocast", "fp16-autocast+scaler", "bf16-autocast",
                                            "pure-bf16", "pure-bf16+master")), show_default=True)
@@ -640,15 +754,22 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
     from .amp_demo import RUNS, plot as plot_runs, run_all
 
     names = [r.strip() for r in runs.split(",") if r.strip()]
+    if not names:
+        raise ConfigError(f"--runs is empty; accepted: {', '.join(RUNS)}")
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         raise ConfigError(f"unknown run {unknown[0]!r}; accepted: {', '.join(RUNS)}")
     if steps <= 0 or batch <= 0 or not grad_scale_down > 0:
         raise ConfigError("--steps, --batch and --grad-scale-down must be positive")
+    if plot is not None:
+        from .outputs import check_output_file, replacing
+
+        plot_path = check_output_file(plot, "--plot", ".png")
     results, seconds = run_all(steps=steps, grad_scale_down=grad_scale_down, runs=names, batch=batch)
     reference = next((r for r in results if r.name == "fp32"), None)
-    if plot:
-        plot_runs(results, plot)
+    if plot is not None:
+        with replacing(plot_path) as temporary:
+            plot_runs(results, str(temporary))
     if as_json:
         _emit_json({**_header("amp-demo"), "steps": steps, "grad_scale_down": grad_scale_down,
                     "seconds": round(seconds, 1), "runs": [
@@ -680,16 +801,18 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
 @click.option("--quick", is_flag=True, help="The reduced matrix CI runs (two rows per model type).")
 @click.option("--full-size", is_flag=True, help="The real configs up to 9B instead of scaled-down ones (112 rows, "
               "8-80 s each).")
-@click.option("--random", "random_cases", type=int, default=None,
+@click.option("--random", "random_cases", type=_Whole(10_000), default=None,
               help="Instead of a matrix, N random models and set-ups (the differential test; every phase scored).")
-@click.option("--seed", type=int, default=None, help="Seed of --random (default 0): the same seed draws the "
+@click.option("--seed", type=_Whole(2**64 - 1), default=None,
+              help="Seed of --random (default 0): the same seed draws the "
               "same cases.")
 @click.option("--lora", is_flag=True, help="The LoRA matrix: peft's adapters on the families whose LoRA step is "
               "modelled (with --quick: one row per family).")
 @click.option("--compile", "compiled", is_flag=True, help="The --compile matrix: layers compiled with "
               "aot_eager_decomp_partition on the families whose compiled layers are modelled (with --quick: two rows "
               "per family).")
-@click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Rows traced in parallel processes.")
+@click.option("--jobs", "-j", type=_Whole(1024), default=1, show_default=True,
+              help="Rows traced in parallel processes.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default="docs/accuracy.md", show_default=True,
               help="Markdown report to write; its other sections (the other matrix, benchmark results) are kept.")
 def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int | None, lora: bool, compiled: bool,
@@ -703,9 +826,7 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
              trainmem validate --lora --jobs 2
              trainmem validate --compile --jobs 2
     """
-    import os
-    import tempfile
-
+    from .outputs import check_output_file, read_existing_text, write_text
     from .validate import COMPILE_HEADING, LORA_HEADING, RANDOM_HEADING, compile_section, lora_section, markdown, \
         random_section, replace_sections, validate as run_validate, validate_compile, validate_lora, validate_random
 
@@ -720,10 +841,8 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
     if seed is not None and random_cases is None:
         raise ConfigError("--seed chooses the cases of --random; the matrices have no randomness: give --random N")
     seed = seed or 0
-    existing = None
-    if os.path.exists(output):
-        with open(output, encoding="utf-8") as handle:
-            existing = handle.read()
+    output_path = check_output_file(output, "--output")
+    existing = read_existing_text(output_path, "--output")
     console = _console()
 
     def show_row(r) -> None:
@@ -756,12 +875,7 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
         text = markdown(rows, full_size=full_size, quick=quick, existing=existing)
         bad = sum(not r.within_tolerance for r in rows)
         total = len(rows)
-    folder = os.path.dirname(os.path.abspath(output))
-    os.makedirs(folder, exist_ok=True)
-    # Written to a temporary file and renamed, so an interrupted run never leaves half a report.
-    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as handle:
-        handle.write(text)
-    os.replace(handle.name, output)
+    write_text(output_path, text)  # (a temporary file renamed: an interrupted run never leaves half a report)
     console.print(f"wrote {output}: {total - bad} of {total} within tolerance")
     if bad:
         raise click.exceptions.Exit(1)
@@ -836,8 +950,12 @@ def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, chec
     from .report import plan_document, render_plan
 
     unit = parse_unit(units)
-    if min_gpus and out_dir:
+    if min_gpus and out_dir is not None:
         raise ConfigError("--min-gpus answers a GPU count (one sequence per GPU): it takes no --global-batch or --out")
+    if out_dir is not None:  # (checked before the search; '' is refused, not taken as "no --out")
+        from .outputs import check_output_dir
+
+        out_dir = check_output_dir(out_dir, "--out")
     options = {key: value for key, value in (("mfu", mfu), ("inter_node_gbps", inter_node_gbps),
                                              ("host_memory_gib", host_memory_gib)) if value is not None}
     found, answer = run_plan(model, gpu, gpus, seq, global_batch, gpus_per_node, nodes, recipe, checkpointing,

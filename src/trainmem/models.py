@@ -1083,6 +1083,19 @@ def model_type_of(config: dict[str, Any], origin: str) -> str:
     return model_type
 
 
+def check_learned_positions(spec: ModelSpec, seq: int, command: str) -> None:
+    """Refuse a sequence past a learned position table for a command that runs the model for real (measure,
+    precision-check): GPT-2's ``wpe`` has n_positions rows and OPT's ``embed_positions`` max_position_embeddings
+    (plus its offset of 2), and ``torch.nn.functional.embedding`` raises IndexError for a position past them.
+    (RoPE models compute their positions and run past max_position_embeddings; the estimate only warns there.)"""
+    limit = spec.max_position_embeddings
+    if spec.position_table_rows and limit and seq > limit:
+        key = "n_positions" if spec.model_type == "gpt2" else "max_position_embeddings"
+        raise ModelError(f"--seq {seq:,} is past {spec.name}'s {limit:,} positions ({key}, a learned position table "
+                         f"that cannot be indexed further): {command} runs the model, so give --seq {limit:,} or "
+                         "less")
+
+
 def nominal_spec(num_parameters: int) -> ModelSpec:
     """A model known only by its parameter count (the seed article's "7B"), as one flat tensor."""
     if num_parameters <= 0:
