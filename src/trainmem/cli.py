@@ -54,6 +54,12 @@ class _Whole(click.ParamType):
         return value
 
 
+_MAX_STEP = 1 << 24
+"""settings.MAX_BATCH, MAX_SEQ and MAX_GRAD_ACCUM (the settings check the lower end, in the API's words)."""
+_MAX_GPUS = 1 << 20
+"""sharding.MAX_GPUS, the bound of every parallel degree."""
+
+
 class _Real(click.ParamType):
     """A finite number from ``low`` to ``high``: nan, inf and 1e308 are refused in one line while the flags are
     parsed."""
@@ -166,7 +172,7 @@ def _one_int(text: str, flag: str, minimum: int = 1) -> int:
     try:
         value = int(text)
     except (TypeError, ValueError):
-        raise ConfigError(f"{flag} must be a whole number, got {text!r}") from None
+        raise ConfigError(f"{flag} must be a whole number, got {_short(str(text))!r}") from None
     if value < minimum:
         raise ConfigError(f"{flag} must be at least {minimum}, got {value}")
     return value
@@ -176,9 +182,9 @@ def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ConfigError(f"{flag}: {text!r} is not a comma-separated list of integers, e.g. 1,2,4") from None
+        raise ConfigError(f"{flag}: {_short(text)!r} is not a comma-separated list of integers, e.g. 1,2,4") from None
     if not values or any(v < minimum for v in values):
-        raise ConfigError(f"{flag}: values must be integers of at least {minimum}, got {text!r}")
+        raise ConfigError(f"{flag}: values must be integers of at least {minimum}, got {_short(text)!r}")
     return values
 
 
@@ -200,7 +206,7 @@ def _workload_options(f):
         click.option("--optimizer", default="adamw", show_default=True, help="Optimizer (trainmem recipes)."),
         click.option("--optimizer-impl", default="auto", show_default=True,
                      help="foreach | fused | auto (fused for mixed-* recipes)."),
-        click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
+        click.option("--grad-accum", type=_Whole(_MAX_STEP), default=1, show_default=True, help="Gradient accumulation steps."),
         click.option("--attention", default="sdpa", show_default=True, help="eager | sdpa | flash."),
         click.option("--checkpointing", default="none", show_default=True,
                      help="none | selective (every second decoder layer, torchtitan's layer SAC) | full (every one)."),
@@ -229,7 +235,7 @@ def _workload_options(f):
                      "default only the catalog, local files and the local Hub cache are read)."),
         click.option("--gpus", default="1", show_default=True,
                      help="Data-parallel GPUs (world size); figures are then per GPU. sweep: a list, e.g. 1,2,4,8."),
-        click.option("--gpus-per-node", type=int, default=0, help="GPUs per node (default: 8, or --gpus if fewer)."),
+        click.option("--gpus-per-node", type=_Whole(_MAX_GPUS), default=0, help="GPUs per node (default: 8, or --gpus if fewer)."),
         click.option("--zero", default=None, help="DeepSpeed ZeRO stage 0|1|2|3. sweep: a list, e.g. 0,1,2,3."),
         click.option("--fsdp", default=None, help="PyTorch FSDP2: full | grad-op | hybrid | no-shard."),
         click.option("--offload", default="none", show_default=True,
@@ -238,18 +244,18 @@ def _workload_options(f):
                      help="DDP with gradient_as_bucket_view=True (no second copy of the gradients)."),
         click.option("--ds-config", type=click.Path(dir_okay=False),
                      help="A DeepSpeed config: its zero_optimization keys (stage, buckets, offload) apply."),
-        click.option("--tp", type=int, default=1, show_default=True,
+        click.option("--tp", type=_Whole(_MAX_GPUS), default=1, show_default=True,
                      help="Tensor parallel: heads, MLP width and vocabulary split across TP GPUs."),
         click.option("--sp", is_flag=True, help="Sequence parallel on the tensor-parallel GPUs (needs --tp)."),
-        click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages."),
+        click.option("--pp", type=_Whole(_MAX_GPUS), default=1, show_default=True, help="Pipeline stages."),
         click.option("--pp-schedule", default="1f1b", show_default=True, help="1f1b | interleaved."),
-        click.option("--virtual-stages", type=int, default=1, show_default=True,
+        click.option("--virtual-stages", type=_Whole(_MAX_GPUS), default=1, show_default=True,
                      help="Model chunks per GPU with --pp-schedule interleaved."),
-        click.option("--micro-batches", type=int, default=0,
+        click.option("--micro-batches", type=_Whole(_MAX_GPUS), default=0,
                      help="Micro-batches per step through the pipeline (default: --pp)."),
-        click.option("--cp", type=int, default=1, show_default=True, help="Context parallel: the sequence split."),
-        click.option("--ep", type=int, default=1, show_default=True, help="Expert parallel: routed experts split."),
-        click.option("--lora", type=int, default=None, help="Train LoRA adapters of this rank on a frozen base "
+        click.option("--cp", type=_Whole(_MAX_GPUS), default=1, show_default=True, help="Context parallel: the sequence split."),
+        click.option("--ep", type=_Whole(_MAX_GPUS), default=1, show_default=True, help="Expert parallel: routed experts split."),
+        click.option("--lora", type=_Whole(65536), default=None, help="Train LoRA adapters of this rank on a frozen base "
                      "(the step is modelled for Llama-style, GPT-2 and OPT layers with SDPA; elsewhere the static "
                      "memory)."),
         click.option("--lora-alpha", type=float, default=None, help="LoRA alpha (scales the adapters; no bytes)."),
@@ -275,8 +281,8 @@ def _workload_options(f):
 
 @app.command()
 @_workload_options
-@click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
-@click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
+@click.option("--batch", type=_Whole(_MAX_STEP), default=1, show_default=True, help="Micro-batch size per GPU.")
+@click.option("--seq", type=_Whole(_MAX_STEP), default=2048, show_default=True, help="Sequence length in tokens.")
 @click.option("--max-batch", is_flag=True, help="Find the largest micro-batch that fits --gpu (exit code 1 if none).")
 @click.option("--max-seq", is_flag=True, help="Find the longest sequence that fits --gpu, up to the model's position "
               "limit unless RoPE scaling extends it (exit code 1 if none).")
@@ -335,8 +341,8 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
 
 @app.command()
 @_workload_options
-@click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
-@click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
+@click.option("--batch", type=_Whole(_MAX_STEP), default=1, show_default=True, help="Micro-batch size per GPU.")
+@click.option("--seq", type=_Whole(_MAX_STEP), default=2048, show_default=True, help="Sequence length in tokens.")
 @click.option("--no-round", is_flag=True, help="Keep raw tensor sizes (CUDA rounds each allocation to 512 B).")
 def trace(batch, seq, no_round, **options) -> None:
     """Run one real training step of MODEL's transformers implementation under FakeTensorMode on the CPU
@@ -460,8 +466,8 @@ def sweep(batches, seqs, plot, **options) -> None:
 
 @app.command()
 @_workload_options
-@click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
-@click.option("--seq", type=int, default=512, show_default=True, help="Sequence length in tokens.")
+@click.option("--batch", type=_Whole(_MAX_STEP), default=1, show_default=True, help="Micro-batch size per GPU.")
+@click.option("--seq", type=_Whole(_MAX_STEP), default=512, show_default=True, help="Sequence length in tokens.")
 @click.option("--device", default="auto", show_default=True, help="cuda, cuda:N, cpu or auto.")
 @click.option("--steps", type=_Whole(1000), default=2, show_default=True,
               help="Steps to run; the last one is measured.")

@@ -14,6 +14,7 @@ while building becomes one line.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 from .errors import ModelError, TrainmemError
@@ -119,7 +120,9 @@ def build_meta_model(config: dict[str, Any], origin: str = "config"):
         raise ModelError(f"{origin}: unknown model_type {model_type!r}{hint}: neither trainmem's parsers "
                          f"({', '.join(SUPPORTED_MODEL_TYPES)}) nor transformers know it")
     try:
-        hf_config = AutoConfig.for_model(model_type, **fields)
+        with warnings.catch_warnings():  # (its deprecation notes, e.g. on rope_scaling, are not the user's error)
+            warnings.simplefilter("ignore")
+            hf_config = AutoConfig.for_model(model_type, **fields)
     except Exception as exc:  # noqa: BLE001 (see above)
         raise ModelError(f"{origin}: transformers cannot read this model_type {model_type!r} config "
                          f"({_one_line(exc)})") from None
@@ -131,7 +134,8 @@ def build_meta_model(config: dict[str, Any], origin: str = "config"):
             if value < 1:
                 raise ModelError(f"{origin}: config field {key!r} is {value}; it must be a positive integer")
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             return AutoModelForCausalLM.from_config(hf_config)
     except TrainmemError:
         raise

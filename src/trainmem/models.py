@@ -1059,7 +1059,11 @@ def spec_from_config(config: dict[str, Any], name: str = "", source: str = "") -
         raise UnsupportedModelType(
             f"{origin}: model_type {model_type!r} has no analytic parser; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    fields = parser(_Config(config, origin))
+    reader = _Config(config, origin)
+    for key in sorted(_COUNTS & config.keys()):  # every size in the file, read by this family's modules or not
+        if config[key] is not None:
+            reader._check(key, config[key])
+    fields = parser(reader)
     return ModelSpec(name=name or str(model_type), model_type=str(model_type), source=source,
                      traits=FAMILY_TRAITS.get(model_type, FamilyTraits()), **fields)
 

@@ -93,6 +93,7 @@ def check_output_file(path: str | os.PathLike | None, flag: str, suffix: str | N
     shown = _shown(os.fspath(path))
     if suffix is not None and target.suffix.lower() != suffix and Path(os.fspath(path)).suffix.lower() != suffix:
         raise ConfigError(f"{flag} writes a {suffix[1:].upper()} file: give a path ending in {suffix}, got {shown}")
+    _check_folder(target.parent, flag, shown)
     try:
         mode = target.stat().st_mode
     except FileNotFoundError:
@@ -107,11 +108,16 @@ def check_output_file(path: str | os.PathLike | None, flag: str, suffix: str | N
                               "path")
         if not os.access(target, os.W_OK):
             raise ConfigError(f"{flag} {shown} is read-only")
-    folder = target.parent
-    if not folder.is_dir():
-        raise ConfigError(f"{flag} {shown}: the folder {str(folder)!r} does not exist")
-    _probe(folder, flag, path)
+    _probe(target.parent, flag, path)
     return target
+
+
+def _check_folder(folder: Path, flag: str, shown: str) -> None:
+    if folder.is_dir():
+        return
+    if folder.exists():
+        raise ConfigError(f"{flag} {shown}: {str(folder)!r} is a file, not a folder")
+    raise ConfigError(f"{flag} {shown}: the folder {str(folder)!r} does not exist")
 
 
 def check_output_dir(path: str | os.PathLike | None, flag: str) -> Path:
@@ -124,8 +130,7 @@ def check_output_dir(path: str | os.PathLike | None, flag: str) -> Path:
             raise ConfigError(f"{flag} {shown} is a file; give a folder")
         _probe(target, flag, path)
         return target
-    if not target.parent.is_dir():
-        raise ConfigError(f"{flag} {shown}: the folder {str(target.parent)!r} does not exist")
+    _check_folder(target.parent, flag, shown)
     _probe(target.parent, flag, path)
     return target
 
@@ -139,8 +144,10 @@ def replacing(target: str | os.PathLike) -> Iterator[Path]:
     suffix = target.suffix if len(target.suffix) <= 16 else ""
     temporary = target.with_name(f".trainmem-{secrets.token_hex(6)}.tmp{suffix}")
     # Created by os.open with 0o666 so the file gets the umask's mode, as any new file does (tempfile's are 0600).
-    fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-    os.close(fd)
+    try:
+        os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    except OSError as exc:
+        raise ConfigError(f"{str(target)!r}: could not be written ({exc.strerror or exc})") from None
     try:
         yield temporary
         if temporary.stat().st_size == 0:
@@ -150,6 +157,11 @@ def replacing(target: str | os.PathLike) -> Iterator[Path]:
             if target.exists():
                 os.chmod(temporary, stat.S_IMODE(target.stat().st_mode))
         os.replace(temporary, target)
+    except OSError as exc:  # (a full disk, a quota, the folder removed meanwhile)
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise ConfigError(f"{str(target)!r}: could not be written ({exc.strerror or exc}); "
+                          f"{'the old file is kept' if target.exists() else 'nothing was written'}") from None
     except BaseException:
         with contextlib.suppress(OSError):
             temporary.unlink()
