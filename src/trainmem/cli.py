@@ -45,7 +45,8 @@ class _Whole(click.ParamType):
             try:
                 value = int(str(value).strip())
             except ValueError:  # (also Python's 4,300-digit limit on int())
-                raise ConfigError(f"{_flag(param)} must be a whole number, got {_short(str(value))!r}") from None
+                raise ConfigError(f"{_flag(param)}: {_short(str(value))!r} is not a valid integer (a whole number "
+                                  f"up to {self.maximum:,})") from None
         if self.minimum is not None and value < self.minimum:
             raise ConfigError(f"{_flag(param)} must be a whole number from {self.minimum:,} to {self.maximum:,}, "
                               f"got {_short(str(value))}")
