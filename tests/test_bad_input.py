@@ -619,3 +619,58 @@ def test_real_configs_mutated_into_hostile_values_never_crash(run_cli, tmp_path,
 def test_many_more_mutated_configs_never_crash(run_cli, tmp_path, alarm, name, data):
     """The same with fresh random draws each run (not derandomized): a new hostile round every time."""
     _mutated_config_case(run_cli, tmp_path, alarm, name, data)
+
+
+def test_measure_writes_its_snapshot_whole_through_a_temporary_file(run_cli, tmp_path, monkeypatch):
+    """measure hands measure_steps a temporary path beside --snapshot and renames it once the run is done; a run
+    that fails leaves the old snapshot. (The CUDA run itself is faked: this checks the path's handling.)"""
+    import trainmem.measure as measure
+    from trainmem.measure import Measurement, PhasePeak
+
+    target = tmp_path / "memory.pickle"
+    target.write_bytes(b"old snapshot")
+    given = []
+
+    def fake(config, settings, device, steps, snapshot, finetune=None):
+        given.append(snapshot)
+        assert Path(snapshot).parent == tmp_path and Path(snapshot) != target
+        Path(snapshot).write_bytes(b"new snapshot")
+        return Measurement("cuda", [PhasePeak("forward", 1000, 2000)])
+
+    monkeypatch.setattr(measure, "measure_steps", fake)
+    code, out, err = run_cli("measure", "gpt2", "--seq", "32", "--device", "cuda", "--snapshot", str(target))
+    assert code == 0, err
+    assert target.read_bytes() == b"new snapshot" and sorted(os.listdir(tmp_path)) == ["memory.pickle"]
+
+    def fails(config, settings, device, steps, snapshot, finetune=None):
+        Path(snapshot).write_bytes(b"half")
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(measure, "measure_steps", fails)
+    assert "out of memory" in _one_line(run_cli, "measure", "gpt2", "--seq", "32", "--device", "cuda", "--snapshot",
+                                        str(target))
+    assert target.read_bytes() == b"new snapshot" and sorted(os.listdir(tmp_path)) == ["memory.pickle"]
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(st.text(max_size=12), st.text(st.characters(codec="utf-8"), min_size=200, max_size=300),
+                          st.sampled_from(["..", ".", "", "~", "/proc", "/dev", "\0", "\ud800", "a.png", "é" * 128])),
+                min_size=1, max_size=4),
+       st.booleans(), st.sampled_from([None, ".png"]))
+def test_any_path_is_checked_into_a_path_or_one_line(tmp_path, monkeypatch, parts, inside, suffix):
+    """Whatever text names the file, the checker answers a writable path or the package's one-line error."""
+    from trainmem.outputs import check_output_dir, check_output_file
+
+    monkeypatch.chdir(tmp_path)
+    path = "/".join(parts)
+    if inside:
+        path = f"{tmp_path}/{path}"
+    for check in (lambda: check_output_file(path, "--plot", suffix), lambda: check_output_dir(path, "--out")):
+        try:
+            target = check()
+        except TrainmemError as exc:
+            assert "\n" not in str(exc) and len(str(exc)) < 400
+        else:
+            assert target.parent.is_dir()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".trainmem-")]  # no probe left

@@ -491,9 +491,14 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     if snapshot is not None:
         from .outputs import check_output_file
 
-        if device == "cpu":
-            raise ConfigError("--snapshot records the CUDA caching allocator's history: it needs --device cuda")
         snapshot_path = check_output_file(snapshot, "--snapshot")
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not device.startswith("cuda"):
+            raise ConfigError("--snapshot records the CUDA caching allocator's history: it needs --device cuda "
+                              f"(here the device is {device})")
     w = _workload(options, batch, seq, need_config="measure")
     from .models import check_learned_positions
 

@@ -79,7 +79,7 @@ def _probe(folder: Path, flag: str, path: str | os.PathLike) -> None:
     try:
         fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except OSError as exc:
-        raise ConfigError(f"{flag} {_shown(os.fspath(path))}: cannot write in the folder {str(folder)!r} "
+        raise ConfigError(f"{flag} {_shown(os.fspath(path))}: cannot write in the folder {_shown(str(folder))} "
                           f"({exc.strerror or exc})") from None
     os.close(fd)
     with contextlib.suppress(OSError):
@@ -116,8 +116,8 @@ def _check_folder(folder: Path, flag: str, shown: str) -> None:
     if folder.is_dir():
         return
     if folder.exists():
-        raise ConfigError(f"{flag} {shown}: {str(folder)!r} is a file, not a folder")
-    raise ConfigError(f"{flag} {shown}: the folder {str(folder)!r} does not exist")
+        raise ConfigError(f"{flag} {shown}: {_shown(str(folder))} is a file, not a folder")
+    raise ConfigError(f"{flag} {shown}: the folder {_shown(str(folder))} does not exist")
 
 
 def check_output_dir(path: str | os.PathLike | None, flag: str) -> Path:
@@ -147,7 +147,7 @@ def replacing(target: str | os.PathLike) -> Iterator[Path]:
     try:
         os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
     except OSError as exc:
-        raise ConfigError(f"{str(target)!r}: could not be written ({exc.strerror or exc})") from None
+        raise ConfigError(f"{_shown(str(target))}: could not be written ({exc.strerror or exc})") from None
     try:
         yield temporary
         if temporary.stat().st_size == 0:
@@ -160,7 +160,7 @@ def replacing(target: str | os.PathLike) -> Iterator[Path]:
     except OSError as exc:  # (a full disk, a quota, the folder removed meanwhile)
         with contextlib.suppress(OSError):
             temporary.unlink()
-        raise ConfigError(f"{str(target)!r}: could not be written ({exc.strerror or exc}); "
+        raise ConfigError(f"{_shown(str(target))}: could not be written ({exc.strerror or exc}); "
                           f"{'the old file is kept' if target.exists() else 'nothing was written'}") from None
     except BaseException:
         with contextlib.suppress(OSError):
@@ -183,18 +183,18 @@ def read_existing_text(target: str | os.PathLike, flag: str) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise ConfigError(f"{flag} {str(target)!r}: {exc.strerror or exc}") from None
+        raise ConfigError(f"{flag} {_shown(str(target))}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(mode):
-        raise ConfigError(f"{flag} {str(target)!r} is not a regular file; give a file path")
+        raise ConfigError(f"{flag} {_shown(str(target))} is not a regular file; give a file path")
     try:
         with open(target, "rb") as handle:
             data = handle.read(READ_LIMIT + 1)
     except OSError as exc:
-        raise ConfigError(f"{flag} {str(target)!r}: cannot read it ({exc.strerror or exc})") from None
+        raise ConfigError(f"{flag} {_shown(str(target))}: cannot read it ({exc.strerror or exc})") from None
     if len(data) > READ_LIMIT:
-        raise ConfigError(f"{flag} {str(target)!r} is over {READ_LIMIT // 2**20} MiB: not a report trainmem wrote")
+        raise ConfigError(f"{flag} {_shown(str(target))} is over {READ_LIMIT // 2**20} MiB: not a report trainmem wrote")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{flag} {str(target)!r} exists and is not UTF-8 text (byte {exc.start}): not a report "
+        raise ConfigError(f"{flag} {_shown(str(target))} exists and is not UTF-8 text (byte {exc.start}): not a report "
                           "trainmem wrote; give another path or remove it") from None
