@@ -674,3 +674,35 @@ def test_any_path_is_checked_into_a_path_or_one_line(tmp_path, monkeypatch, part
         else:
             assert target.parent.is_dir()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".trainmem-")]  # no probe left
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("rms_norm_eps", "x", "rms_norm_eps"), ("initializer_range", [1], "initializer_range"),
+    ("pad_token_id", 10**6, "cannot build"), ("rope_theta", "x", "cannot build"), ("torch_dtype", "x", "'x'"),
+])
+@pytest.mark.parametrize("command", ["trace", "measure", "precision-check"])
+def test_a_field_only_transformers_reads_is_one_line_where_transformers_builds(run_cli, tmp_path, monkeypatch,
+                                                                              command, field, value, says):
+    """Fields the estimate does not read (norm epsilon, pad token, RoPE theta) but transformers does: trace,
+    measure and precision-check build the model, so they refuse in one line before running, not mid-run."""
+    pytest.importorskip("transformers")
+    from tiny_configs import TINY_CONFIGS
+
+    for expensive in ("trainmem.trace.trace_step", "trainmem.measure.measure_steps", "trainmem.probe.build_model"):
+        _never_called(monkeypatch, expensive)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_CONFIGS["llama"], field: value}))
+    device = ("--device", "cpu") if command == "measure" else ()
+    assert says in _one_line(run_cli, command, str(path), "--seq", "16", *device)
+
+
+def test_rope_numbers_are_checked_as_transformers_keeps_them():
+    from trainmem.errors import ModelError
+    from trainmem.meta_count import _check_rope
+
+    _check_rope("c", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5, "short_factor": [1.0, 2.0]})
+    _check_rope("c", {"full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    for bad in ({"rope_theta": "x"}, {"rope_theta": math.nan}, {"factor": -1}, {"rope_type": ["x"]},
+                {"sliding_attention": {"rope_theta": math.inf}}, {"short_factor": [1.0, "x"]}):
+        with pytest.raises(ModelError):
+            _check_rope("c", bad)

@@ -376,6 +376,9 @@ def trace(batch, seq, no_round, **options) -> None:
         check_fsdp_traceable(w.settings, w.parallel)
     else:
         check_runnable(w.settings)
+    from .meta_count import check_transformers_config
+
+    check_transformers_config(w.config, w.spec.source or w.spec.name)  # (what transformers would refuse mid-trace)
 
     from .estimate import estimate_model
     from .report import render_trace, trace_to_dict
@@ -512,6 +515,9 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     from .step import check_runnable
 
     check_runnable(w.settings, device)
+    from .meta_count import check_transformers_config
+
+    check_transformers_config(w.config, w.spec.source or w.spec.name)
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
     config = w.config
     est = estimate_model(spec, settings, w.device, finetune=w.finetune)
@@ -593,14 +599,15 @@ def _runnable_config(config: dict, name: str, seq: int) -> None:
     by transformers on the meta device), and no longer than a learned position table."""
     from .models import UnsupportedModelType, check_learned_positions, spec_from_config
 
+    from .meta_count import check_transformers_config
+
     try:
         spec = spec_from_config(config, name=name, source=name)
     except UnsupportedModelType:
-        from .meta_count import build_meta_model
-
-        build_meta_model(config, name)
-        return
-    check_learned_positions(spec, seq, "precision-check")
+        spec = None
+    check_transformers_config(config, name)
+    if spec is not None:
+        check_learned_positions(spec, seq, "precision-check")
 
 
 def _checked_model(config: dict, name: str, source: str, net) -> dict:

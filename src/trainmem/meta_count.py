@@ -13,6 +13,7 @@ while building becomes one line.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from typing import Any
@@ -53,8 +54,9 @@ def _check_size(origin: str, key: str, value: Any) -> None:
                else MAX_BUILT_EXPERTS if re.search(r"experts?$", key) and "per_tok" not in key else MAX_BUILT_SIZE)
     if not 0 <= value <= largest:
         shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:8]}...({len(str(value).lstrip('-'))} digits)"
-        raise ModelError(f"{origin}: config field {key!r} is {shown}; accepted: 0 to {largest:,} (a model_type "
-                         "without an analytic parser is counted by building it with transformers)")
+        raise ModelError(f"{origin}: config field {key!r} is {shown}; accepted: 0 to {largest:,} (for a model "
+                         "built with transformers: a model_type without an analytic parser, or trace, measure and "
+                         "precision-check)")
 
 
 def _walk(origin: str, value: Any, where: str, depth: int = 0) -> None:
@@ -143,6 +145,39 @@ def build_meta_model(config: dict[str, Any], origin: str = "config"):
         raise ModelError(
             f"{origin}: transformers cannot build model_type {model_type!r} as a causal LM ({_one_line(exc)})"
         ) from None
+
+
+def _check_rope(origin: str, value: Any, where: str = "rope_parameters") -> None:
+    """RoPE's numbers as transformers keeps them (``config.rope_parameters``, one dict or one per layer type): its
+    config class takes them unchecked, so a string rope_theta would only fail in the first forward."""
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            if key in ("rope_type", "type"):
+                if not isinstance(inner, str):
+                    raise ModelError(f"{origin}: {where}.{key} is {_json_type(inner)}; it must be a string such as "
+                                     "'default' or 'llama3'")
+            else:
+                _check_rope(origin, inner, f"{where}.{key}")
+    elif isinstance(value, list):
+        for inner in value:
+            _check_rope(origin, inner, where)
+    elif value is not None and not isinstance(value, bool):
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                where.endswith(("rope_theta", "factor")) and value <= 0):
+            shown = repr(value)[:40] if isinstance(value, (int, float, str)) else _json_type(value)
+            raise ModelError(f"{origin}: {where} is {shown}; it must be a finite number" +
+                             (" above 0" if where.endswith(("rope_theta", "factor")) else ""))
+
+
+def check_transformers_config(config: dict[str, Any], origin: str = "config") -> None:
+    """For the commands that build the model with transformers (trace, measure, precision-check): refuse in one line
+    a config the analytic parser accepts but transformers cannot build or run, because of a field the estimate does
+    not read (a string layer_norm_epsilon, a pad_token_id past the vocabulary, a string rope_theta). Builds it on the
+    meta device (no memory); needs transformers, whose absence the CLI reports as a missing extra."""
+    import transformers  # noqa: F401 (a ModuleNotFoundError here names the extra to install)
+
+    model = build_meta_model(config, origin)
+    _check_rope(origin, getattr(model.config, "rope_parameters", None))
 
 
 def spec_by_building(config: dict[str, Any], name: str, source: str, reason: str = "") -> ModelSpec:
