@@ -706,3 +706,18 @@ def test_rope_numbers_are_checked_as_transformers_keeps_them():
                 {"sliding_attention": {"rope_theta": math.inf}}, {"short_factor": [1.0, "x"]}):
         with pytest.raises(ModelError):
             _check_rope("c", bad)
+
+
+@settings(max_examples=150, derandomize=True, deadline=None, database=None)
+@given(st.sampled_from(["gpt2", "opt"]), st.integers(1, 4096), st.integers(1, 10_000))
+def test_the_position_limit_refuses_exactly_the_sequences_past_the_table(family, positions, seq):
+    from tiny_configs import TINY_CONFIGS
+    from trainmem.models import check_learned_positions, spec_from_config
+
+    key = "n_positions" if family == "gpt2" else "max_position_embeddings"
+    spec = spec_from_config({**TINY_CONFIGS[family], key: positions})
+    if seq <= positions:
+        check_learned_positions(spec, seq, "measure")
+    else:
+        with pytest.raises(TrainmemError, match=f"{positions:,} positions"):
+            check_learned_positions(spec, seq, "measure")

@@ -594,20 +594,22 @@ def dtypes(value: Optional[float], as_json: bool) -> None:
         console.print(t)
 
 
-def _runnable_config(config: dict, name: str, seq: int) -> None:
-    """A config precision-check can build and run at ``seq``: read by its parser (or, for a model_type without one,
-    by transformers on the meta device), and no longer than a learned position table."""
+def _runnable_config(config: dict, name: str, seq: int, build: bool = True) -> None:
+    """A config precision-check can build and run at ``seq``: read by its parser (a model_type without one: checked
+    as meta_count does), no longer than a learned position table, and (``build``) built by transformers on the meta
+    device."""
+    from .meta_count import check_buildable, check_transformers_config
     from .models import UnsupportedModelType, check_learned_positions, spec_from_config
-
-    from .meta_count import check_transformers_config
 
     try:
         spec = spec_from_config(config, name=name, source=name)
     except UnsupportedModelType:
         spec = None
-    check_transformers_config(config, name)
+        check_buildable(config, name)
     if spec is not None:
         check_learned_positions(spec, seq, "precision-check")
+    if build:
+        check_transformers_config(config, name)
 
 
 def _checked_model(config: dict, name: str, source: str, net) -> dict:
@@ -670,10 +672,10 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
             if not stat.S_ISREG(os.stat(path).st_mode):
                 raise ConfigError(f"{flag} {path!r} is not a regular file")
     config, name, source = load_config(model, hub)
-    _runnable_config(config, name, seq)  # checked before torch is imported or anything is built
+    _runnable_config(config, name, seq, build=False)  # read before it is resized (no torch yet)
     check_resize(config, hidden, layers, name)
     config = resize_config(config, hidden, layers)
-    _runnable_config(config, name, seq)
+    _runnable_config(config, name, seq)  # the resized model, built on the meta device
 
     import torch
 
