@@ -174,7 +174,8 @@ def check_transformers_config(config: dict[str, Any], origin: str = "config") ->
     a config the analytic parser accepts but transformers cannot build or run, because of a field the estimate does
     not read (a string layer_norm_epsilon, a pad_token_id past the vocabulary, a string rope_theta). Builds it on the
     meta device (no memory); needs transformers, whose absence the CLI reports as a missing extra."""
-    import transformers  # noqa: F401 (a ModuleNotFoundError here names the extra to install)
+    import torch  # noqa: F401 (a ModuleNotFoundError here names the extra to install)
+    import transformers  # noqa: F401
 
     model = build_meta_model(config, origin)
     _check_rope(origin, getattr(model.config, "rope_parameters", None))
