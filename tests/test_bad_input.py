@@ -138,7 +138,6 @@ def test_trace_refuses_what_it_cannot_run_before_importing_torch(args):
 
 import glob  # noqa: E402
 import signal  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from hypothesis import HealthCheck  # noqa: E402
@@ -221,7 +220,8 @@ INT_FLAGS = [("estimate", "llama-2-7b", flag) for flag in (
     "--virtual-stages", "--micro-batches", "--lora")] + [
     ("sweep", "gpt2", "--batch"), ("sweep", "gpt2", "--seq"), ("sweep", "gpt2", "--gpus"),
     ("trace", "gpt2", "--seq"), ("measure", "gpt2", "--steps"), ("measure", "gpt2", "--batch"),
-    ("precision-check", "gpt2", "--batch"), ("precision-check", "gpt2", "--seq"), ("precision-check", "gpt2", "--steps"),
+    ("precision-check", "gpt2", "--batch"), ("precision-check", "gpt2", "--seq"),
+    ("precision-check", "gpt2", "--steps"),
     ("precision-check", "gpt2", "--layers"), ("precision-check", "gpt2", "--hidden"), ("amp-demo", None, "--steps"),
     ("amp-demo", None, "--batch"), ("validate", None, "--jobs"), ("validate", None, "--random")]
 FLOAT_FLAGS = [("estimate", "llama-2-7b", flag) for flag in (

@@ -207,7 +207,8 @@ def _workload_options(f):
         click.option("--optimizer", default="adamw", show_default=True, help="Optimizer (trainmem recipes)."),
         click.option("--optimizer-impl", default="auto", show_default=True,
                      help="foreach | fused | auto (fused for mixed-* recipes)."),
-        click.option("--grad-accum", type=_Whole(_MAX_STEP), default=1, show_default=True, help="Gradient accumulation steps."),
+        click.option("--grad-accum", type=_Whole(_MAX_STEP), default=1, show_default=True,
+                     help="Gradient accumulation steps."),
         click.option("--attention", default="sdpa", show_default=True, help="eager | sdpa | flash."),
         click.option("--checkpointing", default="none", show_default=True,
                      help="none | selective (every second decoder layer, torchtitan's layer SAC) | full (every one)."),
@@ -236,7 +237,8 @@ def _workload_options(f):
                      "default only the catalog, local files and the local Hub cache are read)."),
         click.option("--gpus", default="1", show_default=True,
                      help="Data-parallel GPUs (world size); figures are then per GPU. sweep: a list, e.g. 1,2,4,8."),
-        click.option("--gpus-per-node", type=_Whole(_MAX_GPUS), default=0, help="GPUs per node (default: 8, or --gpus if fewer)."),
+        click.option("--gpus-per-node", type=_Whole(_MAX_GPUS), default=0,
+                     help="GPUs per node (default: 8, or --gpus if fewer)."),
         click.option("--zero", default=None, help="DeepSpeed ZeRO stage 0|1|2|3. sweep: a list, e.g. 0,1,2,3."),
         click.option("--fsdp", default=None, help="PyTorch FSDP2: full | grad-op | hybrid | no-shard."),
         click.option("--offload", default="none", show_default=True,
@@ -254,10 +256,12 @@ def _workload_options(f):
                      help="Model chunks per GPU with --pp-schedule interleaved."),
         click.option("--micro-batches", type=_Whole(_MAX_GPUS), default=0,
                      help="Micro-batches per step through the pipeline (default: --pp)."),
-        click.option("--cp", type=_Whole(_MAX_GPUS), default=1, show_default=True, help="Context parallel: the sequence split."),
-        click.option("--ep", type=_Whole(_MAX_GPUS), default=1, show_default=True, help="Expert parallel: routed experts split."),
-        click.option("--lora", type=_Whole(65536), default=None, help="Train LoRA adapters of this rank on a frozen base "
-                     "(the step is modelled for Llama-style, GPT-2 and OPT layers with SDPA; elsewhere the static "
+        click.option("--cp", type=_Whole(_MAX_GPUS), default=1, show_default=True,
+                     help="Context parallel: the sequence split."),
+        click.option("--ep", type=_Whole(_MAX_GPUS), default=1, show_default=True,
+                     help="Expert parallel: routed experts split."),
+        click.option("--lora", type=_Whole(65536), default=None, help="Train LoRA adapters of this rank on a frozen "
+                     "base (the step is modelled for Llama-style, GPT-2 and OPT layers with SDPA; elsewhere the static "
                      "memory)."),
         click.option("--lora-alpha", type=float, default=None, help="LoRA alpha (scales the adapters; no bytes)."),
         click.option("--lora-dropout", type=float, default=0.0, show_default=True,

@@ -62,7 +62,8 @@ def _common_checks(path: str | os.PathLike | None, flag: str) -> Path:
         try:
             target.stat()
         except OSError as exc:
-            what = "a symbolic link loop" if exc.errno == errno.ELOOP else "a dangling symbolic link (it points to nothing)"
+            what = ("a symbolic link loop" if exc.errno == errno.ELOOP
+                    else "a dangling symbolic link (it points to nothing)")
             raise ConfigError(f"{flag} {_shown(path)} is {what}; give a path to a file that can be written") \
                 from None
     real = os.path.realpath(target)
@@ -192,7 +193,8 @@ def read_existing_text(target: str | os.PathLike, flag: str) -> str | None:
     except OSError as exc:
         raise ConfigError(f"{flag} {_shown(str(target))}: cannot read it ({exc.strerror or exc})") from None
     if len(data) > READ_LIMIT:
-        raise ConfigError(f"{flag} {_shown(str(target))} is over {READ_LIMIT // 2**20} MiB: not a report trainmem wrote")
+        raise ConfigError(f"{flag} {_shown(str(target))} is over {READ_LIMIT // 2**20} MiB: not a report trainmem "
+                          "wrote")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
