@@ -55,3 +55,33 @@ def test_memory_grows_with_architecture(heads, layers, inter, vocab, kv_div, rec
         assert all(cb.bytes >= ca.bytes for ca, cb in zip(a.static, b.static) if ca.name != "optimizer_states")
     else:
         assert b.static_bytes >= a.static_bytes
+
+
+@settings(max_examples=120, deadline=None, database=None)
+@given(batch=st.integers(1, 1 << 24), seq=st.integers(1, 1 << 24), accum=st.integers(1, 1 << 24), recipe=recipes,
+       attention=st.sampled_from(["eager", "sdpa", "flash"]), checkpointing=st.sampled_from(["none", "full"]),
+       model=st.sampled_from(["gpt2", "llama-2-7b", "mixtral-8x7b", "gemma-2-9b", "deepseek-v3", "falcon-7b"]))
+def test_every_accepted_workload_gives_finite_whole_bytes(batch, seq, accum, recipe, attention, checkpointing, model):
+    """Anywhere in the accepted ranges (up to settings.MAX_BATCH, MAX_SEQ, MAX_GRAD_ACCUM) the estimate is whole,
+    finite bytes that do not shrink when the batch grows: no float overflow, no Infinity in the JSON."""
+    import json
+    import math
+
+    from trainmem.catalog import resolve_model
+    from trainmem.errors import ConfigError
+    from trainmem.report import json_safe, to_dict
+
+    spec = resolve_model(model)
+    try:
+        s = make_settings(batch=batch, seq=seq, grad_accum=accum, recipe=recipe, attention=attention,
+                          checkpointing=checkpointing)
+    except ConfigError:
+        return  # (a combination the settings refuse, e.g. flash with an fp32 recipe)
+    est = estimate_model(spec, s)
+    json.dumps(json_safe(to_dict(est, None)), allow_nan=False)
+    for phase in est.phases:
+        assert isinstance(phase.allocated_bytes, int) and 0 < phase.allocated_bytes < 2**256
+        assert math.isfinite(float(phase.allocated_bytes))
+    if batch < 1 << 24:
+        bigger = estimate_model(spec, s.at(batch + 1, seq))
+        assert bigger.peak.allocated_bytes >= est.peak.allocated_bytes

@@ -5,6 +5,7 @@ Every :class:`~trainmem.errors.TrainmemError` and every usage error becomes one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -18,6 +19,66 @@ from .errors import ConfigError, TrainmemError
 from .units import DEFAULT_UNIT, parse_unit
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+
+def _flag(param) -> str:
+    return max(param.opts, key=len) if param is not None and param.opts else "value"
+
+
+def _short(text: str) -> str:
+    if len(text) <= 24:
+        return text
+    return f"{text[:8]}...({len(text)} {'digits' if text.lstrip('-').isdigit() else 'characters'})"
+
+
+class _Whole(click.ParamType):
+    """A whole number up to ``maximum`` (and from ``minimum`` when given; else the command checks the lower end in
+    its own words): a typo such as 10**400 is refused in one line while the flags are parsed, before any work."""
+
+    name = "integer"
+
+    def __init__(self, maximum: int, minimum: int | None = None) -> None:
+        self.maximum, self.minimum = maximum, minimum
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, bool) or not isinstance(value, int):
+            try:
+                value = int(str(value).strip())
+            except ValueError:  # (also Python's 4,300-digit limit on int())
+                raise ConfigError(f"{_flag(param)}: {_short(str(value))!r} is not a valid integer (a whole number "
+                                  f"up to {self.maximum:,})") from None
+        if self.minimum is not None and value < self.minimum:
+            raise ConfigError(f"{_flag(param)} must be a whole number from {self.minimum:,} to {self.maximum:,}, "
+                              f"got {_short(str(value))}")
+        if value > self.maximum:
+            raise ConfigError(f"{_flag(param)} must be at most {self.maximum:,}, got {_short(str(value))}")
+        return value
+
+
+_MAX_STEP = 1 << 24
+"""settings.MAX_BATCH, MAX_SEQ and MAX_GRAD_ACCUM (the settings check the lower end, in the API's words)."""
+_MAX_GPUS = 1 << 20
+"""sharding.MAX_GPUS, the bound of every parallel degree."""
+
+
+class _Real(click.ParamType):
+    """A finite number from ``low`` to ``high``: nan, inf and 1e308 are refused in one line while the flags are
+    parsed."""
+
+    name = "number"
+
+    def __init__(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{_flag(param)} must be a number, got {_short(str(value))!r}") from None
+        if not self.low <= number <= self.high:  # (NaN fails too)
+            raise ConfigError(f"{_flag(param)} must be a number from {self.low:g} to {self.high:g}, "
+                              f"got {_short(str(value))}")
+        return number
 
 
 @click.group(context_settings=CONTEXT)
@@ -115,7 +176,7 @@ def _one_int(text: str, flag: str, minimum: int = 1) -> int:
     try:
         value = int(text)
     except (TypeError, ValueError):
-        raise ConfigError(f"{flag} must be a whole number, got {text!r}") from None
+        raise ConfigError(f"{flag} must be a whole number, got {_short(str(text))!r}") from None
     if value < minimum:
         raise ConfigError(f"{flag} must be at least {minimum}, got {value}")
     return value
@@ -125,9 +186,9 @@ def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ConfigError(f"{flag}: {text!r} is not a comma-separated list of integers, e.g. 1,2,4") from None
+        raise ConfigError(f"{flag}: {_short(text)!r} is not a comma-separated list of integers, e.g. 1,2,4") from None
     if not values or any(v < minimum for v in values):
-        raise ConfigError(f"{flag}: values must be integers of at least {minimum}, got {text!r}")
+        raise ConfigError(f"{flag}: values must be integers of at least {minimum}, got {_short(text)!r}")
     return values
 
 
@@ -161,7 +222,8 @@ def _workload_options(f):
         click.option("--optimizer", default="adamw", show_default=True, help="Optimizer (trainmem recipes)."),
         click.option("--optimizer-impl", default="auto", show_default=True,
                      help="foreach | fused | auto (fused for mixed-* recipes)."),
-        click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
+        click.option("--grad-accum", type=_Whole(_MAX_STEP), default=1, show_default=True,
+                     help="Gradient accumulation steps."),
         click.option("--attention", default="sdpa", show_default=True, help="eager | sdpa | flash."),
         click.option("--checkpointing", default="none", show_default=True,
                      help="none | selective (every second decoder layer, torchtitan's layer SAC) | full (every one)."),
@@ -192,7 +254,8 @@ def _workload_options(f):
                      "default only the catalog, local files and the local Hub cache are read)."),
         click.option("--gpus", default="1", show_default=True,
                      help="Data-parallel GPUs (world size); figures are then per GPU. sweep: a list, e.g. 1,2,4,8."),
-        click.option("--gpus-per-node", type=int, default=0, help="GPUs per node (default: 8, or --gpus if fewer)."),
+        click.option("--gpus-per-node", type=_Whole(_MAX_GPUS), default=0,
+                     help="GPUs per node (default: 8, or --gpus if fewer)."),
         click.option("--zero", default=None, help="DeepSpeed ZeRO stage 0|1|2|3. sweep: a list, e.g. 0,1,2,3."),
         click.option("--fsdp", default=None, help="PyTorch FSDP2: full | grad-op | hybrid | no-shard."),
         click.option("--offload", default="none", show_default=True,
@@ -208,19 +271,21 @@ def _workload_options(f):
         click.option("--torchtitan-config", type=click.Path(dir_okay=False),
                      help="The torchtitan.json trainmem plan --out writes: its batch, dtypes, degrees and "
                           "checkpointing apply likewise."),
-        click.option("--tp", type=int, default=1, show_default=True,
+        click.option("--tp", type=_Whole(_MAX_GPUS), default=1, show_default=True,
                      help="Tensor parallel: heads, MLP width and vocabulary split across TP GPUs."),
         click.option("--sp", is_flag=True, help="Sequence parallel on the tensor-parallel GPUs (needs --tp)."),
-        click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages."),
+        click.option("--pp", type=_Whole(_MAX_GPUS), default=1, show_default=True, help="Pipeline stages."),
         click.option("--pp-schedule", default="1f1b", show_default=True, help="1f1b | interleaved."),
-        click.option("--virtual-stages", type=int, default=1, show_default=True,
+        click.option("--virtual-stages", type=_Whole(_MAX_GPUS), default=1, show_default=True,
                      help="Model chunks per GPU with --pp-schedule interleaved."),
-        click.option("--micro-batches", type=int, default=0,
+        click.option("--micro-batches", type=_Whole(_MAX_GPUS), default=0,
                      help="Micro-batches per step through the pipeline (default: --pp)."),
-        click.option("--cp", type=int, default=1, show_default=True, help="Context parallel: the sequence split."),
-        click.option("--ep", type=int, default=1, show_default=True, help="Expert parallel: routed experts split."),
-        click.option("--lora", type=int, default=None, help="Train LoRA adapters of this rank on a frozen base "
-                     "(the step is modelled for Llama-style, GPT-2 and OPT layers with SDPA; elsewhere the static "
+        click.option("--cp", type=_Whole(_MAX_GPUS), default=1, show_default=True,
+                     help="Context parallel: the sequence split."),
+        click.option("--ep", type=_Whole(_MAX_GPUS), default=1, show_default=True,
+                     help="Expert parallel: routed experts split."),
+        click.option("--lora", type=_Whole(65536), default=None, help="Train LoRA adapters of this rank on a frozen "
+                     "base (the step is modelled for Llama-style, GPT-2 and OPT layers with SDPA; elsewhere the static "
                      "memory)."),
         click.option("--lora-alpha", type=float, default=None, help="LoRA alpha (scales the adapters; no bytes)."),
         click.option("--lora-dropout", type=float, default=0.0, show_default=True,
@@ -246,8 +311,8 @@ def _workload_options(f):
 @app.command()
 @_workload_options
 @_gpu_memory_option
-@click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
-@click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
+@click.option("--batch", type=_Whole(_MAX_STEP), default=1, show_default=True, help="Micro-batch size per GPU.")
+@click.option("--seq", type=_Whole(_MAX_STEP), default=2048, show_default=True, help="Sequence length in tokens.")
 @click.option("--max-batch", is_flag=True, help="Find the largest micro-batch that fits --gpu (none: says \"does not fit, "
               "not even batch 1\"; exit code 0).")
 @click.option("--max-seq", is_flag=True, help="Find the longest sequence that fits --gpu, up to the model's position "
@@ -271,17 +336,20 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
     from .planner import estimate_searched
     from .report import gpu_verdict, render_estimate, to_dict
 
-    if plot:
-        from .plots import check_plot_path
+    if plot is not None:
+        from .outputs import check_output_file
 
-        check_plot_path(plot)
+        plot_path = check_output_file(plot, "--plot", ".png")
     w = _workload(options, batch, seq)
     unit, target, as_json = w.unit, w.gpu, options["as_json"]
     est, extra = estimate_searched(w.spec, w.settings, w.device, target, w.parallel, w.finetune, max_batch, max_seq)
-    if plot:
+    if plot is not None:
+        from .outputs import replacing
+
         from .plots import plot_estimate
 
-        plot_estimate(est, plot, unit, target)
+        with replacing(plot_path) as temporary:
+            plot_estimate(est, temporary, unit, target)
     if as_json:
         _emit_json(to_dict(est, target, extra))
     else:
@@ -308,8 +376,8 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
 
 @app.command()
 @_workload_options
-@click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
-@click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
+@click.option("--batch", type=_Whole(_MAX_STEP), default=1, show_default=True, help="Micro-batch size per GPU.")
+@click.option("--seq", type=_Whole(_MAX_STEP), default=2048, show_default=True, help="Sequence length in tokens.")
 @click.option("--no-round", is_flag=True, help="Keep raw tensor sizes (CUDA rounds each allocation to 512 B).")
 @click.option("--allocator", "replay_allocator", is_flag=True,
               help="Replay two steps' allocations through a model of CUDA's caching allocator: max_memory_reserved, "
@@ -361,6 +429,9 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
         check_fsdp_traceable(w.settings, w.parallel)
     else:
         check_runnable(w.settings)
+    from .meta_count import check_transformers_config
+
+    check_transformers_config(w.config, w.spec.source or w.spec.name)  # (what transformers would refuse mid-trace)
 
     from .estimate import estimate_model
     from .report import render_trace, trace_to_dict
@@ -417,11 +488,14 @@ def sweep(batches, seqs, plot, **options) -> None:
 
     from dataclasses import replace
 
-    batch_list, seq_list = _int_list(batches, "--batch"), _int_list(seqs, "--seq")
-    if plot:
-        from .plots import check_plot_path
+    from .settings import check_grid
 
-        check_plot_path(plot)
+    batch_list, seq_list = _int_list(batches, "--batch"), _int_list(seqs, "--seq")
+    check_grid(batch_list, seq_list, names=("--batch", "--seq"))
+    if plot is not None:
+        from .outputs import check_output_file
+
+        plot_path = check_output_file(plot, "--plot", ".png")
         if len(set(batch_list)) < 2 and len(set(seq_list)) < 2:
             raise ConfigError("--plot draws memory against the batch or the sequence: give more than one --batch or "
                               "--seq value")
@@ -443,15 +517,18 @@ def sweep(batches, seqs, plot, **options) -> None:
                 layouts.append(layout)
     if w.finetune is not None and len(layouts) > 1:
         raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
+    check_grid(batch_list, seq_list, len(layouts), names=("--batch", "--seq"))
     estimates = run_sweep(spec, settings, batch_list, seq_list, device, layouts, w.finetune)
     if any(e.peak is None for e in estimates):
         why = ("this LoRA set-up's activations are not modelled yet" if w.finetune
                else "give a model config, not --params")
         raise ConfigError(f"a sweep needs activations: {why}")
-    if plot:
+    if plot is not None:
+        from .outputs import replacing
         from .plots import plot_sweep
 
-        plot_sweep(estimates, plot, unit, target)
+        with replacing(plot_path) as temporary:
+            plot_sweep(estimates, temporary, unit, target)
     if as_json:
         _emit_json({**_header("sweep"), "sweep": [to_dict(e, target, search_batch=False) for e in estimates]})
     else:
@@ -462,10 +539,11 @@ def sweep(batches, seqs, plot, **options) -> None:
 
 @app.command()
 @_workload_options
-@click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size per GPU.")
-@click.option("--seq", type=int, default=512, show_default=True, help="Sequence length in tokens.")
+@click.option("--batch", type=_Whole(_MAX_STEP), default=1, show_default=True, help="Micro-batch size per GPU.")
+@click.option("--seq", type=_Whole(_MAX_STEP), default=512, show_default=True, help="Sequence length in tokens.")
 @click.option("--device", default="auto", show_default=True, help="cuda, cuda:N, cpu or auto.")
-@click.option("--steps", type=int, default=2, show_default=True, help="Steps to run; the last one is measured.")
+@click.option("--steps", type=_Whole(1000), default=2, show_default=True,
+              help="Steps to run; the last one is measured.")
 @click.option("--snapshot", type=click.Path(dir_okay=False), help="CUDA only: write a memory snapshot for "
               "pytorch.org/memory_viz.")
 def measure(batch, seq, device, steps, snapshot, **options) -> None:
@@ -489,7 +567,22 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     if ignored:
         raise ConfigError(f"measure runs the step and compares allocated bytes: {', '.join(ignored)} only change "
                           "what estimate says fits a GPU (use trainmem estimate for that)")
+    snapshot_path = None
+    if snapshot is not None:
+        from .outputs import check_output_file
+
+        snapshot_path = check_output_file(snapshot, "--snapshot")
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not device.startswith("cuda"):
+            raise ConfigError("--snapshot records the CUDA caching allocator's history: it needs --device cuda "
+                              f"(here the device is {device})")
     w = _workload(options, batch, seq, need_config="measure")
+    from .models import check_learned_positions
+
+    check_learned_positions(w.spec, w.settings.seq, "measure")
     refuse_unmeasurable(w.finetune)
     for flag, on in (("--optimizer-in-backward", w.settings.optimizer_in_backward), ("--compile", w.settings.compile),
                      ("--offload-activations", w.settings.offload_activations)):
@@ -499,6 +592,9 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     from .step import check_runnable
 
     check_runnable(w.settings, device)
+    from .meta_count import check_transformers_config
+
+    check_transformers_config(w.config, w.spec.source or w.spec.name)
     from rich.console import Console
 
     errors = Console(stderr=True, highlight=False, soft_wrap=True)  # progress on stderr: --json keeps stdout
@@ -509,6 +605,7 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     spec, unit, as_json = w.spec, w.unit, options["as_json"]
     config = w.config
     est = estimate_model(spec, settings, w.device, finetune=w.finetune)
+    from .outputs import replacing
 
     def progress(step: int, total: int, seconds: float | None) -> None:
         if step == 0 and seconds is None:
@@ -522,7 +619,9 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
         errors.print(f"measure: {what}")
 
     try:
-        result = measure_steps(config, settings, device, steps, snapshot, finetune=w.finetune, progress=progress)
+        with replacing(snapshot_path) if snapshot_path else contextlib.nullcontext() as temporary:
+            result = measure_steps(config, settings, device, steps, temporary and str(temporary),
+                                   finetune=w.finetune, progress=progress)
     except (RuntimeError, ValueError) as exc:  # device not available, out of memory, unsupported recipe
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"measure failed on {device}: {first[:300]}") from None
@@ -590,6 +689,24 @@ def dtypes(value: Optional[float], as_json: bool) -> None:
         console.print(t)
 
 
+def _runnable_config(config: dict, name: str, seq: int, build: bool = True) -> None:
+    """A config precision-check can build and run at ``seq``: read by its parser (a model_type without one: checked
+    as meta_count does), no longer than a learned position table, and (``build``) built by transformers on the meta
+    device."""
+    from .meta_count import check_buildable, check_transformers_config
+    from .models import UnsupportedModelType, check_learned_positions, spec_from_config
+
+    try:
+        spec = spec_from_config(config, name=name, source=name)
+    except UnsupportedModelType:
+        spec = None
+        check_buildable(config, name)
+    if spec is not None:
+        check_learned_positions(spec, seq, "precision-check")
+    if build:
+        check_transformers_config(config, name)
+
+
 def _checked_model(config: dict, name: str, source: str, net) -> dict:
     """The model object of estimate's document for the (resized) model precision-check ran; a family without an
     analytic parser gets the counted parameters and what its config says."""
@@ -608,13 +725,14 @@ def _checked_model(config: dict, name: str, source: str, net) -> dict:
 
 @app.command(name="precision-check")
 @click.argument("model")
-@click.option("--layers", type=int, help="Scale down to this many layers (default: the config's).")
-@click.option("--hidden", type=int, help="Scale down to this hidden size, keeping the head size.")
+@click.option("--layers", type=_Whole(10_000), help="Scale down to this many layers (default: the config's).")
+@click.option("--hidden", type=_Whole(1 << 31), help="Scale down to this hidden size, keeping the head size.")
 @click.option("--weights", type=click.Path(exists=True, dir_okay=False), help="A local .safetensors checkpoint.")
 @click.option("--data", type=click.Path(exists=True, dir_okay=False), help="A local text file (bytes as tokens).")
-@click.option("--batch", type=int, default=4, show_default=True)
-@click.option("--seq", type=int, default=128, show_default=True)
-@click.option("--steps", type=int, default=3, show_default=True, help="Training steps; the last is analysed.")
+@click.option("--batch", type=_Whole(4096), default=4, show_default=True)
+@click.option("--seq", type=_Whole(1 << 24), default=128, show_default=True)
+@click.option("--steps", type=_Whole(10_000), default=3, show_default=True,
+              help="Training steps; the last is analysed.")
 @click.option("--lr", type=float, default=1e-4, show_default=True, help="AdamW learning rate for the updates.")
 @click.option("--loss-scale", type=float, default=1024.0, show_default=True, help="The scale to evaluate.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write the gradient histogram as a PNG.")
@@ -628,27 +746,47 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
     \b
     Example: trainmem precision-check llama-2-7b --layers 2 --hidden 256
     """
-    import torch
-
     from .catalog import load_config
-    from .precision import plot_gradients, precision_check as run_check, resize_config, text_batches
-    from .probe import build_model
-    from .recipes import get_recipe
+    from .outputs import check_output_file, replacing
+    from .precision import check_arguments, check_resize, plot_gradients, precision_check as run_check, \
+        resize_config, text_batches
+    from .settings import make_settings
 
     for flag, v in (("--batch", batch), ("--seq", seq), ("--steps", steps), ("--layers", layers),
                     ("--hidden", hidden)):
         if v is not None and v <= 0:
             raise ConfigError(f"{flag} must be a positive integer, got {v}")
-    if loss_scale <= 0 or lr <= 0:
-        raise ConfigError("--loss-scale and --lr must be positive")
+    check_arguments(steps=steps, lr=lr, loss_scale=loss_scale, batch=batch, flags=True)
+    make_settings(seq=seq)  # (the sequence's bounds)
+    plot_path = check_output_file(plot, "--plot", ".png") if plot is not None else None
+    import os
+    import stat
+
+    for flag, path in (("--weights", weights), ("--data", data)):
+        if path is not None:
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise ConfigError(f"{flag} {path!r} is not a regular file")
     config, name, source = load_config(model, hub)
+    _runnable_config(config, name, seq, build=False)  # read before it is resized (no torch yet)
+    check_resize(config, hidden, layers, name)
     config = resize_config(config, hidden, layers)
+    _runnable_config(config, name, seq)  # the resized model, built on the meta device
+
+    import torch
+
+    from .probe import build_model
+    from .recipes import get_recipe
+
     torch.manual_seed(0)
     net = build_model(config, get_recipe("fp32"), "sdpa", None)
     if weights:
         from safetensors.torch import load_file
 
-        missing, unexpected = net.load_state_dict(load_file(weights), strict=False)
+        try:
+            missing, unexpected = net.load_state_dict(load_file(weights), strict=False)
+        except Exception as exc:  # noqa: BLE001 (safetensors' SafetensorError, a shape mismatch's RuntimeError)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ConfigError(f"--weights {weights!r}: cannot load it into {name} ({first})") from None
         if unexpected:
             raise ConfigError(f"{weights}: {len(unexpected)} tensors do not belong to {name} "
                               f"(first: {unexpected[0]})")
@@ -665,8 +803,9 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
                     if k in report.update_ratio else None}
                 for k, d in sorted(report.gradients.items())}
     verdict = report.verdict(torch)
-    if plot:
-        plot_gradients(torch, report, plot)
+    if plot_path is not None:
+        with replacing(plot_path) as temporary:
+            plot_gradients(torch, report, str(temporary))
     doc = {**_header("precision-check"), "model": _checked_model(config, name, source, net),
            "parameters": sum(p.numel() for p in net.parameters()),
            "losses": report.losses,
@@ -713,9 +852,9 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
 
 
 @app.command(name="amp-demo")
-@click.option("--steps", type=int, default=200, show_default=True)
-@click.option("--batch", type=int, default=8, show_default=True)
-@click.option("--grad-scale-down", type=float, default=1.0, show_default=True,
+@click.option("--steps", type=_Whole(100_000), default=200, show_default=True)
+@click.option("--batch", type=_Whole(4096), default=8, show_default=True)
+@click.option("--grad-scale-down", type=_Real(1e-12, 1e12), default=1.0, show_default=True,
               help="Shrink the gradients fp16 sees by this factor (e.g. 1e-6) to reproduce a deep model's regime.")
 @click.option("--runs", default=",".join(("fp32", "fp16-autocast", "fp16-autocast+scaler", "bf16-autocast",
                                            "pure-bf16", "pure-bf16+master")), show_default=True)
@@ -731,15 +870,22 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
     from .amp_demo import RUNS, plot as plot_runs, run_all
 
     names = [r.strip() for r in runs.split(",") if r.strip()]
+    if not names:
+        raise ConfigError(f"--runs is empty; accepted: {', '.join(RUNS)}")
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         raise ConfigError(f"unknown run {unknown[0]!r}; accepted: {', '.join(RUNS)}")
     if steps <= 0 or batch <= 0 or not grad_scale_down > 0:
         raise ConfigError("--steps, --batch and --grad-scale-down must be positive")
+    if plot is not None:
+        from .outputs import check_output_file, replacing
+
+        plot_path = check_output_file(plot, "--plot", ".png")
     results, seconds = run_all(steps=steps, grad_scale_down=grad_scale_down, runs=names, batch=batch)
     reference = next((r for r in results if r.name == "fp32"), None)
-    if plot:
-        plot_runs(results, plot)
+    if plot is not None:
+        with replacing(plot_path) as temporary:
+            plot_runs(results, str(temporary))
     if as_json:
         _emit_json({**_header("amp-demo"), "steps": steps, "grad_scale_down": grad_scale_down,
                     "seconds": round(seconds, 1), "runs": [
@@ -771,16 +917,18 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
 @click.option("--quick", is_flag=True, help="The reduced matrix CI runs (two rows per model type).")
 @click.option("--full-size", is_flag=True, help="The real configs up to 9B instead of scaled-down ones (112 rows, "
               "8-80 s each).")
-@click.option("--random", "random_cases", type=int, default=None,
+@click.option("--random", "random_cases", type=_Whole(10_000), default=None,
               help="Instead of a matrix, N random models and set-ups (the differential test; every phase scored).")
-@click.option("--seed", type=int, default=None, help="Seed of --random (default 0): the same seed draws the "
+@click.option("--seed", type=_Whole(2**64 - 1), default=None,
+              help="Seed of --random (default 0): the same seed draws the "
               "same cases.")
 @click.option("--lora", is_flag=True, help="The LoRA matrix: peft's adapters on the families whose LoRA step is "
               "modelled (with --quick: one row per family).")
 @click.option("--compile", "compiled", is_flag=True, help="The --compile matrix: layers compiled with "
               "aot_eager_decomp_partition on the families whose compiled layers are modelled (with --quick: two rows "
               "per family).")
-@click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Rows traced in parallel processes.")
+@click.option("--jobs", "-j", type=_Whole(1024), default=1, show_default=True,
+              help="Rows traced in parallel processes.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default="docs/accuracy.md", show_default=True,
               help="Markdown report to write; its other sections (the other matrix, benchmark results) are kept.")
 def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int | None, lora: bool, compiled: bool,
@@ -794,9 +942,7 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
              trainmem validate --lora --jobs 2
              trainmem validate --compile --jobs 2
     """
-    import os
-    import tempfile
-
+    from .outputs import check_output_file, read_existing_text, write_text
     from .validate import COMPILE_HEADING, LORA_HEADING, RANDOM_HEADING, compile_section, lora_section, markdown, \
         random_section, replace_sections, validate as run_validate, validate_compile, validate_lora, validate_random
 
@@ -811,10 +957,8 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
     if seed is not None and random_cases is None:
         raise ConfigError("--seed chooses the cases of --random; the matrices have no randomness: give --random N")
     seed = seed or 0
-    existing = None
-    if os.path.exists(output):
-        with open(output, encoding="utf-8") as handle:
-            existing = handle.read()
+    output_path = check_output_file(output, "--output")
+    existing = read_existing_text(output_path, "--output")
     console = _console()
 
     def show_row(r) -> None:
@@ -847,12 +991,7 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
         text = markdown(rows, full_size=full_size, quick=quick, existing=existing)
         bad = sum(not r.within_tolerance for r in rows)
         total = len(rows)
-    folder = os.path.dirname(os.path.abspath(output))
-    os.makedirs(folder, exist_ok=True)
-    # Written to a temporary file and renamed, so an interrupted run never leaves half a report.
-    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as handle:
-        handle.write(text)
-    os.replace(handle.name, output)
+    write_text(output_path, text)  # (a temporary file renamed: an interrupted run never leaves half a report)
     console.print(f"wrote {output}: {total - bad} of {total} within tolerance")
     if bad:
         raise click.exceptions.Exit(1)
@@ -934,10 +1073,12 @@ def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, chec
     from .report import plan_document, render_plan
 
     unit = parse_unit(units)
-    if min_gpus and out_dir:
+    if min_gpus and out_dir is not None:
         raise ConfigError("--min-gpus answers a GPU count (one sequence per GPU): it takes no --global-batch or --out")
-    if out_dir is not None and not out_dir.strip():
-        raise ConfigError("--out is empty; give a folder")
+    if out_dir is not None:  # (checked before the search; '' is refused, not taken as "no --out")
+        from .outputs import check_output_dir
+
+        out_dir = check_output_dir(out_dir, "--out")
     options = {key: value for key, value in (("mfu", mfu), ("inter_node_gbps", inter_node_gbps),
                                              ("host_memory_gib", host_memory_gib)) if value is not None}
     found, answer = run_plan(model, gpu, gpus, seq, global_batch, gpus_per_node, nodes, recipe, checkpointing,

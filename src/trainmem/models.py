@@ -523,17 +523,61 @@ class _Config:
 
     def _check(self, key: str, value: Any) -> Any:
         if key in _COUNTS and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ModelError(f"{self.origin}: config field {key!r} is {json.dumps(value)[:40]}; it must be an integer")
+            raise ModelError(f"{self.origin}: config field {key!r} is {_shown(value)}; it must be an integer")
+        expected = CONFIG_DEFAULTS.get(self.model_type, {}).get(key)
+        if isinstance(expected, bool) and not isinstance(value, bool):
+            raise ModelError(f"{self.origin}: config field {key!r} is {_shown(value)}; it must be true or false")
+        if isinstance(expected, str) and not isinstance(value, str):
+            raise ModelError(f"{self.origin}: config field {key!r} is {_shown(value)}; it must be a string such as "
+                             f"{expected!r}")
+        if isinstance(expected, list):
+            largest = _LARGEST["num_hidden_layers"]
+            if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int)
+                                                  or not 0 <= v < largest for v in value):
+                raise ModelError(f"{self.origin}: config field {key!r} is {_shown(value)}; it must be a list of "
+                                 "layer indices")
+            return value
+        if key in _FRACTIONS or (isinstance(expected, float) and key not in _POSITIVE_NUMBERS):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ModelError(f"{self.origin}: config field {key!r} is {_shown(value)}; it must be a number from "
+                                 "0 to 1")
+            return value
+        if key in _POSITIVE_NUMBERS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ModelError(f"{self.origin}: config field {key!r} is {_shown(value)}; it must be a positive "
+                                 "number")
+            return value
         if isinstance(value, bool) or not isinstance(value, int):
             return value
         largest = _LARGEST.get(key, _LARGEST_SIZE)
         if key in _COUNTS and value > largest:
-            raise ModelError(f"{self.origin}: config field {key!r} is {value}; at most {largest:,} is accepted")
+            raise ModelError(f"{self.origin}: config field {key!r} is {_shown(value)}; at most {largest:,} is "
+                             "accepted")
         if key in _SIZES and value <= 0:
             raise ModelError(f"{self.origin}: config field {key!r} is {value}; it must be a positive integer")
         if value < 0:
-            raise ModelError(f"{self.origin}: config field {key!r} is {value}; it must be non-negative")
+            raise ModelError(f"{self.origin}: config field {key!r} is {_shown(value)}; it must be non-negative")
         return value
+
+
+_FRACTIONS = frozenset({"attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
+                        "partial_rotary_factor", "rotary_pct"})
+"""Probabilities and fractions: a number from 0 to 1."""
+_POSITIVE_NUMBERS = frozenset({"attn_logit_softcapping", "final_logit_softcapping"})
+"""Finite positive numbers (null, where it turns the feature off, is read as None before the check)."""
+
+
+def _shown(value: Any) -> str:
+    """A config value as one short piece of text for an error (a 400-digit number, a long list shortened)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    if len(text) <= 40:
+        return text
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{text[:8]}...({len(text.lstrip('-'))} digits)"
+    return text[:36] + "..."
 
 
 T = TypeVar("T")
@@ -576,8 +620,19 @@ def _act(c: _Config) -> str:
     and OPT ``activation_function``, Falcon ``activation``, the rest ``hidden_act``)."""
     for key in ("hidden_act", "hidden_activation", "activation_function", "activation"):
         if key in CONFIG_DEFAULTS[c.model_type]:
-            return str(c.get(key))
+            act = c.get(key)
+            if act not in ACTIVATIONS:
+                raise ModelError(f"{c.origin}: config field {key!r} is {_shown(act)}; transformers' activations are "
+                                 f"{', '.join(ACTIVATIONS)}")
+            return str(act)
     raise AssertionError(f"no activation key for {c.model_type}")
+
+
+ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
+               "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu",
+               "relu", "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu")
+"""The names transformers 5 looks activations up by (transformers/activations.py, ACT2CLS; the modeling files read
+``ACT2FN[config.hidden_act]``): any other name is a KeyError there, so it is refused here."""
 
 
 def _rope_extension(c: _Config) -> str | None:
@@ -585,8 +640,13 @@ def _rope_extension(c: _Config) -> str | None:
     longrope, ...), from ``rope_scaling`` or transformers 5's ``rope_parameters``; None for plain RoPE."""
     for key in ("rope_scaling", "rope_parameters"):
         holder = c.raw.get(key)
+        if holder is not None and not isinstance(holder, dict):
+            raise ModelError(f"{c.origin}: config field {key!r} is {_shown(holder)}; it must be an object or null")
         if isinstance(holder, dict):
             kind = holder.get("rope_type", holder.get("type"))
+            if kind is not None and not isinstance(kind, str):
+                raise ModelError(f"{c.origin}: {key}.rope_type is {_shown(kind)}; it must be a string such as "
+                                 "'llama3' or 'yarn'")
             if kind and kind != "default":
                 return str(kind)
     return None
@@ -599,10 +659,10 @@ def _rotary_fraction(c: _Config) -> float:
         if isinstance(holder, dict):
             for key in ("partial_rotary_factor", "rotary_pct"):
                 if holder.get(key) is not None:
-                    value = float(holder[key])
-                    if not 0.0 < value <= 1.0:
-                        raise ModelError(f"{c.origin}: {key}={value} must be in (0, 1]")
-                    return value
+                    value = holder[key]
+                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                        raise ModelError(f"{c.origin}: {key}={_shown(value)} must be a number in (0, 1]")
+                    return float(value)
     return float(c.get("partial_rotary_factor"))
 
 
@@ -615,8 +675,9 @@ def _layer_windows(c: _Config, n_layers: int, window: int | None, sliding: Calla
     from the family's default pattern ``sliding(i)`` (each configuration_<family>.py's ``__post_init__``)."""
     types = c.raw.get("layer_types")
     if types is not None:
-        if not isinstance(types, list) or len(types) != n_layers:
-            raise ModelError(f"{c.origin}: layer_types must list one type per layer ({n_layers})")
+        if not isinstance(types, list) or len(types) != n_layers or not all(isinstance(t, str) for t in types):
+            raise ModelError(f"{c.origin}: layer_types must list one type per layer ({n_layers}), such as "
+                             "'full_attention' or 'sliding_attention'")
         flags = [t == "sliding_attention" for t in types]
     else:
         flags = [sliding(i) for i in range(n_layers)]
@@ -995,17 +1056,51 @@ def spec_from_config(config: dict[str, Any], name: str = "", source: str = "") -
     origin = source or name or "config"
     if not isinstance(config, dict):
         raise ModelError(f"{origin}: a config must be a JSON object, got {type(config).__name__}")
-    model_type = config.get("model_type")
-    if not model_type:
-        raise ModelError(f"{origin}: config has no 'model_type'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    model_type = model_type_of(config, origin)
     parser = PARSERS.get(model_type)
     if parser is None:
         raise UnsupportedModelType(
             f"{origin}: model_type {model_type!r} has no analytic parser; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    fields = parser(_Config(config, origin))
+    reader = _Config(config, origin)
+    for key in sorted(_COUNTS & config.keys()):  # every size in the file, read by this family's modules or not
+        if config[key] is not None:
+            reader._check(key, config[key])
+    fields = parser(reader)
     return ModelSpec(name=name or str(model_type), model_type=str(model_type), source=source,
                      traits=FAMILY_TRAITS.get(model_type, FamilyTraits()), **fields)
+
+
+MODEL_TYPE_LIMIT = 100
+"""The longest model_type read (transformers' longest is under 40 characters)."""
+
+
+def model_type_of(config: dict[str, Any], origin: str) -> str:
+    """The config's ``model_type``: a non-empty string (a list, a number or an object there is refused in one line,
+    not looked up)."""
+    model_type = config.get("model_type")
+    if model_type is None or model_type == "":
+        raise ModelError(f"{origin}: config has no 'model_type'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not isinstance(model_type, str):
+        raise ModelError(f"{origin}: config field 'model_type' is {_json_type(model_type)}; it must be a string such "
+                         f"as 'llama' (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if len(model_type) > MODEL_TYPE_LIMIT or not model_type.isprintable():
+        raise ModelError(f"{origin}: config field 'model_type' is {model_type[:40]!r}...; a model_type is a short "
+                         f"name such as 'llama' (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return model_type
+
+
+def check_learned_positions(spec: ModelSpec, seq: int, command: str) -> None:
+    """Refuse a sequence past a learned position table for a command that runs the model for real (measure,
+    precision-check): GPT-2's ``wpe`` has n_positions rows and OPT's ``embed_positions`` max_position_embeddings
+    (plus its offset of 2), and ``torch.nn.functional.embedding`` raises IndexError for a position past them.
+    (RoPE models compute their positions and run past max_position_embeddings; the estimate only warns there.)"""
+    limit = spec.max_position_embeddings
+    if spec.position_table_rows and limit and seq > limit:
+        key = "n_positions" if spec.model_type == "gpt2" else "max_position_embeddings"
+        raise ModelError(f"--seq {seq:,} is past {spec.name}'s {limit:,} positions ({key}, a learned position table "
+                         f"that cannot be indexed further): {command} runs the model, so give --seq {limit:,} or "
+                         "less")
 
 
 def nominal_spec(num_parameters: int) -> ModelSpec:
@@ -1058,10 +1153,13 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ModelError(f"{path}: a config must be a JSON object, got {_json_type(config)}")
     # Multimodal wrappers (Gemma 3, Llama 4, ...) keep the language model under text_config.
-    if "text_config" in config and config.get("model_type") not in PARSERS:
+    outer_type = config.get("model_type")
+    if outer_type is not None and not isinstance(outer_type, str):
+        model_type_of(config, str(path))  # (refuses it in one line)
+    if "text_config" in config and outer_type not in PARSERS:
         if not isinstance(config["text_config"], dict):
             raise ModelError(f"{path}: text_config must be a JSON object, got {_json_type(config['text_config'])}")
         inner = dict(config["text_config"])
-        inner.setdefault("model_type", f"{config.get('model_type', '')}_text")
+        inner.setdefault("model_type", f"{outer_type or ''}_text")
         return inner
     return config

@@ -130,10 +130,9 @@ def sweep_grid(model, batches, seqs, **options) -> list[Estimate]:
 
     from .request import make_request
 
-    for name, values in (("batches", batches), ("seqs", seqs)):
-        if not isinstance(values, (list, tuple)) or not values or any(
-                isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
-            raise ConfigError(f"{name} must be a non-empty list of positive integers, got {values!r}")
+    from .settings import check_grid
+
+    check_grid(batches, seqs)  # (lists of whole numbers in the settings' bounds, at most MAX_SWEEP_CELLS pairs)
     req = make_request(model, batch=batches[0], seq=seqs[0], **options)
     _require_architecture(req.model)
     return [with_gpu(e, gpu=req.gpu)

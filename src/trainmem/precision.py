@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .dtypes import FORMATS
+from .errors import ConfigError
 
 FP16 = FORMATS["fp16"]
 BF16 = FORMATS["bf16"]
@@ -31,6 +32,30 @@ FP16_ZERO_AT_OR_BELOW = FP16.smallest_subnormal / 2
 FP16_SUBNORMAL_BELOW = FP16.smallest_normal - FP16.smallest_subnormal / 2
 FP16_INF_AT_OR_ABOVE = FP16.max + 2.0 ** (15 - FP16.mantissa_bits) / 2
 COVERAGE = 0.999
+LR_RANGE = (1e-12, 10.0)
+"""AdamW learning rates accepted: far past any used (1e-6 to 1e-2), finite, so an update is a number."""
+LOSS_SCALE_RANGE = (2.0**-24, 2.0**64)
+"""Loss scales accepted: GradScaler's start at 2**16 and move by powers of two; beyond 2**64 every gradient above
+fp16's smallest subnormal overflows 65504, so nothing is left to evaluate."""
+MAX_STEPS = 10_000
+MAX_BATCH = 4096
+DATA_LIMIT = 256 * 2**20
+"""The largest --data file read (each byte is a token; a few MB is plenty)."""
+
+
+def check_arguments(steps: int = 1, lr: float = 1e-4, loss_scale: float = 1.0, batch: int = 1,
+                    flags: bool = False) -> None:
+    """precision_check's numbers, refused in one line (before torch is imported) when not whole, not finite or out
+    of range. ``flags`` names them as the CLI's flags."""
+    name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)
+    for key, value, largest in (("steps", steps, MAX_STEPS), ("batch", batch, MAX_BATCH)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= largest:
+            raise ConfigError(f"{name(key)} must be a whole number from 1 to {largest:,}, got {value!r}")
+    for key, value, (low, high) in (("lr", lr, LR_RANGE), ("loss_scale", loss_scale, LOSS_SCALE_RANGE)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            shown = (f"2**{math.log2(low):.0f} to 2**{math.log2(high):.0f}" if key == "loss_scale"
+                     else f"{low:g} to {high:g}")
+            raise ConfigError(f"{name(key)} must be a number from {shown}, got {value!r}")
 
 
 def layer_type(name: str) -> str:
@@ -169,6 +194,9 @@ def precision_check(model, batches: list, steps: int = 1, lr: float = 1e-4, loss
     """Run ``steps`` fp32 training steps of ``model`` on ``batches`` (tensors of token ids, or whatever
     ``loss_fn(model, batch)`` takes) and collect the distributions. The last step's gradients and updates are kept.
     """
+    check_arguments(steps=steps, lr=lr, loss_scale=loss_scale)
+    if not batches:
+        raise ConfigError("precision_check needs at least one batch")
     import torch
 
     model = model.float().train()
@@ -211,7 +239,7 @@ def text_batches(torch, path: str | None, vocab: int, batch: int, seq: int, coun
     generator = torch.Generator().manual_seed(seed)
     if path is None:
         return [torch.randint(0, vocab, (batch, seq), generator=generator) for _ in range(count)]
-    data = torch.tensor(list(open(path, "rb").read()), dtype=torch.long) % vocab
+    data = torch.tensor(list(read_data(path)), dtype=torch.long) % vocab
     if data.numel() < seq + 1:
         raise ValueError(f"{path}: {data.numel()} bytes is shorter than one sequence of {seq}")
     out = []
@@ -219,6 +247,43 @@ def text_batches(torch, path: str | None, vocab: int, batch: int, seq: int, coun
         starts = torch.randint(0, data.numel() - seq, (batch,), generator=generator)
         out.append(torch.stack([data[s:s + seq] for s in starts.tolist()]))
     return out
+
+
+def read_data(path) -> bytes:
+    """The bytes of a --data file: a regular file (a FIFO would block, a device never end) of at most DATA_LIMIT."""
+    import os
+    import stat
+
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"--data {str(path)!r} is not a regular file; give a text file")
+        if info.st_size > DATA_LIMIT:
+            raise ConfigError(f"--data {str(path)!r} is {info.st_size:,} bytes; at most {DATA_LIMIT:,} are read")
+        with open(path, "rb") as handle:
+            return handle.read(DATA_LIMIT + 1)[:DATA_LIMIT]
+    except OSError as exc:
+        raise ConfigError(f"--data {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
+
+
+def check_resize(config: dict, hidden: int | None, layers: int | None, name: str) -> None:
+    """--hidden and --layers scale a model down: whole numbers from 1 to the config's own size."""
+    for flag, value, keys in (("--layers", layers, ("num_hidden_layers", "n_layer")),
+                              ("--hidden", hidden, ("hidden_size", "n_embd"))):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+        have = next((config[k] for k in keys if isinstance(config.get(k), int) and not isinstance(config[k], bool)),
+                    None)
+        if have is None:
+            raise ConfigError(f"{flag} resizes {' / '.join(keys)}, which {name}'s config does not give")
+        if value > have:
+            raise ConfigError(f"{flag} {value:,} is more than {name}'s {have:,}: {flag} scales the model down")
+    if hidden is not None:
+        heads = next((config[k] for k in ("num_attention_heads", "n_head") if isinstance(config.get(k), int)), None)
+        if not heads:
+            raise ConfigError(f"--hidden keeps the head width, but {name}'s config gives no num_attention_heads")
 
 
 def resize_config(config: dict, hidden: int | None, layers: int | None) -> dict:

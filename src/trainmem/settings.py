@@ -27,6 +27,16 @@ OFFLOAD_MIN_BYTES = 1024
 OUTPUT_CHUNKS = 8
 """torchtune's CEWithChunkedOutputLoss default (num_output_chunks), which the model's output layer follows."""
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
+MAX_BATCH = 1 << 24
+MAX_SEQ = 1 << 24
+MAX_GRAD_ACCUM = 1 << 24
+"""The largest micro-batch, sequence and accumulation accepted: 16,777,216, what --max-batch and --max-seq search up
+to (planner.MAX_SEARCH) and far past any run (the longest contexts are 10M tokens), so that a typo such as 10**400
+is refused in one line instead of overflowing a float deep in the estimate."""
+MAX_SWEEP_CELLS = 1024
+"""The most estimates one sweep makes (batches x sequences x layouts): a 1,024-row table is past reading, and the
+time a sweep takes stays a few seconds."""
+_BOUNDS = {"batch": MAX_BATCH, "seq": MAX_SEQ, "grad_accum": MAX_GRAD_ACCUM}
 
 
 @dataclass(frozen=True)
@@ -159,8 +169,37 @@ class TrainingSettings:
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    largest = _BOUNDS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= largest:
+        raise ConfigError(f"{name} must be a positive integer, got {short_repr(value)} (accepted: 1 to {largest:,})")
+
+
+def short_repr(value: Any, limit: int = 24) -> str:
+    """``repr(value)``, shortened when long (a 400-digit number prints its first digits and its length), so an error
+    stays one readable line."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{text[:8]}...({len(text.lstrip('-'))} digits)"
+    return f"{text[:limit]}...({len(text)} characters)"
+
+
+def check_grid(batches: Any, seqs: Any, layouts: int = 1, names: tuple[str, str] = ("batches", "seqs")) -> None:
+    """A sweep's axes: non-empty lists of positive integers in the settings' bounds, at most MAX_SWEEP_CELLS
+    estimates in all (``layouts`` of them per batch and sequence)."""
+    for name, values, largest in ((names[0], batches, MAX_BATCH), (names[1], seqs, MAX_SEQ)):
+        if not isinstance(values, (list, tuple)) or not values or any(
+                isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= largest for v in values):
+            shown = short_repr(values, 60) if not isinstance(values, (list, tuple)) else \
+                next((short_repr(v) for v in values if isinstance(v, bool) or not isinstance(v, int)
+                      or not 0 < v <= largest), "[]")
+            raise ConfigError(f"{name} must be a non-empty list of integers from 1 to {largest:,}, got {shown}")
+    cells = len(batches) * len(seqs) * max(1, layouts)
+    if cells > MAX_SWEEP_CELLS:
+        per = f" x {layouts} layouts" if layouts > 1 else ""
+        raise ConfigError(f"{names[0]} and {names[1]} make a sweep of {len(batches)} x {len(seqs)}{per} = {cells:,} "
+                          f"estimates; at most {MAX_SWEEP_CELLS:,} are made at once: give fewer values")
 
 
 _FIELDS = {f.name for f in fields(TrainingSettings)}
