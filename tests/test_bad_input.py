@@ -631,7 +631,7 @@ def test_measure_writes_its_snapshot_whole_through_a_temporary_file(run_cli, tmp
     target.write_bytes(b"old snapshot")
     given = []
 
-    def fake(config, settings, device, steps, snapshot, finetune=None):
+    def fake(config, settings, device, steps, snapshot, finetune=None, progress=None):
         given.append(snapshot)
         assert Path(snapshot).parent == tmp_path and Path(snapshot) != target
         Path(snapshot).write_bytes(b"new snapshot")
@@ -642,7 +642,7 @@ def test_measure_writes_its_snapshot_whole_through_a_temporary_file(run_cli, tmp
     assert code == 0, err
     assert target.read_bytes() == b"new snapshot" and sorted(os.listdir(tmp_path)) == ["memory.pickle"]
 
-    def fails(config, settings, device, steps, snapshot, finetune=None):
+    def fails(config, settings, device, steps, snapshot, finetune=None, progress=None):
         Path(snapshot).write_bytes(b"half")
         raise RuntimeError("CUDA out of memory")
 

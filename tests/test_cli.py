@@ -404,7 +404,7 @@ def test_a_bf16_recipe_on_a_cpu_without_bf16(run_cli, monkeypatch, tmp_path):
     path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
                                 "vocab_size": 211}))
     for recipe in ("mixed-bf16", "amp-bf16", "pure-bf16"):
-        code, out, err = run_cli("measure", str(path), "--device", "cpu", "--recipe", recipe)
+        code, out, err = run_cli("measure", str(path), "--device", "cpu", "--seq", "32", "--recipe", recipe)
         assert code == 2 and out == "" and err.count("\n") == 1
         assert f"--recipe {recipe} computes in bf16" in err and "no native bf16" in err and "--recipe fp32" in err
     default = make_settings()
