@@ -51,3 +51,29 @@ def test_random_cases_that_once_failed(seed, index):
     config, training = random_case_for(seed, index)
     result = run_random_case(config, training, index)
     assert result.ok, result.describe()
+
+
+FALCON_ALIBI = {"model_type": "falcon", "vocab_size": 6144, "tie_word_embeddings": True, "pad_token_id": 0,
+                "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 384, "num_attention_heads": 4,
+                "num_hidden_layers": 2, "bias": False, "attention_dropout": 0.1, "hidden_dropout": 0.1,
+                "max_position_embeddings": 4096, "ffn_hidden_size": 768, "alibi": True, "multi_query": False,
+                "parallel_attn": False, "new_decoder_architecture": False}
+
+
+@pytest.mark.parametrize("config, training", [
+    ({}, {}), ({"multi_query": True}, {}), ({}, {"recipe": "amp-bf16"}), ({"parallel_attn": True}, {"dropout": 0.0}),
+    ({}, {"batch": 2}), ({"new_decoder_architecture": True, "num_kv_heads": 2, "parallel_attn": True}, {}),
+])
+def test_falcon_eager_attention_keeps_the_fused_projection_its_views_read(config, training):
+    """FalconAttention's eager matmuls read q (and without a cache k and v) as views of the fused query_key_value
+    output: with one sequence they keep all of it (a random case of a later draw was -1.89% at the forward peak,
+    1.5 MB of 80 MB missing: each layer's fused output beside the cache's k and v). Every phase within 0.1%."""
+    from trainmem.validate import _total_error
+
+    settings = {"recipe": "pure-bf16-bf16states", "optimizer": "adam", "batch": 1, "seq": 512, "attention": "eager",
+                "checkpointing": "none", "dropout": 0.1, "grad_accum": 1, **training}
+    result = run_random_case({**FALCON_ALIBI, **config}, settings)
+    assert result.row is not None, result.describe()
+    row = result.row
+    for name, estimate, trace in ((row.phase, row.estimate, row.trace), *row.other_phases):
+        assert abs(_total_error(estimate, trace)) < 0.001, (name, result.describe())
