@@ -1,5 +1,6 @@
 """The documentation's code runs, and every command is documented."""
 
+import json
 import re
 from pathlib import Path
 
@@ -35,3 +36,141 @@ def test_every_command_is_in_the_readme():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     for name in app.commands:
         assert f"trainmem {name}" in readme, name
+
+
+# -- README numbers that a command prints: each one re-run here, so a change of the estimator or the planner that
+#    moves a published figure fails until README.md says what the command now prints. ----------------------------
+
+README = Path(__file__).parent.parent / "README.md"
+GIB = 2**30
+
+
+def _readme() -> str:
+    return " ".join(README.read_text().split())  # prose wraps anywhere: compare on single spaces
+
+
+def _table(header: str) -> list[list[str]]:
+    """The rows of the README table whose header line starts with ``header``."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    assert rows, header
+    return rows
+
+
+def _json(run_cli, *args: str) -> dict:
+    code, out, err = run_cli(*args, "--json")
+    assert code in (0, 1), err
+    return json.loads(out)
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:.1f}"
+
+
+def test_many_gpus_table(run_cli):
+    """README "Many GPUs": Llama-3-70B, mixed-bf16, batch 1 x 4096, ZeRO-3 / FSDP2 on 8 and 64 H100s."""
+    rows = _table("| GPUs | engine | checkpointing |")
+    assert len(rows) == 11
+    for gpus, engine, checkpointing, offload, states, peak, required, fits, host in rows:
+        flags = ["--zero", "3"] if engine == "ZeRO-3" else ["--fsdp", engine.split()[-1]]
+        d = _json(run_cli, "estimate", "llama-3-70b", "--recipe", "mixed-bf16", "--seq", "4096", "--gpus", gpus,
+                  *flags, "--checkpointing", checkpointing, "--offload", offload, "--gpu", "H100-80GB")
+        row = (gpus, engine, checkpointing, offload)
+        assert _gib(d["static"]["total_bytes"]) == states, row
+        assert _gib(d["peak"]["allocated_bytes"]) == peak, row
+        assert _gib(d["peak"]["required_bytes"]) == required, row
+        assert ("yes" if d["gpu"]["fits"] else "no") == fits, row
+        assert str(round(d["host"]["bytes_per_node"] / GIB)) == host, row
+
+
+MODEL_PARALLEL_ROWS = {
+    "ZeRO-3": ["--zero", "3"],
+    "TP 8, ZeRO-1 over 8": ["--tp", "8", "--zero", "1"],
+    "TP 8 + SP, ZeRO-1 over 8": ["--tp", "8", "--sp", "--zero", "1"],
+    "TP 8 + SP x CP 2, ZeRO-1 over 8": ["--tp", "8", "--sp", "--cp", "2", "--zero", "1"],
+    "TP 8 + SP x PP 4 (1F1B, 4 micro-batches), ZeRO-1 over 2": ["--tp", "8", "--sp", "--pp", "4", "--micro-batches",
+                                                               "4", "--zero", "1"],
+    "TP 4 + SP x PP 8 (16 micro-batches), FSDP2 over 2": ["--tp", "4", "--sp", "--pp", "8", "--micro-batches", "16",
+                                                         "--fsdp", "full"],
+}
+
+
+def test_model_parallel_table(run_cli):
+    """README's tensor/pipeline/context table: Llama-3-70B, mixed-bf16, batch 1 x 8,192, no checkpointing, 64 GPUs."""
+    rows = _table("| layout | model states per GPU")
+    assert [r[0] for r in rows] == list(MODEL_PARALLEL_ROWS)
+    for layout, states, activations, peak, required, loaded in rows:
+        d = _json(run_cli, "estimate", "llama-3-70b", "--recipe", "mixed-bf16", "--seq", "8192", "--gpus", "64",
+                  *MODEL_PARALLEL_ROWS[layout])
+        assert _gib(d["static"]["total_bytes"]) == states, layout
+        assert _gib(d["activations"]["bytes"]) == activations, layout
+        assert _gib(d["peak"]["allocated_bytes"]) == peak, layout
+        assert _gib(d["peak"]["required_bytes"]) == required, layout
+        roles = [r["role"] for r in d.get("per_rank", []) if r["peak"]["required_bytes"] == d["peak"]["required_bytes"]]
+        assert loaded == (roles[0] if roles else ""), layout
+
+
+def test_readme_inline_figures(run_cli):
+    """The figures README's usage lines and Python API print beside their commands."""
+    text = _readme()
+    d = _json(run_cli, "estimate", "llama-2-7b", "--gpu", "H200", "--recipe", "pure-bf16", "--checkpointing", "full",
+              "--max-batch")
+    assert f"--max-batch # {d['max_batch']}: largest micro-batch that fits" in text
+    d = _json(run_cli, "estimate", "--params", "7e9", "--recipe", "pure-bf16")
+    assert d["static"]["total_bytes"] == 84 * 10**9 and "--units GB # a nominal size: 84.00 GB" in text
+    d = _json(run_cli, "estimate", "llama-3.1-8b", "--recipe", "pure-bf16-bf16states", "--batch", "2",
+              "--checkpointing", "full", "--lora", "8", "--loss", "chunked-output", "--compile")
+    assert f"torchtune's LoRA recipe: {_gib(d['peak']['allocated_bytes'])} GiB (published 16.2)" in text
+    d = _json(run_cli, "estimate", "llama-2-7b", "--recipe", "pure-bf16", "--optimizer", "adamw", "--batch", "2",
+              "--seq", "4096", "--gpu", "A100-80GB")
+    assert f"e.static_bytes # {d['static']['total_bytes']} (12 bytes x {d['model']['parameters']:,} parameters)" in text
+
+
+def _plan_words(layout: dict) -> str:
+    """A layout as README's planning paragraph words it."""
+    checkpointing = "no checkpointing" if layout["checkpointing"] == "none" else f"{layout['checkpointing']} checkpointing"
+    parts = []
+    if layout["tensor_parallel"] > 1:
+        parts.append(f"TP {layout['tensor_parallel']}" + (" with SP" if layout["sequence_parallel"] else ""))
+    if layout["pipeline_parallel"] > 1:
+        parts.append(f"PP {layout['pipeline_parallel']}")
+    engine = layout["engine"].split()[0]
+    parts.append(f"{engine} over {layout['data_parallel']}" if parts else engine)
+    return f"{' x '.join(parts)}, {layout['recipe']}, {checkpointing}"
+
+
+def test_readme_plan_figures(run_cli):
+    """README "Planning a run": the best layouts of Llama-3-70B on 8 and on 64 H100s."""
+    text = _readme()
+    d = _json(run_cli, "plan", "llama-3-70b", "--gpu", "H100-80GB", "--gpus", "8", "--seq", "4096")
+    best = d["plans"][0]
+    assert best["layout"]["engine"] == "ZeRO-3" and best["layout"]["offload"] == "optimizer"
+    assert best["layout"]["checkpointing"] == "full"
+    assert all(p["layout"]["offload"] != "none" for p in d["plans"])  # "nothing fits without offload"
+    assert (f"ZeRO-3 with the optimizer offloaded and full checkpointing, {_gib(best['estimate']['peak']['required_bytes'])}"
+            " GiB needed per GPU; nothing fits without offload") in text
+    d = _json(run_cli, "plan", "llama-3-70b", "--gpu", "H100-80GB", "--gpus", "64", "--seq", "4096", "--global-batch",
+              "512", "--top", "1000")
+    best = d["plans"][0]
+    data_parallel = next(p for p in d["plans"] if p["layout"]["tensor_parallel"] == p["layout"]["pipeline_parallel"] == 1)
+    tokens = best["time"]["tokens_per_second_per_gpu"]
+    assert tokens > data_parallel["time"]["tokens_per_second_per_gpu"]
+    assert (f"On 64 H100s with 512 sequences a step: {_plan_words(best['layout'])}, "
+            f"{_gib(best['estimate']['peak']['required_bytes'])} GiB, {tokens:,.0f} tokens/s/GPU, ahead of the best "
+            f"data-parallel layout ({_plan_words(data_parallel['layout'])}, "
+            f"{data_parallel['time']['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU)") in text
+
+
+@pytest.mark.slow
+def test_readme_min_gpus_figure(run_cli):
+    """README: the fewest H100s that train Llama-3.1-405B at 4,096 tokens (a search of about 20 s)."""
+    d = _json(run_cli, "plan", "llama-3.1-405b", "--gpu", "H100-80GB", "--seq", "4096", "--min-gpus")
+    best = d["plans"][0]["layout"]
+    assert best["engine"] == "ZeRO-3" and best["offload"] == "optimizer+params" and best["gpus"] == d["min_gpus"]
+    assert (f"(Llama-3.1-405B on H100-80GB at 4,096 tokens: {d['min_gpus']}, with ZeRO-3 offloading parameters and "
+            "optimizer to 2 TiB hosts)") in _readme()
