@@ -1,6 +1,7 @@
 """The documentation's code runs, and every command is documented."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -177,3 +178,37 @@ def test_readme_min_gpus_figure(run_cli):
     assert best["engine"] == "ZeRO-3" and best["offload"] == "optimizer+params" and best["gpus"] == d["min_gpus"]
     assert (f"(Llama-3.1-405B on H100-80GB at 4,096 tokens: {d['min_gpus']}, with ZeRO-3 offloading parameters and "
             "optimizer to 2 TiB hosts)") in _readme()
+
+
+def test_mixed_precision_rounding_counts():
+    """docs/mixed-precision.md, section 8: the exact count of updates of 3e-3 that bf16 rounds away on the demo's
+    initial weights (the LayerNorm weights) and that fp32 master weights keep."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from trainmem.amp_demo import _model, rounded_away
+
+    counts = [rounded_away(torch, p, torch.full_like(p, 3e-3)) for p in _model(torch, 0).parameters()]
+    bf16, fp32, total = (sum(c[i] for c in counts) for i in range(3))
+    text = " ".join((DOCS / "mixed-precision.md").read_text().split())
+    assert fp32 == 0 and "fp32 master weights lose none" in text
+    assert f"is rounded away for the {bf16} LayerNorm weights of {total:,} ({bf16 / total:.2%}" in text
+
+
+@pytest.mark.slow
+def test_mixed_precision_precision_check_figures(run_cli):
+    """docs/mixed-precision.md, sections 2 and 7: precision-check on a 2-layer, 256-wide Llama-2 (3 fp32 steps)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    d = _json(run_cli, "precision-check", "llama-2-7b", "--layers", "2", "--hidden", "256")
+    text = " ".join((DOCS / "mixed-precision.md").read_text().split())
+    g, scaled = d["gradients"], d["gradients_scaled"]
+    flushed_scaled = round(scaled["underflow_to_zero"] * scaled["count"])
+    assert (f"it found {g['underflow_to_zero']:.2%} of gradients flushed to zero and {g['subnormal']:.0%} subnormal "
+            f"(most of them in the LM head) without scaling, {flushed_scaled} of its {g['count'] / 1e6:.1f} million "
+            "flushed at scale 1024") in text
+    by_type = d["by_layer_type"]
+    assert max(by_type, key=lambda k: by_type[k]["gradients"]["subnormal"] * by_type[k]["gradients"]["count"]) == \
+        "lm_head"
+    low, high = d["loss_scale_range"]["smallest"], d["loss_scale_range"]["largest"]
+    assert f"loss scales 2^{math.log2(low):.0f}..2^{math.log2(high):.0f} usable" in text
+    assert f"{d['bf16_lost_updates']:.0%} on the 2-layer Llama-2 at lr 1e-4" in text
