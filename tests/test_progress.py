@@ -3,6 +3,7 @@ and the work it reports counted."""
 
 import io
 import json
+import sys
 
 import pytest
 
@@ -27,7 +28,7 @@ def test_counts_and_draws_only_when_enabled():
 
 @pytest.fixture
 def terminal(monkeypatch):
-    """Make the CLI believe stderr (and stdout) are a terminal, and record each progress line's final count."""
+    """Make the CLI believe stderr is a terminal (stdout a pipe), and record each progress line's final count."""
     counts = []
     original_exit = progress.Progress.__exit__
 
@@ -35,7 +36,7 @@ def terminal(monkeypatch):
         counts.append((self.description, self.count, self.enabled))
         return original_exit(self, *exc)
 
-    monkeypatch.setattr(progress, "_isatty", lambda stream: True)
+    monkeypatch.setattr(progress, "_isatty", lambda stream: stream is not sys.stdout)  # stderr only: stdout is piped
     monkeypatch.setattr(progress.Progress, "__exit__", record)
     return counts
 
@@ -91,7 +92,6 @@ def test_the_cli_prints_no_library_warnings(tmp_path):
     stderr has no warning line."""
     import re
     import subprocess
-    import sys
 
     pytest.importorskip("torch")
     pytest.importorskip("peft")
@@ -104,3 +104,30 @@ def test_the_cli_prints_no_library_warnings(tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["engine"] == "trace"
     assert not re.search(r"Warning\b|\[WARNING\]|warnings\.warn|Failed to load", done.stderr), done.stderr
+
+
+@pytest.mark.slow
+def test_validate_counts_its_rows(run_cli, terminal, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    code, out, err = run_cli("validate", "--random", "2", "-o", str(tmp_path / "accuracy.md"))
+    assert code == 0, out + err
+    assert terminal[-1] == ("validate: rows traced", 2, True)
+    assert "case 0" in out and "case 1" in out and "rows traced" in err and "rows traced" not in out
+
+
+def test_own_lines_go_above_the_bar_on_one_terminal(monkeypatch):
+    """validate's rows while its bar runs: on stdout when stdout is not a terminal; through the bar's console (the
+    same screen) when it is."""
+    from rich.console import Console
+
+    out, err = io.StringIO(), io.StringIO()
+    console = Console(file=out, width=80)
+    with progress.Progress("rows", total=2, stream=err, force=True) as bar:
+        bar.print(console, "row 1")
+    assert "row 1" in out.getvalue() and "row 1" not in err.getvalue()
+    monkeypatch.setattr(progress, "_isatty", lambda stream: True)
+    out, err = io.StringIO(), io.StringIO()
+    with progress.Progress("rows", total=2, stream=err, force=True) as bar:
+        bar.print(Console(file=out, width=80), "row 2", highlight=False)
+    assert out.getvalue() == "" and "row 2" in err.getvalue()

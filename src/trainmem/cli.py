@@ -740,8 +740,8 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
         bar.advance()
         verdict = "ok" if r.within_tolerance else "OUT OF TOLERANCE (worst phase %s %+.2f%%)" % (
             r.worst_phase[0], 100 * r.worst_phase[1])
-        console.print(f"{r.family:12s} {r.recipe:20s} {r.attention:5s} ckpt={r.checkpointing:4s} dropout={r.dropout} "
-                      f"{r.batch}x{r.seq:<4d} {r.phase:9s} total {r.total_error:+.2%} {verdict}")
+        bar.print(console, f"{r.family:12s} {r.recipe:20s} {r.attention:5s} ckpt={r.checkpointing:4s} "
+                  f"dropout={r.dropout} {r.batch}x{r.seq:<4d} {r.phase:9s} total {r.total_error:+.2%} {verdict}")
 
     from .progress import Progress
     from .validate import compile_matrix, lora_matrix, matrix
@@ -761,10 +761,10 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
                 bar.advance()
                 if r.ok:
                     phase, error = r.row.worst_phase
-                    console.print(f"case {r.index:<4d} {r.config['model_type']:12s} worst phase {phase} "
+                    bar.print(console, f"case {r.index:<4d} {r.config['model_type']:12s} worst phase {phase} "
                                   f"{error:+.2%} ok")
                 else:
-                    console.print(r.describe(), markup=False, highlight=False)
+                    bar.print(console, r.describe(), markup=False, highlight=False)
 
             results = validate_random(random_cases, seed, jobs, progress=show)
             text = replace_sections(existing, {RANDOM_HEADING: random_section(results, seed)})

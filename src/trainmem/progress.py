@@ -63,6 +63,15 @@ class Progress:
             self._bar.update(self._task, advance=amount,
                              **({"description": escape(description)} if description is not None else {}))
 
+    def print(self, console, *objects, **kwargs) -> None:
+        """Print a line of the command's own output on ``console`` (stdout) while the progress line runs: through the
+        progress line's console when stdout is the same terminal, so that the line lands above the bar instead of
+        inside it."""
+        if self._bar is not None and _isatty(sys.stdout):
+            self._bar.console.print(*objects, **kwargs)
+        else:
+            console.print(*objects, **kwargs)
+
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.stop()
