@@ -21,7 +21,7 @@ def _isatty(stream) -> bool:
 
 
 class Progress:
-    """``with Progress("tracing", total=3) as p: ... p.advance()``; ``total=None`` is a spinner with a count."""
+    """``with Progress("tracing", total=3) as p: ... p.advance()``; ``total=None`` is a spinner and the time."""
 
     def __init__(self, description: str, total: int | None = None, *, as_json: bool = False,
                  stream: IO[str] | None = None, force: bool | None = None) -> None:
@@ -44,7 +44,8 @@ class Progress:
                 TimeElapsedColumn
 
             columns = [SpinnerColumn(), TextColumn("{task.description}")]
-            columns += [BarColumn(), MofNCompleteColumn()] if self.total else [TextColumn("{task.completed:,.0f}")]
+            if self.total:  # without a total (one opaque call: a trace, a search) the spinner and the time
+                columns += [BarColumn(), MofNCompleteColumn()]
             columns.append(TimeElapsedColumn())
             console = Console(file=self.stream, force_terminal=True)
             # Lines the command prints on stdout go above the bar when both are the same terminal; to a pipe or a
