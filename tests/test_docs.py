@@ -1,5 +1,7 @@
 """The documentation's code runs, and every command is documented."""
 
+import json
+import math
 import re
 from pathlib import Path
 
@@ -35,3 +37,178 @@ def test_every_command_is_in_the_readme():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     for name in app.commands:
         assert f"trainmem {name}" in readme, name
+
+
+# -- README numbers that a command prints: each one re-run here, so a change of the estimator or the planner that
+#    moves a published figure fails until README.md says what the command now prints. ----------------------------
+
+README = Path(__file__).parent.parent / "README.md"
+GIB = 2**30
+
+
+def _readme() -> str:
+    return " ".join(README.read_text().split())  # prose wraps anywhere: compare on single spaces
+
+
+def _table(header: str) -> list[list[str]]:
+    """The rows of the README table whose header line starts with ``header``."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    assert rows, header
+    return rows
+
+
+def _json(run_cli, *args: str) -> dict:
+    code, out, err = run_cli(*args, "--json")
+    assert code in (0, 1), err
+    return json.loads(out)
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:.1f}"
+
+
+def test_many_gpus_table(run_cli):
+    """README "Many GPUs": Llama-3-70B, mixed-bf16, batch 1 x 4096, ZeRO-3 / FSDP2 on 8 and 64 H100s."""
+    rows = _table("| GPUs | engine | checkpointing |")
+    assert len(rows) == 11
+    for gpus, engine, checkpointing, offload, states, peak, required, fits, host in rows:
+        flags = ["--zero", "3"] if engine == "ZeRO-3" else ["--fsdp", engine.split()[-1]]
+        d = _json(run_cli, "estimate", "llama-3-70b", "--recipe", "mixed-bf16", "--seq", "4096", "--gpus", gpus,
+                  *flags, "--checkpointing", checkpointing, "--offload", offload, "--gpu", "H100-80GB")
+        row = (gpus, engine, checkpointing, offload)
+        assert _gib(d["static"]["total_bytes"]) == states, row
+        assert _gib(d["peak"]["allocated_bytes"]) == peak, row
+        assert _gib(d["peak"]["required_bytes"]) == required, row
+        assert ("yes" if d["gpu"]["fits"] else "no") == fits, row
+        assert str(round(d["host"]["bytes_per_node"] / GIB)) == host, row
+
+
+MODEL_PARALLEL_ROWS = {
+    "ZeRO-3": ["--zero", "3"],
+    "TP 8, ZeRO-1 over 8": ["--tp", "8", "--zero", "1"],
+    "TP 8 + SP, ZeRO-1 over 8": ["--tp", "8", "--sp", "--zero", "1"],
+    "TP 8 + SP x CP 2, ZeRO-1 over 8": ["--tp", "8", "--sp", "--cp", "2", "--zero", "1"],
+    "TP 8 + SP x PP 4 (1F1B, 4 micro-batches), ZeRO-1 over 2": ["--tp", "8", "--sp", "--pp", "4", "--micro-batches",
+                                                               "4", "--zero", "1"],
+    "TP 4 + SP x PP 8 (16 micro-batches), FSDP2 over 2": ["--tp", "4", "--sp", "--pp", "8", "--micro-batches", "16",
+                                                         "--fsdp", "full"],
+}
+
+
+def test_model_parallel_table(run_cli):
+    """README's tensor/pipeline/context table: Llama-3-70B, mixed-bf16, batch 1 x 8,192, no checkpointing, 64 GPUs."""
+    rows = _table("| layout | model states per GPU")
+    assert [r[0] for r in rows] == list(MODEL_PARALLEL_ROWS)
+    for layout, states, activations, peak, required, loaded in rows:
+        d = _json(run_cli, "estimate", "llama-3-70b", "--recipe", "mixed-bf16", "--seq", "8192", "--gpus", "64",
+                  *MODEL_PARALLEL_ROWS[layout])
+        assert _gib(d["static"]["total_bytes"]) == states, layout
+        assert _gib(d["activations"]["bytes"]) == activations, layout
+        assert _gib(d["peak"]["allocated_bytes"]) == peak, layout
+        assert _gib(d["peak"]["required_bytes"]) == required, layout
+        roles = [r["role"] for r in d.get("per_rank", []) if r["peak"]["required_bytes"] == d["peak"]["required_bytes"]]
+        assert loaded == (roles[0] if roles else ""), layout
+
+
+def test_readme_inline_figures(run_cli):
+    """The figures README's usage lines and Python API print beside their commands."""
+    text = _readme()
+    d = _json(run_cli, "estimate", "llama-2-7b", "--gpu", "H200", "--recipe", "pure-bf16", "--checkpointing", "full",
+              "--max-batch")
+    assert f"--max-batch # {d['max_batch']}: largest micro-batch that fits" in text
+    d = _json(run_cli, "estimate", "--params", "7e9", "--recipe", "pure-bf16")
+    assert d["static"]["total_bytes"] == 84 * 10**9 and "--units GB # a nominal size: 84.00 GB" in text
+    d = _json(run_cli, "estimate", "llama-3.1-8b", "--recipe", "pure-bf16-bf16states", "--batch", "2",
+              "--checkpointing", "full", "--lora", "8", "--loss", "chunked-output", "--compile")
+    assert f"torchtune's LoRA recipe: {_gib(d['peak']['allocated_bytes'])} GiB (published 16.2)" in text
+    d = _json(run_cli, "estimate", "llama-2-7b", "--recipe", "pure-bf16", "--optimizer", "adamw", "--batch", "2",
+              "--seq", "4096", "--gpu", "A100-80GB")
+    assert f"e.static_bytes # {d['static']['total_bytes']} (12 bytes x {d['model']['parameters']:,} parameters)" in text
+
+
+def _plan_words(layout: dict) -> str:
+    """A layout as README's planning paragraph words it."""
+    checkpointing = ("no checkpointing" if layout["checkpointing"] == "none"
+                     else f"{layout['checkpointing']} checkpointing")
+    parts = []
+    if layout["tensor_parallel"] > 1:
+        parts.append(f"TP {layout['tensor_parallel']}" + (" with SP" if layout["sequence_parallel"] else ""))
+    if layout["pipeline_parallel"] > 1:
+        parts.append(f"PP {layout['pipeline_parallel']}")
+    engine = layout["engine"].split()[0]
+    parts.append(f"{engine} over {layout['data_parallel']}" if parts else engine)
+    return f"{' x '.join(parts)}, {layout['recipe']}, {checkpointing}"
+
+
+def test_readme_plan_figures(run_cli):
+    """README "Planning a run": the best layouts of Llama-3-70B on 8 and on 64 H100s."""
+    text = _readme()
+    d = _json(run_cli, "plan", "llama-3-70b", "--gpu", "H100-80GB", "--gpus", "8", "--seq", "4096", "--top", "1000")
+    best = d["plans"][0]
+    assert best["layout"]["engine"] == "ZeRO-3" and best["layout"]["offload"] == "optimizer"
+    assert best["layout"]["checkpointing"] == "full"
+    assert all(p["layout"]["offload"] != "none" for p in d["plans"])  # "nothing fits without offload"
+    needed = _gib(best["estimate"]["peak"]["required_bytes"])
+    assert (f"ZeRO-3 with the optimizer offloaded and full checkpointing, {needed} GiB needed per GPU; nothing fits "
+            "without offload") in text
+    d = _json(run_cli, "plan", "llama-3-70b", "--gpu", "H100-80GB", "--gpus", "64", "--seq", "4096", "--global-batch",
+              "512", "--top", "1000")
+    best = d["plans"][0]
+    data_parallel = next(p for p in d["plans"]
+                         if p["layout"]["tensor_parallel"] == p["layout"]["pipeline_parallel"] == 1)
+    tokens = best["time"]["tokens_per_second_per_gpu"]
+    assert tokens > data_parallel["time"]["tokens_per_second_per_gpu"]
+    assert (f"On 64 H100s with 512 sequences a step: {_plan_words(best['layout'])}, "
+            f"{_gib(best['estimate']['peak']['required_bytes'])} GiB, {tokens:,.0f} tokens/s/GPU, ahead of the best "
+            f"data-parallel layout ({_plan_words(data_parallel['layout'])}, "
+            f"{data_parallel['time']['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU)") in text
+
+
+@pytest.mark.slow
+def test_readme_min_gpus_figure(run_cli):
+    """README: the fewest H100s that train Llama-3.1-405B at 4,096 tokens (a search of about 20 s)."""
+    d = _json(run_cli, "plan", "llama-3.1-405b", "--gpu", "H100-80GB", "--seq", "4096", "--min-gpus")
+    best = d["plans"][0]["layout"]
+    assert best["engine"] == "ZeRO-3" and best["offload"] == "optimizer+params" and best["gpus"] == d["min_gpus"]
+    assert (f"(Llama-3.1-405B on H100-80GB at 4,096 tokens: {d['min_gpus']}, with ZeRO-3 offloading parameters and "
+            "optimizer to 2 TiB hosts)") in _readme()
+
+
+def test_mixed_precision_rounding_counts():
+    """docs/mixed-precision.md, section 8: the exact count of updates of 3e-3 that bf16 rounds away on the demo's
+    initial weights (the LayerNorm weights) and that fp32 master weights keep."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from trainmem.amp_demo import _model, rounded_away
+
+    counts = [rounded_away(torch, p, torch.full_like(p, 3e-3)) for p in _model(torch, 0).parameters()]
+    bf16, fp32, total = (sum(c[i] for c in counts) for i in range(3))
+    text = " ".join((DOCS / "mixed-precision.md").read_text().split())
+    assert fp32 == 0 and "fp32 master weights lose none" in text
+    assert f"is rounded away for the {bf16} LayerNorm weights of {total:,} ({bf16 / total:.2%}" in text
+
+
+@pytest.mark.slow
+def test_mixed_precision_precision_check_figures(run_cli):
+    """docs/mixed-precision.md, sections 2 and 7: precision-check on a 2-layer, 256-wide Llama-2 (3 fp32 steps)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    d = _json(run_cli, "precision-check", "llama-2-7b", "--layers", "2", "--hidden", "256")
+    text = " ".join((DOCS / "mixed-precision.md").read_text().split())
+    g, scaled = d["gradients"], d["gradients_scaled"]
+    flushed_scaled = round(scaled["underflow_to_zero"] * scaled["count"])
+    assert (f"it found {g['underflow_to_zero']:.2%} of gradients flushed to zero and {g['subnormal']:.0%} subnormal "
+            f"(most of them in the LM head) without scaling, {flushed_scaled} of its {g['count'] / 1e6:.1f} million "
+            "flushed at scale 1024") in text
+    by_type = d["by_layer_type"]
+    assert max(by_type, key=lambda k: by_type[k]["gradients"]["subnormal"] * by_type[k]["gradients"]["count"]) == \
+        "lm_head"
+    low, high = d["loss_scale_range"]["smallest"], d["loss_scale_range"]["largest"]
+    assert f"loss scales 2^{math.log2(low):.0f}..2^{math.log2(high):.0f} usable" in text
+    assert f"{d['bf16_lost_updates']:.0%} on the 2-layer Llama-2 at lr 1e-4" in text

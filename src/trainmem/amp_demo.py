@@ -20,6 +20,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Callable
 
 RUNS = ("fp32", "fp16-autocast", "fp16-autocast+scaler", "bf16-autocast", "pure-bf16", "pure-bf16+master")
 
@@ -32,6 +33,8 @@ class RunResult:
     """Mean over steps of the fraction of gradient values that are exactly zero."""
     skipped_steps: int = 0
     """Steps the GradScaler skipped because it found inf/NaN gradients."""
+    weight_change: float = 0.0
+    """The largest |final - initial| over every weight, in fp32: 0.0 exactly when no update ever moved a weight."""
 
     @property
     def final_loss(self) -> float:
@@ -56,7 +59,8 @@ def _model(torch, seed: int):
 
 
 def run(name: str, steps: int = 300, batch: int = 16, seq: int = 64, lr: float = 3e-3, seed: int = 0,
-        grad_scale_down: float = 1.0) -> RunResult:
+        grad_scale_down: float = 1.0, on_step: Callable[[str, int], None] | None = None) -> RunResult:
+    """Train one set-up; ``on_step(name, step)`` is called after each step (the CLI's progress line)."""
     import torch
 
     if name not in RUNS:
@@ -70,6 +74,7 @@ def run(name: str, steps: int = 300, batch: int = 16, seq: int = 64, lr: float =
         if name.endswith("+master"):
             masters = [p.detach().float().requires_grad_(True) for p in model.parameters()]
     params = list(model.parameters())
+    initial = [p.detach().float().clone() for p in params]
     # eps small enough not to matter at any gradient scale, so that the runs differ only by their precision
     optimizer = torch.optim.AdamW(masters or params, lr=lr, eps=1e-12, weight_decay=0.0)
     autocast = {"fp16-autocast": torch.float16, "fp16-autocast+scaler": torch.float16,
@@ -78,7 +83,7 @@ def run(name: str, steps: int = 300, batch: int = 16, seq: int = 64, lr: float =
     scaler = torch.amp.GradScaler("cpu", growth_interval=10) if name.endswith("+scaler") else None
     result = RunResult(name)
     zero_total = 0.0
-    for _ in range(steps):
+    for step in range(steps):
         starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=generator)
         ids = torch.stack([data[s:s + seq] for s in starts.tolist()])
         ctx = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
@@ -112,7 +117,10 @@ def run(name: str, steps: int = 300, batch: int = 16, seq: int = 64, lr: float =
                     p.copy_(m)
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(name, step)
     result.zero_grad_fraction = zero_total / steps
+    result.weight_change = max(float((p.detach().float() - w).abs().max()) for p, w in zip(params, initial))
     return result
 
 
@@ -120,6 +128,37 @@ def run_all(steps: int = 300, grad_scale_down: float = 1.0, runs=RUNS, **kwargs)
     started = time.perf_counter()
     results = [run(name, steps=steps, grad_scale_down=grad_scale_down, **kwargs) for name in runs]
     return results, time.perf_counter() - started
+
+
+def rounded_away(torch, weights, update) -> tuple[int, int, int]:
+    """How many elements of one update tensor each scheme loses, applied once to the same weights:
+    (pure bf16: the bf16 weight plus the update, rounded to bf16, is the bf16 weight;
+    fp32 master weights: the fp32 weight plus the update is the fp32 weight; elements with a non-zero update).
+
+    Each element is one IEEE-754 fp32 addition and at most one conversion to bf16, both rounded to nearest even,
+    so the counts are the same on every machine (no kernel, thread count or bf16 hardware enters). This is the
+    deterministic form of "fp32 master weights keep updates that pure bf16 loses"; the demo's losses, which depend
+    on the CPU's bf16/fp16 kernels, are a measured observation (docs/mixed-precision.md, section 8)."""
+    master = weights.detach().float()
+    bf16 = master.bfloat16()
+    u = update.detach().float()
+    moving = u != 0
+    bf16_lost = int((((bf16.float() + u).bfloat16() == bf16) & moving).sum())
+    fp32_lost = int(((master + u == master) & moving).sum())
+    return bf16_lost, fp32_lost, int(moving.sum())
+
+
+def repeated_update(torch, weights, update, steps: int) -> tuple[int, int]:
+    """Apply the same update ``steps`` times: (weights pure bf16 has moved, weights whose bf16 copy of the fp32
+    master has moved). An update below half a bf16 spacing never moves a pure-bf16 weight however often it comes;
+    the master accumulates it until its bf16 copy moves. Exact, as rounded_away."""
+    start = weights.detach().float().bfloat16()
+    u = update.detach().float()
+    pure, master = start.clone(), start.float()
+    for _ in range(steps):
+        pure = (pure.float() + u).bfloat16()
+        master = master + u
+    return int((pure != start).sum()), int((master.bfloat16() != start).sum())
 
 
 def plot(results: list[RunResult], path: str) -> None:

@@ -440,15 +440,18 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
     config = w.config
     est = estimate_model(spec, settings, w.device, w.parallel, w.finetune)
-    if tensor_parallel:
-        from .trace import trace_tp_step
+    from .progress import Progress
 
-        result = trace_tp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
-    elif sharded:
-        result = trace_fsdp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
-    else:
-        result = trace_step(config, settings, spec, round_to_cuda=not no_round, finetune=w.finetune,
-                            record_allocations=replay_allocator)
+    with Progress(f"tracing one step of {spec.name} on fake tensors", as_json=as_json):
+        if tensor_parallel:
+            from .trace import trace_tp_step
+
+            result = trace_tp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
+        elif sharded:
+            result = trace_fsdp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
+        else:
+            result = trace_step(config, settings, spec, round_to_cuda=not no_round, finetune=w.finetune,
+                                record_allocations=replay_allocator)
     replayed = None
     if replay_allocator:
         from .allocator import render_lines, replay
@@ -795,7 +798,10 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
         batches = text_batches(torch, data, vocab, batch, seq, steps)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    report = run_check(net, batches, steps=steps, lr=lr, loss_scale=loss_scale)
+    from .progress import Progress
+
+    with Progress(f"precision-check: fp32 steps of {name}", total=steps, as_json=as_json) as bar:
+        report = run_check(net, batches, steps=steps, lr=lr, loss_scale=loss_scale, on_step=lambda _: bar.advance())
     raw, scaled = report.gradient_stats(torch), report.gradient_stats(torch, loss_scale)
     low, high = report.scale_range(torch)
     per_type = {k: {"gradients": report.gradient_stats(torch, 1.0, {k: d}),
@@ -881,7 +887,11 @@ def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
         from .outputs import check_output_file, replacing
 
         plot_path = check_output_file(plot, "--plot", ".png")
-    results, seconds = run_all(steps=steps, grad_scale_down=grad_scale_down, runs=names, batch=batch)
+    from .progress import Progress
+
+    with Progress("amp-demo", total=steps * len(names), as_json=as_json) as bar:
+        results, seconds = run_all(steps=steps, grad_scale_down=grad_scale_down, runs=names, batch=batch,
+                                   on_step=lambda name, _: bar.advance(description=f"amp-demo: {name}"))
     reference = next((r for r in results if r.name == "fp32"), None)
     if plot is not None:
         with replacing(plot_path) as temporary:
@@ -962,35 +972,44 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
     console = _console()
 
     def show_row(r) -> None:
+        bar.advance()
         verdict = "ok" if r.within_tolerance else "OUT OF TOLERANCE (worst phase %s %+.2f%%)" % (
             r.worst_phase[0], 100 * r.worst_phase[1])
-        console.print(f"{r.family:12s} {r.recipe:20s} {r.attention:5s} ckpt={r.checkpointing:4s} dropout={r.dropout} "
-                      f"{r.batch}x{r.seq:<4d} {r.phase:9s} total {r.total_error:+.2%} {verdict}")
+        bar.print(console, f"{r.family:12s} {r.recipe:20s} {r.attention:5s} ckpt={r.checkpointing:4s} "
+                  f"dropout={r.dropout} {r.batch}x{r.seq:<4d} {r.phase:9s} total {r.total_error:+.2%} {verdict}")
 
-    if lora or compiled:
-        run, section, heading = ((validate_lora, lora_section, LORA_HEADING) if lora
-                                 else (validate_compile, compile_section, COMPILE_HEADING))
-        rows = run(quick=quick, progress=show_row, jobs=jobs)
-        text = replace_sections(existing, {heading: section(rows, quick)})
-        bad = sum(not r.within_tolerance for r in rows)
-        total = len(rows)
-    elif random_cases is not None:
-        def show(r) -> None:
-            if r.ok:
-                phase, error = r.row.worst_phase
-                console.print(f"case {r.index:<4d} {r.config['model_type']:12s} worst phase {phase} {error:+.2%} ok")
-            else:
-                console.print(r.describe(), markup=False, highlight=False)
+    from .progress import Progress
+    from .validate import compile_matrix, lora_matrix, matrix
 
-        results = validate_random(random_cases, seed, jobs, progress=show)
-        text = replace_sections(existing, {RANDOM_HEADING: random_section(results, seed)})
-        bad = sum(not r.ok for r in results)
-        total = len(results)
-    else:
-        rows = run_validate(quick=quick, full_size=full_size, jobs=jobs, progress=show_row)
-        text = markdown(rows, full_size=full_size, quick=quick, existing=existing)
-        bad = sum(not r.within_tolerance for r in rows)
-        total = len(rows)
+    rows_to_run = (random_cases if random_cases is not None else len(list(
+        lora_matrix(quick) if lora else compile_matrix(quick) if compiled else matrix(quick, full_size))))
+    with Progress("validate: rows traced", total=rows_to_run) as bar:
+        if lora or compiled:
+            run, section, heading = ((validate_lora, lora_section, LORA_HEADING) if lora
+                                     else (validate_compile, compile_section, COMPILE_HEADING))
+            rows = run(quick=quick, progress=show_row, jobs=jobs)
+            text = replace_sections(existing, {heading: section(rows, quick)})
+            bad = sum(not r.within_tolerance for r in rows)
+            total = len(rows)
+        elif random_cases is not None:
+            def show(r) -> None:
+                bar.advance()
+                if r.ok:
+                    phase, error = r.row.worst_phase
+                    bar.print(console, f"case {r.index:<4d} {r.config['model_type']:12s} worst phase {phase} "
+                                  f"{error:+.2%} ok")
+                else:
+                    bar.print(console, r.describe(), markup=False, highlight=False)
+
+            results = validate_random(random_cases, seed, jobs, progress=show)
+            text = replace_sections(existing, {RANDOM_HEADING: random_section(results, seed)})
+            bad = sum(not r.ok for r in results)
+            total = len(results)
+        else:
+            rows = run_validate(quick=quick, full_size=full_size, jobs=jobs, progress=show_row)
+            text = markdown(rows, full_size=full_size, quick=quick, existing=existing)
+            bad = sum(not r.within_tolerance for r in rows)
+            total = len(rows)
     write_text(output_path, text)  # (a temporary file renamed: an interrupted run never leaves half a report)
     console.print(f"wrote {output}: {total - bad} of {total} within tolerance")
     if bad:
@@ -1081,8 +1100,11 @@ def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, chec
         out_dir = check_output_dir(out_dir, "--out")
     options = {key: value for key, value in (("mfu", mfu), ("inter_node_gbps", inter_node_gbps),
                                              ("host_memory_gib", host_memory_gib)) if value is not None}
-    found, answer = run_plan(model, gpu, gpus, seq, global_batch, gpus_per_node, nodes, recipe, checkpointing,
-                             min_gpus, hub, time_budget_s=time_budget, **options)
+    from .progress import Progress
+
+    with Progress(f"searching the fewest {gpu} for {model}", as_json=as_json or not min_gpus):
+        found, answer = run_plan(model, gpu, gpus, seq, global_batch, gpus_per_node, nodes, recipe, checkpointing,
+                                 min_gpus, hub, time_budget_s=time_budget, **options)
     if out_dir:
         if not found.plans:
             raise ConfigError("nothing fits, so --out has no layout to write")
@@ -1126,6 +1148,9 @@ OPTIONAL_PACKAGES = {"torch": "trace", "transformers": "trace", "safetensors": "
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: one line and exit 2 for any bad input, never a traceback."""
+    from .progress import quiet_libraries
+
+    quiet_libraries()  # the libraries' warnings and log notes are not the command's answer
     try:
         code = app.main(args=argv, prog_name="trainmem", standalone_mode=False)
         if isinstance(code, int):  # click returns a raised Exit's code here instead of exiting

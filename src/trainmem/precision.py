@@ -190,9 +190,10 @@ def _hooks(torch, model, report: PrecisionReport) -> list:
 
 
 def precision_check(model, batches: list, steps: int = 1, lr: float = 1e-4, loss_scale: float = 1.0,
-                    loss_fn: Callable | None = None) -> PrecisionReport:
+                    loss_fn: Callable | None = None, on_step: Callable[[int], None] | None = None) -> PrecisionReport:
     """Run ``steps`` fp32 training steps of ``model`` on ``batches`` (tensors of token ids, or whatever
     ``loss_fn(model, batch)`` takes) and collect the distributions. The last step's gradients and updates are kept.
+    ``on_step(step)`` is called after each step (the CLI's progress line).
     """
     check_arguments(steps=steps, lr=lr, loss_scale=loss_scale)
     if not batches:
@@ -231,6 +232,8 @@ def precision_check(model, batches: list, steps: int = 1, lr: float = 1e-4, loss
                 ratio = torch.where(delta > 0, delta / half_ulp, torch.full_like(delta, math.inf))
                 report.update_ratio.setdefault(layer_type(n), Distribution()).add(torch, ratio)
         optimizer.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(step)
     return report
 
 
