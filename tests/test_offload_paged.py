@@ -76,6 +76,7 @@ def test_small_lora_adapters_are_not_paged(run_cli):
     code, out, _ = run_cli("estimate", "llama-3-8b", "--lora", "16", "--optimizer", "paged-adamw-8bit", "--json")
     doc = json.loads(out)
     assert code == 0 and "paged_bytes" not in doc
+    assert any("pages none of its states" in n for n in doc["notes"])
     code, out, _ = run_cli("estimate", "llama-3-8b", "--lora", "64", "--optimizer", "paged-adamw-8bit", "--json")
     doc64 = json.loads(out)
     code8, out8, _ = run_cli("estimate", "llama-3-8b", "--lora", "64", "--optimizer", "adamw-8bit", "--json")
@@ -161,3 +162,34 @@ def test_offload_leaves_the_in_flight_reduce_scatter_buffer():
     names = [b.name for b in est.rank.buffers]
     assert "a layer's reduce-scatter input" in names
     assert any("CPUOffloadPolicy" in n for n in est.notes)
+
+
+from hypothesis import given, settings as hyp_settings, strategies as st  # noqa: E402
+
+from trainmem.models import spec_from_config  # noqa: E402
+
+
+@hyp_settings(max_examples=40, deadline=None)
+@given(heads=st.integers(1, 16), layers=st.integers(1, 6), inter=st.integers(1, 40_000),
+       vocab=st.integers(1, 60_000), recipe=st.sampled_from(["mixed-bf16", "pure-bf16", "fp32"]))
+def test_paged_is_unpaged_less_the_paged_states_for_any_llama(heads, layers, inter, vocab, recipe):
+    cfg = dict(model_type="llama", hidden_size=64 * heads, num_attention_heads=heads, num_key_value_heads=heads,
+               num_hidden_layers=layers, intermediate_size=inter, vocab_size=vocab)
+    spec = spec_from_config(cfg)
+    plain = estimate_model(spec, make_settings(recipe=recipe, optimizer="adamw-8bit", batch=1, seq=64))
+    paged = estimate_model(spec, make_settings(recipe=recipe, optimizer="paged-adamw-8bit", batch=1, seq=64))
+    assert paged.paged_bytes == _paged_rule(spec)
+    assert plain.peak.allocated_bytes - paged.peak.allocated_bytes == paged.paged_bytes
+    assert paged.static_bytes + paged.paged_bytes == plain.static_bytes
+
+
+def test_offloaded_paged_states_are_host_memory():
+    spec = catalog_spec("llama-3-8b")
+    layout = Parallel(gpus=8, zero=3, offload="optimizer+params")
+    plain = estimate_model(spec, make_settings(optimizer="adamw-8bit"), parallel=layout)
+    paged = estimate_model(spec, make_settings(optimizer="paged-adamw-8bit"), parallel=layout)
+    # DeepSpeed's offload keeps the states on the host, where bitsandbytes pages nothing: as the unpaged optimizer
+    assert paged.paged_bytes == 0
+    assert paged.rank.host_bytes_per_rank == plain.rank.host_bytes_per_rank
+    assert paged.peak.allocated_bytes == plain.peak.allocated_bytes
+    assert any("under --offload" in n for n in paged.notes)

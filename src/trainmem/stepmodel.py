@@ -114,11 +114,15 @@ class StepModel:
         single = static_components(spec, settings)
         self.paged_bytes = paged_state_bytes(spec, settings)
         """Optimizer states in unified memory on this GPU (estimate.Estimate.paged_bytes), out of every phase."""
+        self._paged_note = ("paged optimizer: no trained tensor here has 1e5+ elements, so bitsandbytes pages none "
+                            "of its states (get_state_buffer): all are ordinary device memory, counted above")
         self.rank: RankLayout | None = None
         if self.parallel.engine != "single":
             states, offloaded = single[3].bytes, self.parallel.offload != "none"
-            if offloaded:  # (on host parameters bitsandbytes pages nothing: get_state_buffer's CPU fallback)
-                states, self.paged_bytes = states + self.paged_bytes, 0
+            if offloaded and self.paged_bytes:  # (on the host bitsandbytes pages nothing: get_state_buffer's CPU
+                states, self.paged_bytes = states + self.paged_bytes, 0  # fallback; the offload keeps them there)
+                self._paged_note = ("paged optimizer under --offload: its states are in host memory with the rest "
+                                    "(bitsandbytes pages nothing for CPU tensors), none on the GPU")
             self.rank = rank_layout(spec, self.recipe, self.optimizer, states, self.parallel)
             single = rank_static_components(single, self.rank, spec.num_parameters)
             # the paged states follow the rank's share of what the optimizer updates, as its other states do
@@ -265,6 +269,8 @@ class StepModel:
         notes = list(self.unchecked)
         if self.paged_bytes:
             notes.append(PAGED_NOTE)
+        elif self.optimizer.paged:
+            notes.append(self._paged_note)
         return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, finetune=self.finetune,
                         activations=acts, phases=phases,
                         peak=peak_of_phases(phases, self.device), device=self.device, notes=tuple(notes),
