@@ -23,7 +23,9 @@ engines' code (../shared/reference/scale.md cites the commits):
   buffer, whose free is deferred to the next group's wait; the forward moments the timeline models are the last
   layer's, which has no next group, and the first layer's gather beside the root's buffer; backward: one group
   prefetched), and backward reduce-scatters each group's unsharded gradients through a ``reduce_dtype`` buffer of
-  which the current and the previous one are alive.
+  which the current and the previous one are alive. With ``CPUOffloadPolicy`` (``--offload optimizer+params``) the
+  sharded parameters, gradients and states are pinned host memory: ``foreach_reduce`` copies each reduced gradient
+  shard to the host as its group is reduced, so the GPU keeps no finished shard (RankLayout.gradients_offloaded).
 """
 
 from __future__ import annotations
