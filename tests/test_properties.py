@@ -30,6 +30,8 @@ def test_static_memory_grows_with_parameters(n, extra, recipe, optimizer):
     # genuinely shrink when a tensor crosses that threshold (4095 elements: 32,760 B; 4096: 8,320 B). Every other
     # part grows.
     crosses_8bit_threshold = optimizer.endswith("8bit") and n < 4096 <= n + extra
+    # a paged optimizer's states of a tensor of 1e5+ elements move to unified memory (estimate.paged_bytes)
+    crosses_8bit_threshold |= OPTIMIZERS[optimizer].paged and n < 100_000 <= n + extra
     if not crosses_8bit_threshold:
         assert big.static_bytes >= small.static_bytes
     for a, b in zip(small.static, big.static):

@@ -103,6 +103,10 @@ class Estimate:
     """The part of the model that most loaded rank holds (its heads, layers, experts), when model parallel."""
     in_flight_bytes: int = 0
     """Activations of the other micro-batches a pipeline stage keeps while it computes one."""
+    paged_bytes: int = 0
+    """Optimizer states in CUDA unified memory (bitsandbytes' paged optimizers: cudaMallocManaged), per GPU. Not in
+    ``static``, the phases or the peak: torch.cuda.max_memory_allocated() does not count them and the driver can
+    evict them to host memory, so what "fits" compares leaves them out; resident, they are on the device too."""
 
     @property
     def per_gpu(self) -> bool:
@@ -152,10 +156,13 @@ def static_components(model: ModelSpec, settings: TrainingSettings) -> tuple[Sta
     optimizer = get_optimizer(settings.optimizer)
     n = model.num_parameters
     state_bytes = recipe.state_bytes_for(optimizer.name)
-    states = optimizer.state_bytes(model.param_groups, state_bytes)
+    # a paged optimizer's large states are in unified memory, not allocated by torch: reported apart (paged_bytes)
+    states = optimizer.state_bytes(model.param_groups, state_bytes) - optimizer.paged_bytes(model.param_groups,
+                                                                                            state_bytes)
     state_dtype = "uint8+fp32" if optimizer.name.endswith("8bit") else \
         recipe.optimizer_states if state_bytes == recipe.state_bytes else recipe.weights
-    note = optimizer.states + (" (paged: evictable to CPU)" if optimizer.paged else "")
+    note = optimizer.states + (" (paged: the states of tensors of 1e5+ elements are in unified memory, reported "
+                               "apart)" if optimizer.paged else "")
     gradients, gradient_note = n * recipe.gradient_bytes, "param.grad, same shape as the parameters"
     if model.vocab_shards > 1 and model.has_embedding and model.has_architecture:
         # DTensor (torch 2.13) returns the vocabulary-parallel embedding's gradient replicated: every rank gets the
@@ -172,6 +179,14 @@ def static_components(model: ModelSpec, settings: TrainingSettings) -> tuple[Sta
                         "fp32 copy the optimizer updates" if recipe.master_weights else "none in this recipe"),
         StaticComponent("optimizer_states", state_dtype, states, states / n, note),
     )
+
+
+def paged_state_bytes(model: ModelSpec, settings: TrainingSettings) -> int:
+    """The optimizer's states in unified memory on one GPU (0 unless the optimizer is paged): optimizers.py."""
+    optimizer = get_optimizer(settings.optimizer)
+    if not optimizer.paged:
+        return 0
+    return optimizer.paged_bytes(model.param_groups, get_recipe(settings.recipe).state_bytes_for(optimizer.name))
 
 
 def peak_of_phases(phases: tuple[Phase, ...], device: DeviceOptions) -> Peak:

@@ -15,7 +15,14 @@ Sources:
 - adamw-8bit / paged-adamw-8bit: bitsandbytes ``Optimizer2State.init_state``: two uint8 states plus, per state,
   one fp32 ``absmax`` per block of 256 elements (block-wise quantisation, Dettmers et al. 2022); tensors with
   fewer than ``min_8bit_size = 4096`` elements keep two fp32 states. The two 256-entry fp32 quantisation maps
-  are shared by all tensors. Paged states live in CUDA unified memory that the driver can evict to the CPU.
+  are shared by all tensors.
+- paged-adamw-8bit: bitsandbytes ``Optimizer8bit.get_state_buffer`` (optim/optimizer.py, 0.50) allocates a
+  state with ``F.get_paged`` (functional.py: ``lib.cget_managed_ptr``, i.e. ``cudaMallocManaged``, wrapped with
+  ``torch.frombuffer`` and registered with ``GlobalPageManager``) when the optimizer ``is_paged`` and the parameter
+  has ``p.numel() >= 1e5`` elements; smaller tensors' states, the ``absmax`` blocks and the quantisation maps are
+  ordinary ``torch.zeros`` on the device. Unified memory bypasses torch's caching allocator, so
+  ``torch.cuda.max_memory_allocated()`` does not count it, and the driver can evict it to host memory under
+  pressure: :meth:`Optimizer.paged_bytes` is reported apart from the allocated figures.
 - muon: ``momentum_buffer`` for 2-D weights inside the decoder layers (torch/optim/_muon.py accepts only 2-D
   parameters; its docstring and Keller Jordan's reference recipe train embeddings, the LM head, norms, biases and
   other non-2-D tensors with AdamW), AdamW's two states for the rest.
@@ -33,6 +40,8 @@ from .models import ParamGroup, ParamTensor
 BNB_BLOCK_SIZE = 256
 BNB_MIN_8BIT_SIZE = 4096
 BNB_QMAP_BYTES = 2 * 256 * 4
+BNB_PAGED_MIN_NUMEL = 100_000
+"""``get_state_buffer``: ``if not self.is_paged or p.numel() < 1e5: torch.zeros_like(...)``, else paged."""
 
 
 def _adam(t: ParamTensor, state_bytes: int) -> int:
@@ -62,6 +71,12 @@ def _adam_8bit(t: ParamTensor, state_bytes: int) -> int:
     return 2 * (t.numel * 1 + blocks * 4)
 
 
+def _adam_8bit_paged(t: ParamTensor, state_bytes: int) -> int:
+    """The bytes of ``_adam_8bit`` that bitsandbytes allocates in unified memory: the two uint8 states of a
+    tensor with at least 1e5 elements (past min_8bit_size, so 8-bit); its absmax blocks stay on the device."""
+    return 2 * t.numel if t.numel >= BNB_PAGED_MIN_NUMEL else 0
+
+
 @dataclass(frozen=True)
 class Optimizer:
     name: str
@@ -78,6 +93,8 @@ class Optimizer:
     nominal_bytes_per_param: float | None = None
     """Bytes per parameter at 4-byte states, for the recipes table (None where it depends on shapes)."""
     paged: bool = False
+    paged_fn: Callable[[ParamTensor, int], int] | None = None
+    """Of ``state_fn``'s bytes, those allocated in CUDA unified memory (paged optimizers), not by torch."""
     source: str = ""
     fused_available: bool = False
     """A fused implementation exists (``fused=True`` in torch.optim, bitsandbytes' kernels): no parameter-sized
@@ -96,6 +113,12 @@ class Optimizer:
                     fn = self.layer_matrices_only_fn
                 total += group.repeat * fn(t, state_dtype_bytes)
         return total
+
+    def paged_bytes(self, groups: Iterable[ParamGroup], state_dtype_bytes: int) -> int:
+        """Of :meth:`state_bytes`, the bytes in unified memory (0 unless the optimizer is paged)."""
+        if self.paged_fn is None:
+            return 0
+        return sum(group.repeat * self.paged_fn(t, state_dtype_bytes) for group in groups for t in group.tensors)
 
     def bytes_per_param(self, state_dtype_bytes: int) -> float | None:
         """Bytes per parameter for a large dense tensor (what the recipes table shows)."""
@@ -121,7 +144,8 @@ OPTIMIZERS: dict[str, Optimizer] = {
                   fixed_bytes=BNB_QMAP_BYTES, source="bitsandbytes optim/optimizer.py Optimizer2State",
                   fused_available=True),
         Optimizer("paged-adamw-8bit", "as adamw-8bit, in evictable unified memory", _adam_8bit,
-                  fixed_bytes=BNB_QMAP_BYTES, paged=True, source="bitsandbytes optim/optimizer.py Optimizer2State",
+                  fixed_bytes=BNB_QMAP_BYTES, paged=True, paged_fn=_adam_8bit_paged,
+                  source="bitsandbytes optim/optimizer.py Optimizer2State, get_state_buffer",
                   fused_available=True),
         Optimizer("muon", "momentum_buffer for 2-D layer weights, AdamW states for the rest", _adam,
                   needs_shapes=True, layer_matrices_only_fn=_one_state, source="torch/optim/_muon.py",

@@ -235,6 +235,8 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
         _parallel_keys(est, doc)
     if est.finetune is not None:
         doc["lora"] = est.finetune.as_dict(m)
+    if est.paged_bytes:  # (paged optimizers' states in unified memory: not in static, phases or peak)
+        doc["paged_bytes"] = est.paged_bytes
     if extra:
         doc.update(extra)
     return doc
@@ -437,6 +439,11 @@ def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
     lines.add_row("device total", format_bytes(pk.device_bytes, unit),
                   f"+ {format_bytes(dev.cuda_overhead_bytes, 'MiB', 0)} CUDA context and workspaces; nvidia-smi")
     lines.add_row("required", format_bytes(pk.required_bytes, unit), f"x {dev.headroom:g} headroom", style="bold")
+    if est.paged_bytes:
+        lines.add_row("paged optimizer states (not above)", format_bytes(est.paged_bytes, unit),
+                      "CUDA unified memory: max_memory_allocated() does not count it and the driver can evict it to "
+                      "host memory under pressure, so it is left out of the lines above; while resident, nvidia-smi's "
+                      "total may include it")
     console.print(lines)
     fits = Table(title="GPUs")
     fits.add_column("GPU")

@@ -23,7 +23,9 @@ engines' code (../shared/reference/scale.md cites the commits):
   buffer, whose free is deferred to the next group's wait; the forward moments the timeline models are the last
   layer's, which has no next group, and the first layer's gather beside the root's buffer; backward: one group
   prefetched), and backward reduce-scatters each group's unsharded gradients through a ``reduce_dtype`` buffer of
-  which the current and the previous one are alive.
+  which the current and the previous one are alive. With ``CPUOffloadPolicy`` (``--offload optimizer+params``) the
+  sharded parameters, gradients and states are pinned host memory: ``foreach_reduce`` copies each reduced gradient
+  shard to the host as its group is reduced, so the GPU keeps no finished shard (RankLayout.gradients_offloaded).
 """
 
 from __future__ import annotations
@@ -351,6 +353,10 @@ class RankLayout:
     head_gradient_sharded: bool = True
     """Whether the LM head's gradient is reduced to the rank's shard as soon as backward has made it (ZeRO's
     buckets), or stays whole until the end of backward (FSDP2's root group reduces last)."""
+    gradients_offloaded: bool = False
+    """Whether each finished gradient shard leaves the GPU as soon as its group is reduced (FSDP2's
+    CPUOffloadPolicy: ``foreach_reduce`` copies the reduce-scatter output to pinned host memory), so backward keeps
+    none of the finished layers' shards on the device."""
 
 
 ALL_PHASES = ("load", "forward", "backward", "optimizer", "between_steps")
@@ -518,14 +524,22 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
                                   ("backward",), "the replicated dimension's all-reduce of one group's shard"))
     host = pinned = 0
     weights, grads = orig * shard, orig * shard
-    if parallel.offload == "optimizer+params":
+    offloaded = parallel.offload == "optimizer+params"
+    notes: tuple[str, ...] = ("not validated on a GPU: FSDP2's sharded states are checked on CPU processes (gloo)",)
+    if offloaded:
+        # CPUOffloadPolicy (torch 2.13 _fully_shard/_fsdp_collectives.py foreach_reduce): each group's
+        # reduce-scatter output is copied to pinned host memory (``new_sharded_grad.to("cpu", non_blocking=...)``)
+        # and the GPU copy dropped at once, so sharded_param.grad is a CPU tensor: the gradient shards are host
+        # bytes, and on the GPU only the in-flight group's reduce buffers remain (its reduce-scatter input,
+        # counted above; its output lives inside foreach_reduce only)
         host = weights + grads + states
         pinned = host
         buffers.append(Buffer("host-to-device copy of the running group's shard", orig * -(-largest // world),
                               "temporaries", _STEP))
         weights = grads = states = 0
-    return RankLayout(weights, grads, 0, states, shard, world, tuple(buffers), False, host, pinned,
-                      ("not validated on a GPU: FSDP2's sharded states are checked on CPU processes (gloo)",),
-                      gradient_shard_bytes=orig, head_gradient_sharded=False)
+        notes += ("not validated: FSDP2's CPUOffloadPolicy is modelled from its source (gradient shards copied to "
+                  "the host as each group is reduced); the trace does not run offload",)
+    return RankLayout(weights, grads, 0, states, shard, world, tuple(buffers), False, host, pinned, notes,
+                      gradient_shard_bytes=orig, head_gradient_sharded=False, gradients_offloaded=offloaded)
 
 

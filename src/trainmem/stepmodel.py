@@ -27,8 +27,8 @@ from dataclasses import dataclass, fields, is_dataclass, replace
 
 from .activations import ActivationEstimate, estimate_activations
 from .errors import ConfigError
-from .estimate import (NO_PEAK, DeviceOptions, Estimate, Peak, StaticComponent, peak_of_phases, position_warning,
-                       static_components, validation_notes)
+from .estimate import (NO_PEAK, DeviceOptions, Estimate, Peak, StaticComponent, paged_state_bytes, peak_of_phases,
+                       position_warning, static_components, validation_notes)
 from .models import ModelSpec
 from .optimizers import get_optimizer
 from .recipes import get_recipe
@@ -38,6 +38,11 @@ from .lora import FineTune, activations_modelled, base_weight_bytes, lora_activa
 from .sharding import Parallel, RankLayout, rank_layout
 from .timeline import (Phase, expanded_layers, forward_floor, peak_of, seed_activation_bytes, seed_rule_candidates,
                        step_candidates)
+
+PAGED_NOTE = ("paged optimizer states (paged_bytes) live in CUDA unified memory (cudaMallocManaged): "
+              "max_memory_allocated() does not count them, so they are out of the allocated and reserved peaks and "
+              "of whether the step fits; the driver evicts them to host memory under pressure, so the device total "
+              "may still include them while they are resident")
 
 _SAMPLES = (2, 3)
 """The batches the lines are taken from (batch 1 differs: see the module docstring)."""
@@ -107,15 +112,33 @@ class StepModel:
         self.recipe = get_recipe(settings.recipe)
         self.optimizer = get_optimizer(settings.optimizer)
         single = static_components(spec, settings)
+        self.paged_bytes = paged_state_bytes(spec, settings)
+        """Optimizer states in unified memory on this GPU (estimate.Estimate.paged_bytes), out of every phase."""
+        self._paged_note = ("paged optimizer: no trained tensor here has 1e5+ elements, so bitsandbytes pages none "
+                            "of its states (get_state_buffer): all are ordinary device memory, counted above")
         self.rank: RankLayout | None = None
         if self.parallel.engine != "single":
-            self.rank = rank_layout(spec, self.recipe, self.optimizer, single[3].bytes, self.parallel)
+            states, offloaded = single[3].bytes, self.parallel.offload != "none"
+            if offloaded and self.paged_bytes:  # (on the host bitsandbytes pages nothing: get_state_buffer's CPU
+                states, self.paged_bytes = states + self.paged_bytes, 0  # fallback; the offload keeps them there)
+                self._paged_note = ("paged optimizer under --offload: its states are in host memory with the rest "
+                                    "(bitsandbytes pages nothing for CPU tensors), none on the GPU")
+            self.rank = rank_layout(spec, self.recipe, self.optimizer, states, self.parallel)
             single = rank_static_components(single, self.rank, spec.num_parameters)
+            # the paged states follow the rank's share of what the optimizer updates, as its other states do
+            self.paged_bytes = -(-self.paged_bytes * self.rank.optimizer_numel // spec.num_parameters)
         self.finetune = finetune
         if finetune is not None:
             if self.rank is not None:
                 raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
-            single = finetune_static_components(spec, settings, finetune)
+            single, self.paged_bytes = finetune_static_components(spec, settings, finetune), 0
+            if self.optimizer.paged:
+                self.paged_bytes = finetune_paged_bytes(spec, self.optimizer, finetune)
+            if self.paged_bytes:
+                single = tuple(replace(c, bytes=c.bytes - self.paged_bytes,
+                                       bytes_per_param=(c.bytes - self.paged_bytes) / spec.num_parameters,
+                                       note=c.note + " (the states of tensors of 1e5+ elements are paged, reported "
+                                       "apart)") if c.name == "optimizer_states" else c for c in single)
         if settings.compile and spec.has_architecture:
             from .activations import compile_modelled
 
@@ -213,13 +236,13 @@ class StepModel:
             note = (f"not modelled yet: the activations of a LoRA step with {unmodelled}, so this is the static "
                     "memory only")
             return Estimate(spec, settings, self.static, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
-                            warnings=warnings, finetune=self.finetune)
+                            warnings=warnings, finetune=self.finetune, paged_bytes=self.paged_bytes)
         if not spec.has_architecture:
             note = ("activations need the architecture: give a model config, not only --params"
                     if spec.is_nominal else
                     f"model_type {spec.model_type!r} was counted by transformers; activations need an analytic spec")
             return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, device=self.device,
-                            notes=(note, NO_PEAK, *self.unchecked), warnings=warnings)
+                            notes=(note, NO_PEAK, *self.unchecked), warnings=warnings, paged_bytes=self.paged_bytes)
         if settings.activation_k is not None:
             phases = tuple(peak_of(c) for c in self.candidates(batch, seq)[1])
             acts = estimate_activations(spec, self.recipe, settings)
@@ -235,7 +258,7 @@ class StepModel:
             return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank,
                             activation_k_bytes=seed_activation_bytes(spec, settings),
                             phases=phases, peak=peak_of_phases(phases, self.device), device=self.device, notes=notes,
-                            warnings=warnings)
+                            warnings=warnings, paged_bytes=self.paged_bytes)
         form = self.form(batch, seq)
         if form is not None:
             acts = self.activations(settings)
@@ -244,13 +267,14 @@ class StepModel:
             acts, candidates = self.candidates(batch, seq, peaks_only=True)
             phases = tuple(peak_of(c) for c in candidates)
         notes = list(self.unchecked)
-        if self.optimizer.paged:
-            notes.append("paged optimizer states live in CUDA unified memory: max_memory_allocated() does not count "
-                         "them")
+        if self.paged_bytes:
+            notes.append(PAGED_NOTE)
+        elif self.optimizer.paged:
+            notes.append(self._paged_note)
         return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, finetune=self.finetune,
                         activations=acts, phases=phases,
                         peak=peak_of_phases(phases, self.device), device=self.device, notes=tuple(notes),
-                        warnings=warnings)
+                        warnings=warnings, paged_bytes=self.paged_bytes)
 
 
 _ACTIVATIONS: OrderedDict[tuple, list] = OrderedDict()
@@ -327,6 +351,15 @@ def finetune_static_components(spec: ModelSpec, settings: TrainingSettings,
                         t.states, t.states / n,
                         f"{optimizer.states} of the adapters" + (" and the trained copies" if t.copies else "")),
     )
+
+
+def finetune_paged_bytes(spec: ModelSpec, optimizer, finetune: FineTune) -> int:
+    """Of a LoRA step's optimizer states, those a paged optimizer keeps in unified memory: the adapters' and the
+    trained copies' tensors of 1e5+ elements (optimizers.py; an r=16 adapter of a 4096-wide layer, 65,536
+    elements, is not paged)."""
+    from .lora import adapter_groups, copy_groups
+
+    return optimizer.paged_bytes((*adapter_groups(spec, finetune.lora), *copy_groups(spec, finetune.lora)), 1)
 
 
 def _is_whole(value) -> bool:

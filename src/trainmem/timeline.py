@@ -1051,8 +1051,13 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # a finished gradient shard's bytes per element, over the recipe's (FSDP2 casts shards to the masters' dtype)
     shard_scale = (rank.gradient_shard_bytes or recipe.gradient_bytes) / recipe.gradient_bytes if rank else 1
 
+    offloaded = bool(rank and rank.gradients_offloaded)
+
     def finished_shard(x: _LayerBytes) -> int:
-        """A layer's gradients once its backward is done: this rank's reduce-scattered shard of them."""
+        """A layer's gradients once its backward is done: this rank's reduce-scattered shard of them (none on the
+        GPU where FSDP2's CPU offload has copied it to the host: sharding.RankLayout.gradients_offloaded)."""
+        if offloaded:
+            return 0
         return -(-x.grads // shards) if shard_scale == 1 else -(-int(x.grads * shard_scale) // shards)
 
     st = _static(static, recipe, settings, rank)
