@@ -96,3 +96,25 @@ def test_muon_step_matches_its_trace(recipe, intermediate):
     e, t = (next(p for p in phases if p.name == "optimizer") for phases in (est.phases, traced.phases))
     assert t.temporaries > 0
     assert abs(e.temporaries - t.temporaries) <= 0.01 * t.temporaries, (e, t)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["fp32", "pure-bf16"])
+def test_muon_with_lora_matches_its_trace(recipe):
+    """With LoRA the adapters (and trained copies) go to AdamW, as the estimate counts them: every phase of the
+    traced step within 1%, and the traced step's states are AdamW's two per adapter value."""
+    pytest.importorskip("peft")
+    from trainmem.lora import FineTune, LoraOptions, adapter_parameters
+    from trainmem.models import spec_from_config
+    from trainmem.trace import trace_step
+
+    config = dict(_LLAMA, intermediate_size=688)
+    settings = make_settings(recipe=recipe, batch=1, seq=64, optimizer="muon", dropout=0.0)
+    spec, finetune = spec_from_config(config), FineTune(LoraOptions(8))
+    est = estimate_model(spec, settings, finetune=finetune)
+    traced = trace_step(config, settings, spec, finetune=finetune)
+    for e, t in zip(est.phases, traced.phases):
+        assert e.name == t.name
+        assert abs(e.allocated_bytes - t.allocated_bytes) <= 0.01 * t.allocated_bytes, (e, t)
+    load = traced.phases[0]
+    assert abs(load.optimizer_states - 2 * 4 * adapter_parameters(spec, finetune.lora)) <= 4096  # (+ step scalars)

@@ -273,7 +273,10 @@ class TrainingStep:
                 p.register_post_accumulate_grad_hook(lambda param, main=main: self._accumulate_main_grad(param, main))
         fp32_states = (recipe.optimizer_states == "fp32" and recipe.weights != "fp32" and self.masters is None
                        and half_trainables)
-        is_matrix = muon_matrices(layer_params, self.params) if settings.optimizer == "muon" else None
+        # muon: torch.optim.Muon for the base's 2-D decoder-layer weights; LoRA's adapters and trained copies go to
+        # AdamW, as the estimate counts them (lora.adapter_groups and copy_groups are not decoder-layer groups)
+        is_matrix = (muon_matrices(layer_params, self.params) if settings.optimizer == "muon" and finetune is None
+                     else None)
         if settings.optimizer_in_backward:
             # one optimizer per parameter, stepped by the parameter's post-accumulate hook, which then frees its
             # gradient (torchtune's optimizer_in_bwd); step() has nothing left to do
