@@ -26,13 +26,20 @@ Sources:
 - muon: ``momentum_buffer`` for 2-D weights inside the decoder layers (torch/optim/_muon.py accepts only 2-D
   parameters; its docstring and Keller Jordan's reference recipe train embeddings, the LM head, norms, biases and
   other non-2-D tensors with AdamW), AdamW's two states for the rest.
+
+Step temporaries (``Optimizer.step_temporaries``): a foreach implementation computes over all of a group's
+tensors at once, so ``foreach_temporaries`` parameter-sized buffers exist (AdamW's ``_foreach_sqrt``). Muon is
+``torch.optim.Muon`` for the 2-D decoder-layer weights, which torch runs one tensor at a time
+(``_single_tensor_muon``; ``foreach=True`` raises), stepped before ``torch.optim.AdamW`` (foreach) for the rest,
+as torch's Muon docstring shows: its temporaries are the larger of Muon's worst single tensor
+(:func:`muon_tensor_temporaries`) and AdamW's foreach buffer over the rest.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from .errors import unknown_choice
 from .models import ParamGroup, ParamTensor
@@ -77,6 +84,57 @@ def _adam_8bit_paged(t: ParamTensor, state_bytes: int) -> int:
     return 2 * t.numel if t.numel >= BNB_PAGED_MIN_NUMEL else 0
 
 
+MUON_NS_STEPS = 5
+"""torch.optim.Muon's default ``ns_steps`` (torch/optim/_muon.py, DEFAULT_NS_STEPS)."""
+
+
+def muon_tensor_temporaries(shape: tuple[int, ...], grad_bytes: int, ns_steps: int = MUON_NS_STEPS) -> int:
+    """Bytes alive at once inside ``torch.optim.Muon``'s step of one (m, n) matrix whose gradient (and momentum
+    buffer) have ``grad_bytes`` per element, at the Newton-Schulz peak (torch/optim/_muon.py, torch 2.13):
+
+    - ``update = grad.lerp(buf, momentum)`` (nesterov, the default): m x n in the gradient's dtype, held by
+      ``_single_tensor_muon`` for the whole ``_zeropower_via_newtonschulz`` call;
+    - ``ortho_grad = grad.bfloat16()``: an m x n bf16 copy (the tensor itself when it is bf16 already), transposed
+      (a view) so that it is s x l, s = min(m, n);
+    - per iteration ``gram_matrix = X @ X.T`` and ``gram_update = addmm(gram, gram, gram)``, s x s bf16 each, then
+      ``X = addmm(X, gram_update, X)``, a new s x l bf16. From the second iteration the previous gram matrices are
+      still bound while the new ones are made (three s x s at once), and the old X while the new X is made (two
+      s x l beside two s x s).
+
+    The peak is ``update + max(2 X + 2 gram, X + 3 gram)``; with one iteration, ``update + 2 X + 2 gram``
+    (or ``X + 2 gram`` beside a bf16 ``update``, which is the first X)."""
+    m, n = shape
+    s = min(m, n)
+    update, x, gram = m * n * grad_bytes, m * n * 2, s * s * 2
+    if ns_steps <= 0:
+        return update + (x if grad_bytes != 2 else 0)
+    first = update + (x if grad_bytes != 2 else 0) + x + 2 * gram
+    later = update + max(2 * x + 2 * gram, x + 3 * gram) if ns_steps > 1 else 0
+    return max(first, later)
+
+
+def _is_muon_matrix(group: ParamGroup, t: ParamTensor) -> bool:
+    """What trainmem's ``muon`` gives to torch.optim.Muon: 2-D weights of the decoder layers."""
+    return group.is_layer and len(t.shape) == 2
+
+
+def _muon_step_temporaries(groups: Sequence[ParamGroup], numel: int, state_bytes: int) -> int:
+    """torch.optim.Muon over the 2-D decoder-layer weights (one tensor at a time: its worst tensor), then foreach
+    AdamW over the rest (one buffer the size of the rest, in the state dtype); the larger of the two, since each
+    frees its temporaries before the other steps. ``numel`` is the elements this rank updates: the rest's share
+    of it is the rest's share of the model (a sharded rank's Muon still orthogonalises whole matrices)."""
+    muon_numel = sum(g.repeat * t.numel for g in groups for t in g.tensors if _is_muon_matrix(g, t))
+    total = sum(g.numel for g in groups)
+    rest = numel if total == 0 else numel * (total - muon_numel) // total
+    worst = max((muon_tensor_temporaries(t.shape, state_bytes) for g in groups for t in g.tensors
+                 if _is_muon_matrix(g, t)), default=0)
+    return max(worst, rest * state_bytes)
+
+
+StepTemporariesFn = Callable[[Sequence[ParamGroup], int, int], int]
+"""(the model's parameter groups, the elements the optimizer updates, bytes per state element) -> bytes."""
+
+
 @dataclass(frozen=True)
 class Optimizer:
     name: str
@@ -102,14 +160,22 @@ class Optimizer:
     foreach_temporaries: int = 0
     """Parameter-sized temporaries (in the state dtype) of the foreach implementation's step: AdamW's
     ``_foreach_sqrt(exp_avg_sqs)``, Adafactor's ``row_var @ col_var`` estimates; 0 for SGD."""
+    step_temporaries_fn: StepTemporariesFn | None = None
+    """The non-fused step's temporaries where they are not ``foreach_temporaries`` parameter-sized buffers (Muon:
+    one tensor at a time, beside AdamW for the rest); None for the foreach shape."""
+
+    def step_temporaries(self, groups: Sequence[ParamGroup], numel: int, state_dtype_bytes: int) -> int:
+        """Bytes of temporaries of a non-fused ``step()`` updating ``numel`` elements of ``groups``' tensors."""
+        if self.step_temporaries_fn is not None:
+            return self.step_temporaries_fn(groups, numel, state_dtype_bytes)
+        return self.foreach_temporaries * numel * state_dtype_bytes
 
     def state_bytes(self, groups: Iterable[ParamGroup], state_dtype_bytes: int) -> int:
         total = self.fixed_bytes
         for group in groups:
-            in_layers = group.is_layer
             for t in group.tensors:
                 fn = self.state_fn
-                if self.layer_matrices_only_fn and in_layers and len(t.shape) == 2:
+                if self.layer_matrices_only_fn and _is_muon_matrix(group, t):
                     fn = self.layer_matrices_only_fn
                 total += group.repeat * fn(t, state_dtype_bytes)
         return total
@@ -149,14 +215,15 @@ OPTIMIZERS: dict[str, Optimizer] = {
                   fused_available=True),
         Optimizer("muon", "momentum_buffer for 2-D layer weights, AdamW states for the rest", _adam,
                   needs_shapes=True, layer_matrices_only_fn=_one_state, source="torch/optim/_muon.py",
-                  foreach_temporaries=1),
+                  foreach_temporaries=1, step_temporaries_fn=_muon_step_temporaries),
     )
 }
 
 
-TRACEABLE_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
-"""Optimizers torch itself implements, which trace and measure run; the others' states follow their libraries'
-documented layouts (bitsandbytes, the Lion and Muon papers) without a run to check them."""
+TRACEABLE_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "muon")
+"""Optimizers torch itself implements, which trace and measure run (muon: torch.optim.Muon with torch.optim.AdamW
+for the rest, step.py's MuonWithAdamW); the others' states follow their libraries' documented layouts
+(bitsandbytes, the Lion paper) without a run to check them."""
 
 
 def get_optimizer(name: str) -> Optimizer:

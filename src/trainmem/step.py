@@ -66,6 +66,57 @@ class Fp32StateAdamW:
             p.grad = None
 
 
+class MuonWithAdamW:
+    """trainmem's ``muon``: ``torch.optim.Muon`` (its defaults: momentum 0.95, nesterov, 5 Newton-Schulz steps;
+    one tensor at a time, torch/optim/_muon.py ``_single_tensor_muon``) for the 2-D weights of the decoder layers,
+    and ``torch.optim.AdamW`` (foreach) for the rest (embeddings, LM head, norms, biases, 3-D expert weights), the
+    two stepped one after the other as torch's Muon docstring shows. ``parts`` are the torch optimizers, which
+    MemTracker tracks; ``state`` and ``param_groups`` are theirs together."""
+
+    def __init__(self, torch, params: list, is_matrix: list[bool], fused: bool = False):
+        matrices = [p for p, matrix in zip(params, is_matrix) if matrix]
+        rest = [p for p, matrix in zip(params, is_matrix) if not matrix]
+        self.parts: list = []
+        if matrices:
+            self.parts.append(torch.optim.Muon(matrices, lr=0.02))
+        if rest:
+            self.parts.append(torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.01, foreach=not fused,
+                                                fused=fused or None))
+
+    @property
+    def state(self) -> dict:
+        return {p: st for part in self.parts for p, st in part.state.items()}
+
+    @property
+    def param_groups(self) -> list:
+        return [g for part in self.parts for g in part.param_groups]
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def register_step_pre_hook(self, hook):
+        """The hook runs once, before the first part steps (trainmem.track's phase marker)."""
+        return self.parts[0].register_step_pre_hook(lambda optimizer, args, kwargs: hook(self, args, kwargs))
+
+
+def decoder_layer_parameters(model) -> set[int]:
+    """The ids of the parameters inside the decoder layers of ``model`` (a transformers causal LM or peft's)."""
+    from .probe import decoder_layers
+
+    return {id(p) for layer in decoder_layers(causal_lm(model)) for p in layer.parameters()}
+
+
+def muon_matrices(layer_params: set[int], params: list) -> list[bool]:
+    """Which of ``params`` trainmem's ``muon`` gives to torch.optim.Muon: the 2-D parameters of the decoder layers
+    (what ``ParamGroup.is_layer`` and a 2-D shape select in the estimate, optimizers.py)."""
+    return [id(p) in layer_params and p.ndim == 2 for p in params]
+
+
 def enable_checkpointing(model, every: int = 1) -> None:
     """Non-reentrant activation checkpointing of every decoder layer, or with ``every`` = N of layers 0, N, 2N, ...
     (torchtitan's layer-selective checkpointing: transformers' GradientCheckpointingLayer checks its own
@@ -83,7 +134,11 @@ def enable_checkpointing(model, every: int = 1) -> None:
                 layer.gradient_checkpointing = False
 
 
-def make_optimizer(torch, name: str, params: list, fused: bool, fp32_states_for_half: bool = False):
+def make_optimizer(torch, name: str, params: list, fused: bool, fp32_states_for_half: bool = False,
+                   is_matrix: list[bool] | None = None):
+    """The torch optimizer of ``name`` over ``params``; ``is_matrix`` (muon) marks those torch.optim.Muon updates."""
+    if name == "muon":
+        return MuonWithAdamW(torch, params, is_matrix if is_matrix is not None else [False] * len(params), fused)
     if name in ("adamw", "adam") and fp32_states_for_half:
         return Fp32StateAdamW(torch, params, weight_decay=0.01 if name == "adamw" else 0.0, fused=fused)
     if name in ("adamw", "adam"):
@@ -200,6 +255,7 @@ class TrainingStep:
         """--offload-activations: bytes in host memory now, and the most at once."""
         if settings.offload_activations:
             self._offload_decoder_activations()
+        layer_params = decoder_layer_parameters(self.model)
         if settings.loss == "chunked-output":
             self.model = chunked_output_model(torch, self.model, compile_loss=settings.compile)
         # Zero-element parameters (DeepSeek-V3's shared experts with n_shared_experts 0) hold no memory, and
@@ -217,18 +273,23 @@ class TrainingStep:
                 p.register_post_accumulate_grad_hook(lambda param, main=main: self._accumulate_main_grad(param, main))
         fp32_states = (recipe.optimizer_states == "fp32" and recipe.weights != "fp32" and self.masters is None
                        and half_trainables)
+        # muon: torch.optim.Muon for the base's 2-D decoder-layer weights; LoRA's adapters and trained copies go to
+        # AdamW, as the estimate counts them (lora.adapter_groups and copy_groups are not decoder-layer groups)
+        is_matrix = (muon_matrices(layer_params, self.params) if settings.optimizer == "muon" and finetune is None
+                     else None)
         if settings.optimizer_in_backward:
             # one optimizer per parameter, stepped by the parameter's post-accumulate hook, which then frees its
             # gradient (torchtune's optimizer_in_bwd); step() has nothing left to do
             self.optimizers = {p: make_optimizer(torch, settings.optimizer, [p], settings.fused_optimizer,
-                                                 fp32_states) for p in self.params}
+                                                 fp32_states, None if is_matrix is None else [is_matrix[i]])
+                               for i, p in enumerate(self.params)}
             for p, opt in self.optimizers.items():
                 p.register_post_accumulate_grad_hook(lambda param, opt=opt: self._step_in_backward(opt))
             self.optimizer = None
         else:
             self.optimizers = None
             self.optimizer = make_optimizer(torch, settings.optimizer, self.masters or self.params,
-                                            settings.fused_optimizer, fp32_states)
+                                            settings.fused_optimizer, fp32_states, is_matrix)
         self.ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq), device=device)
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.compute)
         self.autocast_device = torch.device(device).type
@@ -364,7 +425,7 @@ class TrainingStep:
         """What MemTracker must know about: the model, the optimizer (or its state tensors), the masters."""
         optimizers = list(self.optimizers.values()) if self.optimizers is not None else [self.optimizer]
         states = []
-        for optimizer in optimizers:
+        for optimizer in (part for opt in optimizers for part in getattr(opt, "parts", (opt,))):
             if isinstance(optimizer, self.torch.optim.Optimizer):
                 states.append(optimizer)
             else:

@@ -580,7 +580,8 @@ def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer
                            rank: RankLayout | None = None, finetune=None) -> int:
     """Temporaries of optimizer.step(): the foreach implementations (CUDA's default) compute over all of a
     group's tensors at once, so one parameter-sized intermediate exists, e.g. AdamW's
-    ``torch._foreach_sqrt(exp_avg_sqs)`` (torch/optim/adamw.py, _multi_tensor_adamw); fused kernels
+    ``torch._foreach_sqrt(exp_avg_sqs)`` (torch/optim/adamw.py, _multi_tensor_adamw); Muon runs one tensor at a
+    time beside AdamW for the rest (``Optimizer.step_temporaries``, optimizers.py); fused kernels
     (``fused=True``, DeepSpeed's FusedAdam, bitsandbytes) update in place. Recipes with half gradients and fp32
     master weights make an fp32 copy of the gradients for the update. On a rank of a sharded engine the optimizer
     updates that rank's elements, and the engine's own fp32 gradient copy is one of its buffers (sharding.py)."""
@@ -591,8 +592,8 @@ def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer
 
         t = trainables(spec, recipe, optimizer, finetune)
         return (0 if fused else optimizer.foreach_temporaries * t.stepped_values) + t.masters
-    if not fused:
-        temp += optimizer.foreach_temporaries * n * recipe.state_bytes_for(optimizer.name)
+    if not fused:  # the implementation's own shape (optimizers.py, Optimizer.step_temporaries)
+        temp += optimizer.step_temporaries(spec.param_groups, n, recipe.state_bytes_for(optimizer.name))
     if recipe.master_weights and recipe.gradients != recipe.master_weights and (rank is None
                                                                                   or rank.gradient_cast_in_step):
         temp += n * 4
