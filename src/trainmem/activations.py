@@ -163,7 +163,7 @@ def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_byt
     if spec.norm == "layer":
         return [Term(f"{label}: input", input_bytes * width, module, "input"),
                 Term(f"{label}: mean, rstd", 2 * FP32, module, "stats")]
-    normed = FP32 if spec.traits.rms_norm_fp32_plus_one else input_bytes
+    normed = FP32 if spec.traits.rms_norm_fp32_plus_one or spec.traits.rms_norm_fp32_product else input_bytes
     return [
         Term(f"{label}: input in fp32", FP32 * width, module, "input_fp32"),
         Term(f"{label}: rsqrt", FP32, module, "rsqrt"),
@@ -268,10 +268,12 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     if att.qk_norm:
         # Qwen3/Gemma3 q_norm and k_norm: RMSNorm over each head, input = projection output (compute dtype);
         # Gemma's RMSNorm keeps its normalised value in fp32.
-        normed = FP32 if spec.traits.rms_norm_fp32_plus_one else c
+        # OLMo-2's normalise the whole projection output (one rsqrt per token) and keep the fp32 normalised value.
+        normed = FP32 if spec.traits.rms_norm_fp32_plus_one or spec.traits.rms_norm_fp32_product else c
         for name, heads in (("q_norm", a), ("k_norm", kv)):
+            rows = 1 if att.qk_norm_width == "projection" else heads
             terms += [Term(f"{name}: input in fp32", FP32 * heads * d, name, "input_fp32"),
-                      Term(f"{name}: rsqrt", FP32 * heads, name, "rsqrt"),
+                      Term(f"{name}: rsqrt", FP32 * rows, name, "rsqrt"),
                       Term(f"{name}: normalised", normed * heads * d, name, "normalised")]
     rotary = att.rotary_dim > 0
     use_cache = uses_kv_cache(settings)
@@ -940,10 +942,14 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         return _sequence_sharded(_norm_terms(spec, h, p, label, input_bytes, module), sp)
 
     # --- attention block: pre-norm, its output read by the q/k/v projections -----------------------------
-    terms += norm_terms("input norm", r, "input_norm")
-    # Linears reading the input norm's output: one fused qkv; q/k/v; MLA's q_a_proj and kv_a_proj_with_mqa.
+    post_norms = spec.traits.norm_placement == "post"
+    if not post_norms:
+        terms += norm_terms("input norm", r, "input_norm")
+    # Linears reading the input norm's output (with post-norms, the layer input): one fused qkv; q/k/v; MLA's
+    # q_a_proj and kv_a_proj_with_mqa.
     qkv_consumers = 1 if att.fused_qkv else 2 if att.kind == "mla" else 3
-    terms += _linear_inputs(p, h, qkv_consumers, "input norm output (q/k/v projections' input)", r, "qkv_input")
+    terms += _linear_inputs(p, h, qkv_consumers, "layer input (q/k/v projections' input)" if post_norms else
+                            "input norm output (q/k/v projections' input)", r, "qkv_input")
     gemma = spec.traits.rms_norm_fp32_plus_one
     if att.kind == "mla":
         attention = _mla_terms(spec, layer, settings, p, kernel, attn_dropout)
@@ -964,6 +970,11 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         # add), pre_feedforward_layernorm, and post_feedforward_layernorm on the MLP output.
         terms += norm_terms("post-attention norm", p.compute, "post_attention_norm")
         terms += norm_terms("pre-feedforward norm", r, "pre_feedforward_norm")
+        terms += norm_terms("post-feedforward norm", p.compute, "post_feedforward_norm")
+    elif post_norms:
+        # OLMo-2: post_attention_layernorm on o_proj's output and post_feedforward_layernorm on the MLP's, each
+        # before its residual add (Olmo2DecoderLayer); the MLP reads the residual stream itself.
+        terms += norm_terms("post-attention norm", p.compute, "post_attention_norm")
         terms += norm_terms("post-feedforward norm", p.compute, "post_feedforward_norm")
     elif layer.parallel_residual and layer.num_norms == 1:
         pass  # Falcon-7B: the MLP reads the same norm output as attention
