@@ -164,11 +164,14 @@ def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_byt
         return [Term(f"{label}: input", input_bytes * width, module, "input"),
                 Term(f"{label}: mean, rstd", 2 * FP32, module, "stats")]
     normed = FP32 if spec.traits.rms_norm_fp32_plus_one or spec.traits.rms_norm_fp32_product else input_bytes
-    return [
+    terms = [
         Term(f"{label}: input in fp32", FP32 * width, module, "input_fp32"),
         Term(f"{label}: rsqrt", FP32, module, "rsqrt"),
         Term(f"{label}: normalised", normed * width, module, "normalised"),
     ]
+    if spec.traits.norm_centred_twice:  # CohereLayerNorm: the second x - mean (modeling_cohere.py)
+        terms.append(Term(f"{label}: input less its mean, again (fp32)", FP32 * width, module, "input_fp32"))
+    return terms
 
 
 def _linear_inputs(p: Precision, width: int, consumers: int, label: str, input_bytes: int,
@@ -275,10 +278,12 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             terms += [Term(f"{name}: input in fp32", FP32 * heads * d, name, "input_fp32"),
                       Term(f"{name}: rsqrt", FP32 * rows, name, "rsqrt"),
                       Term(f"{name}: normalised", normed * heads * d, name, "normalised")]
+            if spec.traits.norm_centred_twice:
+                terms.append(Term(f"{name}: input less its mean, again (fp32)", FP32 * heads * d, name, "input_fp32"))
     rotary = att.rotary_dim > 0
     use_cache = uses_kv_cache(settings)
     # Under autocast the rotary tables follow the fp32 hidden states, so the rotated q and k are fp32.
-    qk_bytes = p.residual if p.autocast and rotary else c
+    qk_bytes = p.residual if p.autocast and rotary and not spec.traits.rotary_in_input_dtype else c
     # GPT-2: q, k and v are views of one projection output (c_attn); with use_cache, DynamicLayer.update torch.cat's
     # k and v into the cache and attention reads those copies.
     fused_views = att.fused_qkv and not rotary
@@ -1010,7 +1015,8 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     if p.autocast:
         from .models import layer_tensors
 
-        matmul_weights = sum(t.numel for t in layer_tensors(layer, h, spec.norm_vectors) if len(t.shape) == 2)
+        matmul_weights = sum(t.numel for t in layer_tensors(layer, h, spec.norm_vectors)
+                             if len(t.shape) == 2 and t.role != "norm")  # (Cohere's q/k norm weights are 2-D)
         constant += p.compute * matmul_weights
     if gemma:  # GemmaRMSNorm multiplies by (1 + weight.float()), a new fp32 vector kept by the product
         constant += FP32 * h * layer.num_norms
