@@ -236,8 +236,6 @@ class FamilyTraits:
     """apply_rotary_pos_emb casts the rotated q and k back to q's dtype (OLMo-2: ``q_embed.to(q_type)``; Cohere
     rotates in fp32 and casts back), so under autocast they are half, not fp32 as Llama's (whose tables follow
     the fp32 hidden states)."""
-    logit_scale: bool = False
-    """The causal LM multiplies its logits by ``config.logit_scale`` (CohereForCausalLM): a second V-wide tensor."""
     norm_centred_twice: bool = False
     """CohereLayerNorm computes ``hidden_states - mean`` twice (once for the variance, once to normalise), and
     ``pow`` and the product with the rsqrt each keep theirs: one more fp32 input-wide tensor than an RMSNorm."""
@@ -1096,8 +1094,8 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "qwen2": FamilyTraits(eager_masks_always_built=frozenset({False})),
     "qwen3": FamilyTraits(eager_masks_always_built=frozenset({False})),
     "olmo2": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True),
-    "cohere": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True,
-                           logit_scale=True),
+    # (CohereForCausalLM's ``logits * logit_scale`` saves nothing and its transient is under the traced peaks)
+    "cohere": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True),
 }
 """Each family's traits; a family not listed has Llama's. Gemma 2/3 and Qwen2-MoE build the full and the sliding
 eager mask whatever their layers use, Qwen2/Qwen3 the full one always; the others (Mistral, Mixtral, Phi-3,

@@ -596,7 +596,7 @@ def random_case(pick) -> tuple[dict, dict]:
                       num_hidden_layers=layers, intermediate_size=inter, max_position_embeddings=4096,
                       attention_dropout=dropout)
     if model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
-                      "gemma3_text", "phi3"):
+                      "gemma3_text", "phi3", "olmo2", "cohere"):
         cfg.update(llama_like)
         if pick("explicit_head_dim", (False, True)):
             cfg["head_dim"] = pick("other_head_dim", (64, 128, 72))
@@ -627,6 +627,10 @@ def random_case(pick) -> tuple[dict, dict]:
         if model_type == "gemma2":
             cfg.update(attn_logit_softcapping=pick("attn_softcap", (None, 50.0)),
                        final_logit_softcapping=pick("final_softcap", (None, 30.0)))
+    elif model_type in ("olmo2", "cohere"):
+        cfg["attention_bias"] = bias
+        if model_type == "cohere":
+            cfg.update(use_qk_norm=pick("qk_norm", (False, True)), logit_scale=pick("logit_scale", (0.0625, 1.0)))
     elif model_type == "phi3":
         cfg.update(resid_pdrop=dropout, embd_pdrop=dropout, sliding_window=window,
                    partial_rotary_factor=pick("partial_rotary", (1.0, 0.5)))
