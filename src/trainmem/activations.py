@@ -408,7 +408,9 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     # The checkpointed forward: the norm output (the attention's argument), the fused projection output a local
     # keeps (fused-qkv families), q and k after rotary, v, and the copies repeat_kv makes.
     # (q, k and v are views of a fused projection's output; RoPE makes new q and k.)
-    inputs = p.residual * spec.hidden_size
+    # (with post-norms only, OLMo-2, the argument is the layer input itself, which the checkpoint keeps)
+    argument = 0 if spec.traits.norm_placement == "post" else p.residual * spec.hidden_size
+    inputs = argument
     if att.fused_qkv:
         inputs += c * (a * d + kv * (d + dv))
     if rotary or not att.fused_qkv:
@@ -420,7 +422,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     forward = bloom_forward
     rotary_forward = 0.0
     if rotary and not att.fused_qkv and att.rotary_dim == d:  # modeling_llama.py apply_rotary_pos_emb and kin
-        rotary_forward = (p.residual * spec.hidden_size + c * (a * d + kv * (d + dv))
+        rotary_forward = (argument + c * (a * d + kv * (d + dv))
                           + qk_bytes * max(3 * a * d, a * d + 3 * kv * d))
     if kernel == MATH:
         forward = inputs + math_forward_per_token(c, a, kv_passed, d, dv, s, batch, has_mask=mask,
@@ -450,7 +452,8 @@ def _bloom_forward(spec: ModelSpec, p: Precision, a: int, d: int, s: int, dropou
     return inputs + max(at_softmax * a * s, at_dropout * a * s, at_end * a * s + 3 * c * h + w * h)
 
 
-def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precision, s: int, dropout: float) -> float:
+def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precision, s: int, dropout: float,
+                            half_q: bool = False) -> float:
     """A checkpointed layer's attention forward keeps nothing for backward, so its worst moment is the kernel's:
     q, k and v with the fused kernels' output; for eager and math attention two s x s tensors (the softmax's input
     and output, or the dropout's input and output with its mask) in the softmax's dtype."""
@@ -465,7 +468,9 @@ def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precis
     # GPT-2 and Falcon take it in the half dtype.
     upcasts = any(t.kind == SOFTMAX_PROBABILITIES and t.bytes_per_token == FP32 * a * s for t in attention.terms)
     if p.autocast or c == FP32:
-        scores = 2 * FP32
+        # (under autocast with q already half, OLMo-2 and Cohere, ``.to(query.dtype)`` copies the fp32 softmax
+        # output while its input is still bound: a third s x s tensor)
+        scores = 2 * FP32 + (c if p.autocast and half_q else 0)
     else:
         scores = c + 2 * FP32 if upcasts else 2 * c
     if dropout > 0:  # at the dropout: the probabilities, their dropped copy and the mask
@@ -1025,7 +1030,8 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     checkpoint = tuple(_sequence_sharded([Term("layer input (checkpoint)", r * h)], sp))
     return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention.kernel, attention.cache_extra,
                             attention.returned_extra, attention_bytes, attention.released, attention.backward,
-                            max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout),
+                            max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout,
+                                                                        spec.traits.rotary_in_input_dtype),
                                 attention.rotary_forward),
                             attention.softmax_extra, attention.after_softmax, attention.returned_to_model,
                             attention.held_by_layer, matmul_backward=attention.matmul_backward,

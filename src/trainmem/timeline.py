@@ -754,6 +754,9 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         # recomputed activations share it with what the checkpoint kept.
         shared_input = (p.residual * spec.hidden_size * tokens if la.checkpointed
                         and (spec.norm == "layer" or p.residual == FP32) else 0)
+        if spec.traits.norm_placement == "post" and la.checkpointed:
+            # No input norm (OLMo-2): q/k/v save the layer input itself unless autocast casts it for each of them
+            shared_input = 0 if p.autocast else p.residual * spec.hidden_size * tokens
         full -= shared_input
         # (grouped_mm experts are not autocast: their weights get no half copy)
         down_copy = p.compute * down if p.autocast and layer.mlp is not None else 0
