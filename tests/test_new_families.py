@@ -30,11 +30,32 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model_type, extra, recipe, checkpointing, attention", CASES)
-def test_every_phase_within_one_percent_of_the_trace(model_type, extra, recipe, checkpointing, attention):
+# Activations dominate (4 x 1,024 tokens, a vocabulary of 1,031): where the checkpointed layer input, the eager
+# softmax's cast back to a half q and the parallel block's pending input gradient were once 1.5-3.4% off.
+LONG = [
+    ("olmo2", {}, "amp-bf16", "full", "sdpa"),
+    ("olmo2", {}, "amp-bf16", "full", "eager"),
+    ("olmo2", {}, "pure-bf16", "full", "sdpa"),
+    ("cohere", {}, "fp32", "full", "sdpa"),
+    ("cohere", {"use_qk_norm": True}, "amp-bf16", "full", "eager"),
+    ("cohere", {}, "fp32", "none", "eager"),
+]
+
+
+def _check(model_type, extra, recipe, checkpointing, attention, batch, seq):
     config = dict(_SMALL, model_type=model_type, **extra)
-    settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=2, seq=256, optimizer="adamw",
+    settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=batch, seq=seq, optimizer="adamw",
                              dropout=0.0, attention=attention)
     row = compare(config, settings)
     for phase, estimate, trace in ((row.phase, row.estimate, row.trace), *row.other_phases):
         assert abs(_total_error(estimate, trace)) <= 0.01, (phase, estimate, trace)
+
+
+@pytest.mark.parametrize("model_type, extra, recipe, checkpointing, attention", CASES)
+def test_every_phase_within_one_percent_of_the_trace(model_type, extra, recipe, checkpointing, attention):
+    _check(model_type, extra, recipe, checkpointing, attention, 2, 256)
+
+
+@pytest.mark.parametrize("model_type, extra, recipe, checkpointing, attention", LONG)
+def test_long_sequences_within_one_percent(model_type, extra, recipe, checkpointing, attention):
+    _check(model_type, dict(extra, vocab_size=1031), recipe, checkpointing, attention, 4, 1024)

@@ -165,6 +165,14 @@ def _norm_moment(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Re
     return live, mlp_grads, temps
 
 
+def _shares_one_norm(spec: ModelSpec, layer) -> bool:
+    """Attention and the MLP read one norm's output in parallel (CohereDecoderLayer): the MLP's backward runs first
+    (its nodes are the later ones) and the gradient of that output it made waits, in the residual dtype, for the
+    attention's (traced: Cohere, one hidden-state tensor at the attention's backward). FalconDecoderLayer's own
+    terms cover Falcon-7B."""
+    return layer.parallel_residual and layer.num_norms == 1 and spec.traits.block == "standard"
+
+
 def _has_output_norm(la: LayerActivations) -> bool:
     return any(t.module == "post_feedforward_norm" for t in la.terms)
 
@@ -754,6 +762,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         # recomputed activations share it with what the checkpoint kept.
         shared_input = (p.residual * spec.hidden_size * tokens if la.checkpointed
                         and (spec.norm == "layer" or p.residual == FP32) else 0)
+        if spec.traits.norm_centred_twice:
+            shared_input = 0  # CohereLayerNorm keeps x - mean, a new tensor, never its input
         if spec.traits.norm_placement == "post" and la.checkpointed:
             # No input norm (OLMo-2): q/k/v save the layer input itself unless autocast casts it for each of them
             shared_input = 0 if p.autocast else p.residual * spec.hidden_size * tokens
@@ -810,7 +820,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # At that moment its rsqrt and normalised value are already freed; its fp32 input is not.
             output_norm_freed=int(_term_bytes(output_norm, "post_feedforward_norm", exclude=("input_fp32",)) * tokens),
             attention_live=attention_live,
-            attention_transient=int((la.attention_backward + p.residual * spec.hidden_size) * tokens),
+            attention_transient=int((la.attention_backward + p.residual * spec.hidden_size * (
+                2 if _shares_one_norm(spec, layer) else 1)) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens)
             + (_frozen_down_recompute_end(spec, la, p, finetune) * tokens if finetune is not None else 0),
