@@ -840,7 +840,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             matmul_live=(attention_live + int(la.attention_released * tokens)
                          - p.compute * layer.attention.num_heads * layer.attention.v_head_dim * tokens
                          if la.matmul_backward else 0),
-            matmul_transient=int((la.matmul_backward + p.residual * spec.hidden_size) * tokens),
+            matmul_transient=int((la.matmul_backward + p.residual * spec.hidden_size * (
+                2 if _shares_one_norm(spec, layer) else 1)) * tokens),
             # The gradient reaching the MLP's output is the residual stream's own, unless a dropout (a new masked
             # copy), autocast (a half cast) or a norm on the layer's output (its input's gradient) sits between them.
             # Routed experts: the gradient of their outputs, in expert order (top-k x h), is what reaches them.
