@@ -565,7 +565,13 @@ def markdown(rows: list[Row], full_size: bool = False, quick: bool = False, exis
 RANDOM_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
 
 
-def random_case(pick) -> tuple[dict, dict]:
+TYPES_BEFORE_OLMO2 = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                      "gemma3_text", "phi3", "gpt2", "gpt_neox", "falcon", "opt", "bloom", "deepseek_v3")
+"""The model types the random draw chose from before OLMo-2 and Cohere: with them, ``random_case_for`` reproduces
+the cases recorded then (tests/test_random_models.py's regressions)."""
+
+
+def random_case(pick, model_types: tuple[str, ...] | None = None) -> tuple[dict, dict]:
     """One random small model of a supported type and one random training set-up: ``(config, settings)``.
 
     ``pick(label, options)`` returns one of ``options``: ``random.Random(seed).choice`` for ``trainmem validate
@@ -574,7 +580,7 @@ def random_case(pick) -> tuple[dict, dict]:
 
     # Proportions of real models (fake tensors cost the same at any size): head dims that are and are not
     # multiples of 8, grouped-query and multi-query attention, MLPs 2-4x wide, vocabularies 8-64x the width.
-    model_type = pick("model_type", SUPPORTED_MODEL_TYPES)
+    model_type = pick("model_type", model_types or SUPPORTED_MODEL_TYPES)
     head_dim = pick("head_dim", (64, 80, 96, 128, 100, 36))
     if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
         head_dim = head_dim // 16 * 16  # grouped_mm needs 16-byte aligned rows
@@ -719,10 +725,10 @@ class RandomResult:
                 f"  reproduce: save the config as config.json, then {self.command()}")
 
 
-def random_case_for(seed: int, index: int) -> tuple[dict, dict]:
+def random_case_for(seed: int, index: int, model_types: tuple[str, ...] | None = None) -> tuple[dict, dict]:
     """Case ``index`` of the random run ``seed``: the same draw whatever ran before it."""
     rng = random.Random(f"{seed}:{index}")
-    return random_case(lambda label, options: rng.choice(list(options)))
+    return random_case(lambda label, options: rng.choice(list(options)), model_types)
 
 
 def run_random_case(config: dict, settings: dict, index: int = 0) -> RandomResult:
