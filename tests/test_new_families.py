@@ -59,3 +59,14 @@ def test_every_phase_within_one_percent_of_the_trace(model_type, extra, recipe, 
 @pytest.mark.parametrize("model_type, extra, recipe, checkpointing, attention", LONG)
 def test_long_sequences_within_one_percent(model_type, extra, recipe, checkpointing, attention):
     _check(model_type, dict(extra, vocab_size=1031), recipe, checkpointing, attention, 4, 1024)
+
+
+def test_the_random_cohere_case_that_once_missed_the_attention_gradient():
+    """validate --random seed 5, case 69: Cohere under autocast, eager, checkpointed, dropout; the attention
+    output's half gradient waits through the MLP's backward."""
+    from trainmem.validate import random_case_for, run_random_case
+
+    config, training = random_case_for(5, 69)
+    assert config["model_type"] == "cohere"
+    result = run_random_case(config, training, 69)
+    assert result.ok, result.describe()

@@ -80,7 +80,14 @@ def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: 
     mlp = wide * width * _mlp_width(layer)
     if falcon and layer.parallel_residual and settings is not None and _mlp_output_dropout(spec, layer, settings):
         mlp += _mlp_output_bytes(spec, layer, p) * spec.hidden_size
-    return (mlp + p.residual * spec.hidden_size) * tokens
+    return (mlp + p.residual * spec.hidden_size) * tokens + _attention_gradient_waiting(spec, layer, p, tokens)
+
+
+def _attention_gradient_waiting(spec: ModelSpec, layer, p: Precision, tokens: int) -> int:
+    """Cohere's ``residual + attention + mlp``: the inner add's backward runs before the MLP's (its node is the
+    later one) and, under autocast, casts the gradient for the half attention output: a half hidden-state tensor
+    alive through the MLP's backward (traced: seed 5's case 69 of ``validate --random``)."""
+    return p.compute * spec.hidden_size * tokens if p.autocast and _shares_one_norm(spec, layer) else 0
 
 
 def _mlp_output_dropout(spec: ModelSpec, layer, settings: TrainingSettings) -> bool:
@@ -801,7 +808,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             down_gradient_cast=((down_copy + (0 if layer.mlp.activation == "relu" and not layer.mlp.gated
                                               else _mlp_bytes(layer, p) * _mlp_width(layer) * tokens),
                                  (_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size) * tokens
-                                 + p.compute * down + _param_bytes(down, gradients_of.gradient_bytes))
+                                 + p.compute * down + _param_bytes(down, gradients_of.gradient_bytes)
+                                 + _attention_gradient_waiting(spec, layer, p, tokens))
                                 if down_copy else (0, 0)),
             grads=_param_bytes(sum(t.numel for t in tensors), gradients_of.gradient_bytes),
             transient=_mlp_transient(spec, la, p, tokens, settings) + dora_transient,
@@ -849,7 +857,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                             + (layer.moe.top_k * p.experts * spec.hidden_size if layer.moe else
                                p.compute * spec.hidden_size if p.autocast or _mlp_output_dropout(spec, layer, settings)
                                or output_norm else 0)) * tokens
-            + (_adapted_down_gradient(spec, la, p, finetune) * tokens if finetune is not None else 0),
+            + (_adapted_down_gradient(spec, la, p, finetune) * tokens if finetune is not None else 0)
+            + _attention_gradient_waiting(spec, layer, p, tokens),
             freed_before_down=freed_before_mlp,
             returned_to_model=int(la.returned_to_model * tokens),
             compiled_copies=_compiled_gradient_copies(tensors, gradients_of) if settings.compile else 0,
