@@ -73,6 +73,7 @@ PUBLISHED_ROUNDED = {
     "gemma-2-27b": (27.2e9, None), "phi-3-mini-4k": (3.82e9, None), "gpt2-xl": (1.56e9, None),
     "falcon-7b": (6.92e9, None), "opt-1.3b": (1.32e9, None), "bloom-560m": (0.559e9, None),
     "pythia-6.9b": (6.86e9, None), "deepseek-v3": (671e9, 37e9),
+    "olmo-2-1124-7b": (7.30e9, None), "c4ai-command-r-v01": (35.0e9, None), "c4ai-command-r-plus": (104e9, None),
 }
 
 

@@ -163,12 +163,15 @@ def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_byt
     if spec.norm == "layer":
         return [Term(f"{label}: input", input_bytes * width, module, "input"),
                 Term(f"{label}: mean, rstd", 2 * FP32, module, "stats")]
-    normed = FP32 if spec.traits.rms_norm_fp32_plus_one else input_bytes
-    return [
+    normed = FP32 if spec.traits.rms_norm_fp32_plus_one or spec.traits.rms_norm_fp32_product else input_bytes
+    terms = [
         Term(f"{label}: input in fp32", FP32 * width, module, "input_fp32"),
         Term(f"{label}: rsqrt", FP32, module, "rsqrt"),
         Term(f"{label}: normalised", normed * width, module, "normalised"),
     ]
+    if spec.traits.norm_centred_twice:  # CohereLayerNorm: the second x - mean (modeling_cohere.py)
+        terms.append(Term(f"{label}: input less its mean, again (fp32)", FP32 * width, module, "input_fp32"))
+    return terms
 
 
 def _linear_inputs(p: Precision, width: int, consumers: int, label: str, input_bytes: int,
@@ -268,15 +271,19 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     if att.qk_norm:
         # Qwen3/Gemma3 q_norm and k_norm: RMSNorm over each head, input = projection output (compute dtype);
         # Gemma's RMSNorm keeps its normalised value in fp32.
-        normed = FP32 if spec.traits.rms_norm_fp32_plus_one else c
+        # OLMo-2's normalise the whole projection output (one rsqrt per token) and keep the fp32 normalised value.
+        normed = FP32 if spec.traits.rms_norm_fp32_plus_one or spec.traits.rms_norm_fp32_product else c
         for name, heads in (("q_norm", a), ("k_norm", kv)):
+            rows = 1 if att.qk_norm_width == "projection" else heads
             terms += [Term(f"{name}: input in fp32", FP32 * heads * d, name, "input_fp32"),
-                      Term(f"{name}: rsqrt", FP32 * heads, name, "rsqrt"),
+                      Term(f"{name}: rsqrt", FP32 * rows, name, "rsqrt"),
                       Term(f"{name}: normalised", normed * heads * d, name, "normalised")]
+            if spec.traits.norm_centred_twice:
+                terms.append(Term(f"{name}: input less its mean, again (fp32)", FP32 * heads * d, name, "input_fp32"))
     rotary = att.rotary_dim > 0
     use_cache = uses_kv_cache(settings)
     # Under autocast the rotary tables follow the fp32 hidden states, so the rotated q and k are fp32.
-    qk_bytes = p.residual if p.autocast and rotary else c
+    qk_bytes = p.residual if p.autocast and rotary and not spec.traits.rotary_in_input_dtype else c
     # GPT-2: q, k and v are views of one projection output (c_attn); with use_cache, DynamicLayer.update torch.cat's
     # k and v into the cache and attention reads those copies.
     fused_views = att.fused_qkv and not rotary
@@ -401,7 +408,9 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     # The checkpointed forward: the norm output (the attention's argument), the fused projection output a local
     # keeps (fused-qkv families), q and k after rotary, v, and the copies repeat_kv makes.
     # (q, k and v are views of a fused projection's output; RoPE makes new q and k.)
-    inputs = p.residual * spec.hidden_size
+    # (with post-norms only, OLMo-2, the argument is the layer input itself, which the checkpoint keeps)
+    argument = 0 if spec.traits.norm_placement == "post" else p.residual * spec.hidden_size
+    inputs = argument
     if att.fused_qkv:
         inputs += c * (a * d + kv * (d + dv))
     if rotary or not att.fused_qkv:
@@ -413,7 +422,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     forward = bloom_forward
     rotary_forward = 0.0
     if rotary and not att.fused_qkv and att.rotary_dim == d:  # modeling_llama.py apply_rotary_pos_emb and kin
-        rotary_forward = (p.residual * spec.hidden_size + c * (a * d + kv * (d + dv))
+        rotary_forward = (argument + c * (a * d + kv * (d + dv))
                           + qk_bytes * max(3 * a * d, a * d + 3 * kv * d))
     if kernel == MATH:
         forward = inputs + math_forward_per_token(c, a, kv_passed, d, dv, s, batch, has_mask=mask,
@@ -443,7 +452,8 @@ def _bloom_forward(spec: ModelSpec, p: Precision, a: int, d: int, s: int, dropou
     return inputs + max(at_softmax * a * s, at_dropout * a * s, at_end * a * s + 3 * c * h + w * h)
 
 
-def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precision, s: int, dropout: float) -> float:
+def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precision, s: int, dropout: float,
+                            half_q: bool = False) -> float:
     """A checkpointed layer's attention forward keeps nothing for backward, so its worst moment is the kernel's:
     q, k and v with the fused kernels' output; for eager and math attention two s x s tensors (the softmax's input
     and output, or the dropout's input and output with its mask) in the softmax's dtype."""
@@ -458,7 +468,9 @@ def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precis
     # GPT-2 and Falcon take it in the half dtype.
     upcasts = any(t.kind == SOFTMAX_PROBABILITIES and t.bytes_per_token == FP32 * a * s for t in attention.terms)
     if p.autocast or c == FP32:
-        scores = 2 * FP32
+        # (under autocast with q already half, OLMo-2 and Cohere, ``.to(query.dtype)`` copies the fp32 softmax
+        # output while its input is still bound: a third s x s tensor)
+        scores = 2 * FP32 + (c if p.autocast and half_q else 0)
     else:
         scores = c + 2 * FP32 if upcasts else 2 * c
     if dropout > 0:  # at the dropout: the probabilities, their dropped copy and the mask
@@ -940,10 +952,14 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         return _sequence_sharded(_norm_terms(spec, h, p, label, input_bytes, module), sp)
 
     # --- attention block: pre-norm, its output read by the q/k/v projections -----------------------------
-    terms += norm_terms("input norm", r, "input_norm")
-    # Linears reading the input norm's output: one fused qkv; q/k/v; MLA's q_a_proj and kv_a_proj_with_mqa.
+    post_norms = spec.traits.norm_placement == "post"
+    if not post_norms:
+        terms += norm_terms("input norm", r, "input_norm")
+    # Linears reading the input norm's output (with post-norms, the layer input): one fused qkv; q/k/v; MLA's
+    # q_a_proj and kv_a_proj_with_mqa.
     qkv_consumers = 1 if att.fused_qkv else 2 if att.kind == "mla" else 3
-    terms += _linear_inputs(p, h, qkv_consumers, "input norm output (q/k/v projections' input)", r, "qkv_input")
+    terms += _linear_inputs(p, h, qkv_consumers, "layer input (q/k/v projections' input)" if post_norms else
+                            "input norm output (q/k/v projections' input)", r, "qkv_input")
     gemma = spec.traits.rms_norm_fp32_plus_one
     if att.kind == "mla":
         attention = _mla_terms(spec, layer, settings, p, kernel, attn_dropout)
@@ -964,6 +980,11 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         # add), pre_feedforward_layernorm, and post_feedforward_layernorm on the MLP output.
         terms += norm_terms("post-attention norm", p.compute, "post_attention_norm")
         terms += norm_terms("pre-feedforward norm", r, "pre_feedforward_norm")
+        terms += norm_terms("post-feedforward norm", p.compute, "post_feedforward_norm")
+    elif post_norms:
+        # OLMo-2: post_attention_layernorm on o_proj's output and post_feedforward_layernorm on the MLP's, each
+        # before its residual add (Olmo2DecoderLayer); the MLP reads the residual stream itself.
+        terms += norm_terms("post-attention norm", p.compute, "post_attention_norm")
         terms += norm_terms("post-feedforward norm", p.compute, "post_feedforward_norm")
     elif layer.parallel_residual and layer.num_norms == 1:
         pass  # Falcon-7B: the MLP reads the same norm output as attention
@@ -999,7 +1020,8 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     if p.autocast:
         from .models import layer_tensors
 
-        matmul_weights = sum(t.numel for t in layer_tensors(layer, h, spec.norm_vectors) if len(t.shape) == 2)
+        matmul_weights = sum(t.numel for t in layer_tensors(layer, h, spec.norm_vectors)
+                             if len(t.shape) == 2 and t.role != "norm")  # (Cohere's q/k norm weights are 2-D)
         constant += p.compute * matmul_weights
     if gemma:  # GemmaRMSNorm multiplies by (1 + weight.float()), a new fp32 vector kept by the product
         constant += FP32 * h * layer.num_norms
@@ -1008,7 +1030,8 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     checkpoint = tuple(_sequence_sharded([Term("layer input (checkpoint)", r * h)], sp))
     return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention.kernel, attention.cache_extra,
                             attention.returned_extra, attention_bytes, attention.released, attention.backward,
-                            max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout),
+                            max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout,
+                                                                        spec.traits.rotary_in_input_dtype),
                                 attention.rotary_forward),
                             attention.softmax_extra, attention.after_softmax, attention.returned_to_model,
                             attention.held_by_layer, matmul_backward=attention.matmul_backward,

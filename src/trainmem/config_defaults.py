@@ -71,6 +71,9 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "phi3": {**_LLAMA_FAMILY, "max_position_embeddings": 4096, "sliding_window": None, "resid_pdrop": 0.0,
              "embd_pdrop": 0.0, "partial_rotary_factor": 1.0},
+    "olmo2": {**_LLAMA_FAMILY, "attention_bias": False, "max_position_embeddings": 2048},
+    "cohere": {**_LLAMA_FAMILY, "attention_bias": False, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+               "use_qk_norm": False, "logit_scale": 0.0625},
     "deepseek_v3": {
         "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "attention_dropout": 0.0,
         "max_position_embeddings": 4096, "q_lora_rank": 1536, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,

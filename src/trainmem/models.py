@@ -49,6 +49,10 @@ class Attention:
     """One ``query_key_value`` Linear instead of three (GPT-2, GPT-NeoX, Falcon, BLOOM, Phi-3)."""
     qk_norm: bool = False
     """RMSNorm over each query and key head (Qwen3, Gemma 3)."""
+    qk_norm_width: Literal["head", "projection", "head_weights"] = "head"
+    """What q_norm and k_norm normalise: each head with one head_dim-wide weight (Qwen3, Gemma 3), the whole q and
+    k projection outputs (OLMo-2's Olmo2Attention: ``q_norm = Olmo2RMSNorm(num_heads * head_dim)``), or each head
+    with a weight per head (Cohere's ``CohereLayerNorm(hidden_size=(num_heads, head_dim))``)."""
     rotary_dim: int = 0
     """Head dims rotated by RoPE (0: no rotary embedding; less than head_dim: partial rotary, GPT-NeoX/Phi-3)."""
     kv_broadcast: bool = False
@@ -224,6 +228,21 @@ class FamilyTraits:
     MLP norm's output is no longer held once the first Linear has run."""
     eager_masks_always_built: frozenset[bool] = frozenset()
     """Eager masks the base model builds whatever its layers use (True: sliding, False: full)."""
+    norm_placement: Literal["pre", "post"] = "pre"
+    """Where a layer's two norms sit: before attention and before the MLP (Llama), or on the attention output and
+    on the MLP output, each before its residual add, with no norm before either block (OLMo-2's
+    Olmo2DecoderLayer: ``post_attention_layernorm`` and ``post_feedforward_layernorm``)."""
+    rotary_in_input_dtype: bool = False
+    """apply_rotary_pos_emb casts the rotated q and k back to q's dtype (OLMo-2: ``q_embed.to(q_type)``; Cohere
+    rotates in fp32 and casts back), so under autocast they are half, not fp32 as Llama's (whose tables follow
+    the fp32 hidden states)."""
+    norm_centred_twice: bool = False
+    """CohereLayerNorm computes ``hidden_states - mean`` twice (once for the variance, once to normalise), and
+    ``pow`` and the product with the rsqrt each keep theirs: one more fp32 input-wide tensor than an RMSNorm."""
+    rms_norm_fp32_product: bool = False
+    """The RMSNorm multiplies its weight by the fp32 normalised value and casts the product back
+    (Olmo2RMSNorm: ``(self.weight * hidden_states).to(input_dtype)``), so the kept normalised value is fp32, as
+    Gemma's, without Gemma's ``1 + weight.float()`` vector."""
 
 
 @dataclass(frozen=True)
@@ -390,7 +409,11 @@ def _attention_tensors(att: Attention, hidden: int) -> list[ParamTensor]:
         out += _linear("k_proj", h, kv * d, att.qkv_bias, "attention_input")
         out += _linear("v_proj", h, kv * dv, att.qkv_bias, "attention_input")
     out += _linear("o_proj", a * dv, h, att.o_bias, "attention_output")
-    if att.qk_norm:
+    if att.qk_norm and att.qk_norm_width == "projection":
+        out += _norm("q_norm", a * d, 1) + _norm("k_norm", kv * d, 1)
+    elif att.qk_norm and att.qk_norm_width == "head_weights":
+        out += [ParamTensor("q_norm.weight", (a, d), "norm"), ParamTensor("k_norm.weight", (kv, d), "norm")]
+    elif att.qk_norm:
         out += _norm("q_norm", d, 1) + _norm("k_norm", d, 1)
     return out
 
@@ -774,6 +797,34 @@ def _parse_qwen3(c: _Config) -> dict[str, Any]:
     return _llama_like(c, qkv_bias=bias, o_bias=bias, qk_norm=True, windows=_qwen_windows(c))
 
 
+def _parse_olmo2(c: _Config) -> dict[str, Any]:
+    """modeling_olmo2.py: Llama's modules with no pre-norms, a norm on each block's output (traits below) and q/k
+    norms over the whole projection width."""
+    bias = bool(c.get("attention_bias"))
+    spec = _llama_like(c, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    spec["layer_runs"] = tuple((replace(layer, attention=replace(layer.attention, qk_norm_width="projection")), n)
+                               for layer, n in spec["layer_runs"])
+    return spec
+
+
+def _parse_cohere(c: _Config) -> dict[str, Any]:
+    """modeling_cohere.py: one input norm shared by attention and the MLP, which run in parallel on it and are
+    both added to the residual (CohereDecoderLayer); CohereLayerNorm has a weight and no bias; optional q/k norms
+    with a weight per head (use_qk_norm); tied embeddings by default.
+
+    CohereLayerNorm upcasts to fp32 and keeps ``x - mean`` (fp32), the rsqrt per row and the fp32 normalised
+    value the weight multiplies: what an RMSNorm that keeps its fp32 product keeps (Olmo2RMSNorm) plus the second
+    ``x - mean`` (norm_centred_twice), so it is
+    described as one (``norm="rms"``, rms_norm_fp32_product) for the activation terms; its parameters are the same
+    (one vector)."""
+    bias = bool(c.get("attention_bias"))
+    spec = _llama_like(c, qkv_bias=bias, o_bias=bias, qk_norm=bool(c.get("use_qk_norm")), num_norms=1)
+    spec["layer_runs"] = tuple((replace(layer, parallel_residual=True,
+                                        attention=replace(layer.attention, qk_norm_width="head_weights")), n)
+                               for layer, n in spec["layer_runs"])
+    return spec
+
+
 def _moe_fields(c: _Config, *, experts_keys: tuple[str, ...]) -> tuple[int, int]:
     """(routed experts, experts per token), validated."""
     experts = c.req(*experts_keys)
@@ -1015,6 +1066,8 @@ PARSERS: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "opt": _parse_opt,
     "bloom": _parse_bloom,
     "deepseek_v3": _parse_deepseek_v3,
+    "olmo2": _parse_olmo2,
+    "cohere": _parse_cohere,
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(PARSERS)
 
@@ -1040,6 +1093,9 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "qwen2_moe": FamilyTraits(eager_masks_always_built=frozenset({False, True})),
     "qwen2": FamilyTraits(eager_masks_always_built=frozenset({False})),
     "qwen3": FamilyTraits(eager_masks_always_built=frozenset({False})),
+    "olmo2": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True),
+    # (CohereForCausalLM's ``logits * logit_scale`` saves nothing and its transient is under the traced peaks)
+    "cohere": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True),
 }
 """Each family's traits; a family not listed has Llama's. Gemma 2/3 and Qwen2-MoE build the full and the sliding
 eager mask whatever their layers use, Qwen2/Qwen3 the full one always; the others (Mistral, Mixtral, Phi-3,

@@ -80,7 +80,14 @@ def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: 
     mlp = wide * width * _mlp_width(layer)
     if falcon and layer.parallel_residual and settings is not None and _mlp_output_dropout(spec, layer, settings):
         mlp += _mlp_output_bytes(spec, layer, p) * spec.hidden_size
-    return (mlp + p.residual * spec.hidden_size) * tokens
+    return (mlp + p.residual * spec.hidden_size) * tokens + _attention_gradient_waiting(spec, layer, p, tokens)
+
+
+def _attention_gradient_waiting(spec: ModelSpec, layer, p: Precision, tokens: int) -> int:
+    """Cohere's ``residual + attention + mlp``: the inner add's backward runs before the MLP's (its node is the
+    later one) and, under autocast, casts the gradient for the half attention output: a half hidden-state tensor
+    alive through the MLP's backward (traced: seed 5's case 69 of ``validate --random``)."""
+    return p.compute * spec.hidden_size * tokens if p.autocast and _shares_one_norm(spec, layer) else 0
 
 
 def _mlp_output_dropout(spec: ModelSpec, layer, settings: TrainingSettings) -> bool:
@@ -163,6 +170,14 @@ def _norm_moment(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Re
     mlp_grads = _param_bytes(_numel(tensors, *MLP_ROLES), recipe.gradient_bytes)
     temps = (5 * FP32 + p.residual) * spec.hidden_size * (tokens // spec.sequence_shards)  # (sequence parallel: 1/T)
     return live, mlp_grads, temps
+
+
+def _shares_one_norm(spec: ModelSpec, layer) -> bool:
+    """Attention and the MLP read one norm's output in parallel (CohereDecoderLayer): the MLP's backward runs first
+    (its nodes are the later ones) and the gradient of that output it made waits, in the residual dtype, for the
+    attention's (traced: Cohere, one hidden-state tensor at the attention's backward). FalconDecoderLayer's own
+    terms cover Falcon-7B."""
+    return layer.parallel_residual and layer.num_norms == 1 and spec.traits.block == "standard"
 
 
 def _has_output_norm(la: LayerActivations) -> bool:
@@ -755,6 +770,11 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         # recomputed activations share it with what the checkpoint kept.
         shared_input = (p.residual * spec.hidden_size * tokens if la.checkpointed
                         and (spec.norm == "layer" or p.residual == FP32) else 0)
+        if spec.traits.norm_centred_twice:
+            shared_input = 0  # CohereLayerNorm keeps x - mean, a new tensor, never its input
+        if spec.traits.norm_placement == "post" and la.checkpointed:
+            # No input norm (OLMo-2): q/k/v save the layer input itself unless autocast casts it for each of them
+            shared_input = 0 if p.autocast else p.residual * spec.hidden_size * tokens
         full -= shared_input
         # (grouped_mm experts are not autocast: their weights get no half copy)
         down_copy = p.compute * down if p.autocast and layer.mlp is not None else 0
@@ -789,7 +809,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             down_gradient_cast=((down_copy + (0 if layer.mlp.activation == "relu" and not layer.mlp.gated
                                               else _mlp_bytes(layer, p) * _mlp_width(layer) * tokens),
                                  (_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size) * tokens
-                                 + p.compute * down + _param_bytes(down, gradients_of.gradient_bytes))
+                                 + p.compute * down + _param_bytes(down, gradients_of.gradient_bytes)
+                                 + _attention_gradient_waiting(spec, layer, p, tokens))
                                 if down_copy else (0, 0)),
             grads=_param_bytes(sum(t.numel for t in tensors), gradients_of.gradient_bytes),
             transient=_mlp_transient(spec, la, p, tokens, settings) + dora_transient,
@@ -808,7 +829,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # At that moment its rsqrt and normalised value are already freed; its fp32 input is not.
             output_norm_freed=int(_term_bytes(output_norm, "post_feedforward_norm", exclude=("input_fp32",)) * tokens),
             attention_live=attention_live,
-            attention_transient=int((la.attention_backward + p.residual * spec.hidden_size) * tokens),
+            attention_transient=int((la.attention_backward + p.residual * spec.hidden_size * (
+                2 if _shares_one_norm(spec, layer) else 1)) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens)
             + (_frozen_down_recompute_end(spec, la, p, finetune) * tokens if finetune is not None else 0),
@@ -827,7 +849,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             matmul_live=(attention_live + int(la.attention_released * tokens)
                          - p.compute * layer.attention.num_heads * layer.attention.v_head_dim * tokens
                          if la.matmul_backward else 0),
-            matmul_transient=int((la.matmul_backward + p.residual * spec.hidden_size) * tokens),
+            matmul_transient=int((la.matmul_backward + p.residual * spec.hidden_size * (
+                2 if _shares_one_norm(spec, layer) else 1)) * tokens),
             # The gradient reaching the MLP's output is the residual stream's own, unless a dropout (a new masked
             # copy), autocast (a half cast) or a norm on the layer's output (its input's gradient) sits between them.
             # Routed experts: the gradient of their outputs, in expert order (top-k x h), is what reaches them.
@@ -835,7 +858,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                             + (layer.moe.top_k * p.experts * spec.hidden_size if layer.moe else
                                p.compute * spec.hidden_size if p.autocast or _mlp_output_dropout(spec, layer, settings)
                                or output_norm else 0)) * tokens
-            + (_adapted_down_gradient(spec, la, p, finetune) * tokens if finetune is not None else 0),
+            + (_adapted_down_gradient(spec, la, p, finetune) * tokens if finetune is not None else 0)
+            + _attention_gradient_waiting(spec, layer, p, tokens),
             freed_before_down=freed_before_mlp,
             returned_to_model=int(la.returned_to_model * tokens),
             compiled_copies=_compiled_gradient_copies(tensors, gradients_of) if settings.compile else 0,

@@ -565,7 +565,13 @@ def markdown(rows: list[Row], full_size: bool = False, quick: bool = False, exis
 RANDOM_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
 
 
-def random_case(pick) -> tuple[dict, dict]:
+TYPES_BEFORE_OLMO2 = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                      "gemma3_text", "phi3", "gpt2", "gpt_neox", "falcon", "opt", "bloom", "deepseek_v3")
+"""The model types the random draw chose from before OLMo-2 and Cohere: with them, ``random_case_for`` reproduces
+the cases recorded then (tests/test_random_models.py's regressions)."""
+
+
+def random_case(pick, model_types: tuple[str, ...] | None = None) -> tuple[dict, dict]:
     """One random small model of a supported type and one random training set-up: ``(config, settings)``.
 
     ``pick(label, options)`` returns one of ``options``: ``random.Random(seed).choice`` for ``trainmem validate
@@ -574,7 +580,7 @@ def random_case(pick) -> tuple[dict, dict]:
 
     # Proportions of real models (fake tensors cost the same at any size): head dims that are and are not
     # multiples of 8, grouped-query and multi-query attention, MLPs 2-4x wide, vocabularies 8-64x the width.
-    model_type = pick("model_type", SUPPORTED_MODEL_TYPES)
+    model_type = pick("model_type", model_types or SUPPORTED_MODEL_TYPES)
     head_dim = pick("head_dim", (64, 80, 96, 128, 100, 36))
     if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
         head_dim = head_dim // 16 * 16  # grouped_mm needs 16-byte aligned rows
@@ -596,7 +602,7 @@ def random_case(pick) -> tuple[dict, dict]:
                       num_hidden_layers=layers, intermediate_size=inter, max_position_embeddings=4096,
                       attention_dropout=dropout)
     if model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
-                      "gemma3_text", "phi3"):
+                      "gemma3_text", "phi3", "olmo2", "cohere"):
         cfg.update(llama_like)
         if pick("explicit_head_dim", (False, True)):
             cfg["head_dim"] = pick("other_head_dim", (64, 128, 72))
@@ -627,6 +633,10 @@ def random_case(pick) -> tuple[dict, dict]:
         if model_type == "gemma2":
             cfg.update(attn_logit_softcapping=pick("attn_softcap", (None, 50.0)),
                        final_logit_softcapping=pick("final_softcap", (None, 30.0)))
+    elif model_type in ("olmo2", "cohere"):
+        cfg["attention_bias"] = bias
+        if model_type == "cohere":
+            cfg.update(use_qk_norm=pick("qk_norm", (False, True)), logit_scale=pick("logit_scale", (0.0625, 1.0)))
     elif model_type == "phi3":
         cfg.update(resid_pdrop=dropout, embd_pdrop=dropout, sliding_window=window,
                    partial_rotary_factor=pick("partial_rotary", (1.0, 0.5)))
@@ -715,10 +725,10 @@ class RandomResult:
                 f"  reproduce: save the config as config.json, then {self.command()}")
 
 
-def random_case_for(seed: int, index: int) -> tuple[dict, dict]:
+def random_case_for(seed: int, index: int, model_types: tuple[str, ...] | None = None) -> tuple[dict, dict]:
     """Case ``index`` of the random run ``seed``: the same draw whatever ran before it."""
     rng = random.Random(f"{seed}:{index}")
-    return random_case(lambda label, options: rng.choice(list(options)))
+    return random_case(lambda label, options: rng.choice(list(options)), model_types)
 
 
 def run_random_case(config: dict, settings: dict, index: int = 0) -> RandomResult:
