@@ -173,11 +173,14 @@ def test_readme_plan_figures(run_cli):
 @pytest.mark.slow
 def test_readme_min_gpus_figure(run_cli):
     """README: the fewest H100s that train Llama-3.1-405B at 4,096 tokens (a search of about 20 s)."""
-    d = _json(run_cli, "plan", "llama-3.1-405b", "--gpu", "H100-80GB", "--seq", "4096", "--min-gpus")
-    best = d["plans"][0]["layout"]
-    assert best["engine"] == "ZeRO-3" and best["offload"] == "optimizer+params" and best["gpus"] == d["min_gpus"]
-    assert (f"(Llama-3.1-405B on H100-80GB at 4,096 tokens: {d['min_gpus']}, with ZeRO-3 offloading parameters and "
-            "optimizer to 2 TiB hosts)") in _readme()
+    for recipe in ((), ("--recipe", "mixed-bf16")):
+        d = _json(run_cli, "plan", "llama-3.1-405b", "--gpu", "H100-80GB", "--seq", "4096", "--min-gpus", *recipe)
+        best = d["plans"][0]["layout"]
+        assert best["offload"] == "optimizer+params" and best["gpus"] == d["min_gpus"]
+        engine = "FSDP2" if best["fsdp"] else f"ZeRO-{best['zero']}"
+        opening = "(Llama-3.1-405B on H100-80GB at 4,096 tokens: " if not recipe else "with `--recipe mixed-bf16`, "
+        assert (f"{opening}{d['min_gpus']}, with {engine} offloading parameters and optimizer to 2 TiB hosts"
+                ) in _readme(), recipe
 
 
 def test_mixed_precision_rounding_counts():
