@@ -28,20 +28,20 @@ def _phases(spec, training, finetune=None) -> dict:
     return {p.name: p.by_category() for p in estimate_model(spec, training, finetune=finetune).phases}
 
 
+def _patch_labels(patch: pytest.MonkeyPatch, rewrite) -> None:
+    """Make every Term and ParamGroup built from now on carry ``rewrite(name)`` as its label."""
+    for cls in (activations.Term, models.ParamGroup):
+        original = cls.__init__
+
+        def init(self, name, *args, _original=original, **kwargs):
+            _original(self, rewrite(name), *args, **kwargs)
+
+        patch.setattr(cls, "__init__", init)
+
+
 @pytest.fixture
 def relabel(monkeypatch):
-    """Patch every Term and ParamGroup built from now on to carry ``rewrite(name)`` as its label."""
-
-    def apply(rewrite):
-        for cls in (activations.Term, models.ParamGroup):
-            original = cls.__init__
-
-            def init(self, name, *args, _original=original, **kwargs):
-                _original(self, rewrite(name), *args, **kwargs)
-
-            monkeypatch.setattr(cls, "__init__", init)
-
-    return apply
+    return lambda rewrite: _patch_labels(monkeypatch, rewrite)
 
 
 def _draw_case(data):
@@ -59,14 +59,8 @@ def test_rewritten_labels_leave_every_phase_unchanged(data, rewrite):
         plain = _phases(spec_from_config(config), training)
     except ConfigError:
         return  # (a set-up the estimate refuses, e.g. selective checkpointing under autocast)
-    with pytest.MonkeyPatch.context() as patch:
-        for cls in (activations.Term, models.ParamGroup):
-            original = cls.__init__
-
-            def init(self, name, *args, _original=original, **kwargs):
-                _original(self, REWRITES[rewrite](name), *args, **kwargs)
-
-            patch.setattr(cls, "__init__", init)
+    with pytest.MonkeyPatch.context() as patch:  # (per example: the fixture's patch would outlive it)
+        _patch_labels(patch, REWRITES[rewrite])
         spec = spec_from_config(config)
         # the rewrite reached the labels (the test would prove nothing otherwise)
         assert all(g.name.startswith("label: ") for g in spec.param_groups) or rewrite != "prefix"
