@@ -69,8 +69,8 @@ def shrink(cfg: dict, layers: int) -> dict:
         if isinstance(cfg.get(key), int) and heads_old:
             out[key] = 1 if cfg[key] == 1 else HEADS if cfg[key] >= heads_old else 2
     for key in ("head_dim", "kv_channels", "attention_head_size"):
-        if isinstance(cfg.get(key), int):
-            out[key] = HEAD_DIM
+        if isinstance(cfg.get(key), int):  # (MLA's head_dim is its rotary part)
+            out[key] = HEAD_DIM // 2 if isinstance(cfg.get("qk_rope_head_dim"), int) else HEAD_DIM
     for key in ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers"):
         if key in cfg or key == "num_hidden_layers":
             out[key] = layers
@@ -85,6 +85,14 @@ def shrink(cfg: dict, layers: int) -> dict:
     for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_sequence_length"):
         if isinstance(cfg.get(key), int):
             out[key] = 512
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # (the defaults can lie past the new vocabulary)
+        if isinstance(cfg.get(key), int):
+            out[key] = 0
+    for key, value in (("rotary_dim", HEAD_DIM // 2), ("qk_rope_head_dim", HEAD_DIM // 2), ("rope_dim", HEAD_DIM // 2),
+                       ("qk_nope_head_dim", HEAD_DIM), ("v_head_dim", HEAD_DIM), ("kv_lora_rank", 32),
+                       ("q_lora_rank", 32)):
+        if isinstance(cfg.get(key), int):
+            out[key] = value
     if isinstance(cfg.get("sliding_window"), int) and cfg["sliding_window"] > 0:
         out["sliding_window"] = 32  # shorter than the traced sequence, so the window is reached
     return out
@@ -94,6 +102,12 @@ def _shrunk_int(key: str, value: int, scale: float) -> int:
     if _SIZE.search(key) and not _NOT_SIZE.search(key) and value > 64:
         return max(16, round(value * scale / 16) * 16)
     return value
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())[:150] or type(exc).__name__
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{type(exc).__name__}: {text} ({Path(where.filename).name}:{where.lineno})"
 
 
 class _TimeUp(Exception):
@@ -143,10 +157,16 @@ def one_type(model_type: str, settings, limit_s: int) -> dict:
     except _TimeUp:
         row.update(outcome="timeout", why=f"{stage}: over {limit_s} s")
     except Exception as exc:  # noqa: BLE001 (each type's failure is its row)
-        text = " ".join(str(exc).split())[:150] or type(exc).__name__
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        row.update(outcome="error", why=f"{stage}: {type(exc).__name__}: {text} ({Path(where.filename).name}:"
-                   f"{where.lineno})")
+        row.update(outcome="error", why=f"{stage}: {_one_line(exc)}")
+        if stage == "recorded":  # is it the traced path's failure, or does the full trace fail the same way?
+            stage = "full trace after the recorded one failed"
+            try:
+                trace_step(cfg, settings, spec)
+                row["why"] = "the traced path fails where a full trace runs: " + row["why"]
+            except _TimeUp:
+                row["why"] += f" (the full trace ran past {limit_s} s)"
+            except Exception as full_exc:  # noqa: BLE001
+                row["why"] = f"the trace itself cannot run this step: {_one_line(full_exc)}"
     finally:
         signal.alarm(0)
     row["seconds"] = round(time.perf_counter() - started, 1)

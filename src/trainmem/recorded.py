@@ -228,6 +228,9 @@ def reduced_config(config: dict[str, Any], full: dict[str, Any], key: str, layer
         return dict(config)
     out = {k: v for k, v in config.items() if k not in ("num_hidden_layers", key)}
     out[key] = count
+    for name, value in full.items():  # the decoder's own count where the layer count names the encoder's (BART)
+        if name != key and re.search(r"(^|_)(layers|n_layer)$", name) and value == layers:
+            out[name] = count
     per_layer, indices = per_layer_lists(full, layers)
     for name, values in per_layer.items():
         out[name] = values[:count]
