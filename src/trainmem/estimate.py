@@ -103,6 +103,8 @@ class Estimate:
     """The part of the model that most loaded rank holds (its heads, layers, experts), when model parallel."""
     in_flight_bytes: int = 0
     """Activations of the other micro-batches a pipeline stage keeps while it computes one."""
+    traced: Any = None
+    """recorded.Recorded when the traced path answered (a model_type without a hand-written description)."""
     paged_bytes: int = 0
     """Optimizer states in CUDA unified memory (bitsandbytes' paged optimizers: cudaMallocManaged), per GPU. Not in
     ``static``, the phases or the peak: torch.cuda.max_memory_allocated() does not count them and the driver can

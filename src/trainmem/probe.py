@@ -39,6 +39,16 @@ def decoder_layers(model) -> list:
         except AttributeError:
             continue
         return list(obj)
+    # Any other causal LM (BERT-like decoders' encoder.layer, MPT's transformer.blocks, Mamba's backbone.layers):
+    # the ModuleList of as many modules as the config has layers, else the longest one.
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", None) if config is not None else None
+    matching = [m for m in lists if len(m) == layers] or lists
+    if matching:
+        return list(max(matching, key=len))
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 

@@ -189,6 +189,15 @@ def verdict_line(est: Estimate, gpu: GPU, unit: str, verdict: dict[str, Any] | N
     return f"{gpu.name} ({format_bytes(gpu.memory_bytes, unit)}): {answer} ({basis})"
 
 
+def activation_source(est: Estimate) -> str | None:
+    """Which model answered the phases and the peak (the JSON's activation_source), None without a peak."""
+    if est.peak is None:
+        return None
+    if est.traced is not None:
+        return "traced"
+    return "seed-rule" if est.activation_k_bytes is not None else "hand-written"
+
+
 def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None = None,
             search_batch: bool = True) -> dict[str, Any]:
     """The estimate document; with ``gpu``, its verdict (gpu_verdict; ``search_batch`` False leaves
@@ -215,7 +224,10 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
         "fits_unknown_reason": NO_PEAK,
         "notes": list(est.notes),
         "warnings": list(est.warnings),
+        "activation_source": activation_source(est),
     }
+    if est.traced is not None:
+        doc["traced"] = est.traced.as_dict()
     if est.peak is not None:
         pk = est.peak
         doc["peak"] = {

@@ -237,6 +237,10 @@ class StepModel:
                     "memory only")
             return Estimate(spec, settings, self.static, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
                             warnings=warnings, finetune=self.finetune, paged_bytes=self.paged_bytes)
+        if not spec.has_architecture and spec.built_config:
+            from .recorded import traced_estimate  # (imports torch only when it records)
+
+            return traced_estimate(self, batch, seq, warnings)
         if not spec.has_architecture:
             note = ("activations need the architecture: give a model config, not only --params"
                     if spec.is_nominal else
