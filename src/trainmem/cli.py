@@ -448,7 +448,8 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
 
             result = trace_tp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
         elif sharded:
-            result = trace_fsdp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
+            result = trace_fsdp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round,
+                                     finetune=w.finetune)
         else:
             result = trace_step(config, settings, spec, round_to_cuda=not no_round, finetune=w.finetune,
                                 record_allocations=replay_allocator)
