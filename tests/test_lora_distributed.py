@@ -189,7 +189,7 @@ def test_plans_lora_step_time_counts_no_weight_gradients():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [4])
+@pytest.mark.parametrize("world", [2])
 def test_fsdp2_lora_ranks_hold_what_trainmem_says_to_the_byte(world):
     """Real FSDP2 over gloo processes with peft's adapters on a bf16 base (tests/fsdp_ranks.py)."""
     pytest.importorskip("peft")
@@ -202,7 +202,7 @@ def test_fsdp2_lora_ranks_hold_what_trainmem_says_to_the_byte(world):
     assert {r["parameters"] for r in ranks} == {static["weights"]}
     assert max(r["gradients"] for r in ranks) == static["gradients"]
     assert max(r["optimizer_states"] for r in ranks) == static["optimizer_states"]
-    assert min(r["gradients"] for r in ranks) < static["gradients"]  # rank 3 holds no row of a 5-row lora_A
+    assert min(r["gradients"] for r in ranks) < static["gradients"]  # rank 1 holds 2 of a 5-row lora_A's rows
 
 
 TINY = dict(model_type="llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
@@ -226,7 +226,9 @@ def test_fsdp2_lora_trace_of_one_rank_matches_the_estimate(world, recipe, checkp
     parallel = Parallel(gpus=world, fsdp="full")
     spec = spec_from_config(TINY)
     est = estimate_model(spec, settings, parallel=parallel, finetune=finetune)
-    traced = trace_fsdp_step(TINY, settings, parallel, spec, finetune=finetune)
+    # (bytes as allocated, not rounded to CUDA's 512-byte blocks: at 64 ranks this tiny model's shards are a few
+    # hundred bytes each, and the estimate counts bytes)
+    traced = trace_fsdp_step(TINY, settings, parallel, spec, round_to_cuda=False, finetune=finetune)
     assert len(est.phases) == len(traced.phases) == 5
     for e, t in zip(est.phases, traced.phases):
         assert abs(e.allocated_bytes - t.allocated_bytes) <= 0.03 * t.allocated_bytes, (e, t)
