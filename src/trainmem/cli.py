@@ -448,7 +448,8 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
 
             result = trace_tp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
         elif sharded:
-            result = trace_fsdp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
+            result = trace_fsdp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round,
+                                     finetune=w.finetune)
         else:
             result = trace_step(config, settings, spec, round_to_cuda=not no_round, finetune=w.finetune,
                                 record_allocations=replay_allocator)
@@ -518,8 +519,6 @@ def sweep(batches, seqs, plot, **options) -> None:
                 raise ConfigError(f"--gpus {g} --zero {z}: {exc}") from None
             if layout not in layouts:
                 layouts.append(layout)
-    if w.finetune is not None and len(layouts) > 1:
-        raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
     check_grid(batch_list, seq_list, len(layouts), names=("--batch", "--seq"))
     estimates = run_sweep(spec, settings, batch_list, seq_list, device, layouts, w.finetune)
     if any(e.peak is None for e in estimates):
@@ -1075,9 +1074,15 @@ def recipes(optimizer: Optional[str], as_json: bool) -> None:
               "torchtitan_plan.py (torchtitan 0.3.0), and launch.sh.")
 @click.option("--units", default=DEFAULT_UNIT, show_default=True, help="GiB, GB, MiB, ...")
 @click.option("--hub", is_flag=True, help="Allow fetching a config from the Hugging Face Hub.")
+@click.option("--lora", type=_Whole(65536), default=None, help="Search LoRA adapters of this rank on a frozen base "
+              "(data parallelism: DDP, ZeRO 1-3, FSDP2).")
+@click.option("--lora-targets", default="q,v", show_default=True, help="Linears with adapters (as estimate takes).")
+@click.option("--dora", is_flag=True, help="DoRA adapters (peft's use_dora).")
+@click.option("--qlora", is_flag=True, help="QLoRA's base: nf4 with double quantization.")
 @click.option("--json", "as_json", is_flag=True, help="Print the versioned JSON document (bytes as integers).")
 def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, checkpointing, mfu, inter_node_gbps,
-         host_memory_gib, min_gpus, time_budget, top, out_dir, units, hub, as_json) -> None:
+         host_memory_gib, min_gpus, time_budget, top, out_dir, units, hub, lora, lora_targets, dora, qlora,
+         as_json) -> None:
     """Search the layouts of MODEL on GPU that fit and rank them by a stated time model: data parallelism (DDP,
     ZeRO 1-3, FSDP2 full / grad-op / hybrid) x recipe x checkpointing x offload x micro-batch, with tensor (and
     sequence), pipeline, context (from 16k tokens) and expert parallelism; only layouts some engine's files run as
@@ -1094,12 +1099,18 @@ def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, chec
     unit = parse_unit(units)
     if min_gpus and out_dir is not None:
         raise ConfigError("--min-gpus answers a GPU count (one sequence per GPU): it takes no --global-batch or --out")
+    if lora is not None and out_dir is not None:
+        raise ConfigError("--out writes full fine-tuning's engine files; with --lora plan answers the layouts only")
+    if lora is None and (dora or qlora):
+        raise ConfigError("--dora and --qlora need --lora RANK")
     if out_dir is not None:  # (checked before the search; '' is refused, not taken as "no --out")
         from .outputs import check_output_dir
 
         out_dir = check_output_dir(out_dir, "--out")
     options = {key: value for key, value in (("mfu", mfu), ("inter_node_gbps", inter_node_gbps),
                                              ("host_memory_gib", host_memory_gib)) if value is not None}
+    if lora is not None:
+        options["lora"] = dict(lora=lora, lora_targets=lora_targets, dora=dora, qlora=qlora)
     from .progress import Progress
 
     with Progress(f"searching the fewest {gpu} for {model}", as_json=as_json or not min_gpus):

@@ -195,7 +195,8 @@ class LayoutStep:
         from .stepmodel import compile_step
 
         if finetune is not None:
-            raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
+            raise ConfigError("LoRA with --tp, --pp, --cp or --ep is not modelled yet: give data parallelism "
+                              "(--gpus N with DDP, --zero or --fsdp)")
         check_layout(spec, parallel)
         self.spec, self.settings, self.parallel = spec, settings, parallel
         self.device = device or DeviceOptions()

@@ -177,6 +177,8 @@ class Plan:
     host_bytes_per_node: int
     step: StepModel = field(repr=False, compare=False)
     seq: int = 0
+    finetune: object = field(default=None, repr=False)
+    """The LoRA adapters the search trained (lora.FineTune), or None: full fine-tuning."""
 
     @property
     def estimate(self) -> Estimate:
@@ -185,7 +187,8 @@ class Plan:
         L = self.layout
         settings = make_settings(recipe=L.recipe, checkpointing=L.checkpointing, seq=self.seq, batch=L.micro_batch,
                                  grad_accum=L.grad_accum)
-        step = compile_step(self.step.spec, settings, self.step.device, L.parallel if L.gpus > 1 else None)
+        step = compile_step(self.step.spec, settings, self.step.device, L.parallel if L.gpus > 1 else None,
+                            self.finetune)
         return step.estimate(L.micro_batch, self.seq)
 
 
@@ -210,6 +213,8 @@ class PlanSearch:
     cut_short: bool = False
     """True when the time budget (or a cap) ended the search before every layout was looked at: the plans are the
     ones found by then, and a faster or fitting layout may be missing."""
+    finetune: object = field(default=None, repr=False)
+    """The LoRA adapters searched (lora.FineTune), or None: full fine-tuning."""
 
 
 def _engines(gpus: int, gpus_per_node: int):
@@ -280,8 +285,11 @@ def throughput_of(gpu: GPU) -> Throughput:
 
 
 def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = DEFAULT_MFU,
-              inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS) -> StepTime:
-    """The time model of one optimizer step on one GPU (module docstring)."""
+              inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS, trained: int | None = None) -> StepTime:
+    """The time model of one optimizer step on one GPU (module docstring). ``trained``: the parameters that train
+    where it is not all of them (LoRA): backward then computes the inputs' gradients only (2 FLOPs per
+    multiply-add instead of 4: forward x 2 + recompute, not x 3), and only their gradients are reduced and
+    offloaded; the frozen base is still gathered (ZeRO-3, FSDP2)."""
     sheet = throughput_of(gpu)
     recipe = get_recipe(layout.recipe)
     sequences = layout.micro_batch * layout.grad_accum  # per data-parallel rank, i.e. per model replica
@@ -300,11 +308,12 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
         attention_macs += count * att.num_heads * (att.head_dim + att.v_head_dim) * keys
     # forward 2 FLOPs per multiply-add; backward twice the forward; full checkpointing recomputes the forward
     forward = 2 * n + 2 * attention_macs
-    flops = tokens * forward * (3 + full) / split
+    flops = tokens * forward * ((3 if trained is None else 2) + full) / split
     bubble = (layout.pp - 1) / layout.grad_accum  # 1F1B: (P - 1) micro-batch slots idle per M (Narayanan 2021)
     compute = flops * (1 + bubble) / (sheet.dense_tflops * 1e12 * mfu)
 
     p, g, w = _rank_parameters(spec, layout), recipe.gradient_bytes, recipe.weight_bytes
+    pg = p if trained is None else trained / layout.pp  # what the engine reduces gradients of
     dp, node = layout.data_parallel * layout.cp, layout.gpus_per_node  # (gradients are reduced over dp x cp)
     ring = (dp - 1) / dp if dp > 1 else 0.0
     bandwidth = (sheet.link_gbps if layout.gpus <= node else min(sheet.link_gbps, inter_node_gbps)) * 1e9
@@ -334,23 +343,23 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
     if dp == 1:
         volume = 0.0
     elif layout.engine in ("DDP", "ZeRO-1"):
-        volume = 2 * p * g
+        volume = 2 * pg * g
     elif layout.engine in ("ZeRO-2", "FSDP2 grad-op"):
-        volume = micro * p * g + p * w
+        volume = micro * pg * g + pg * w
     elif layout.engine == "FSDP2 hybrid":
-        inside = micro * (2 * p * w + p * g) * ((node - 1) / node)
+        inside = micro * (2 * p * w + pg * g) * ((node - 1) / node)
         nodes = dp // node
-        across = 2 * (p / node) * g * ((nodes - 1) / nodes)
+        across = 2 * (pg / node) * g * ((nodes - 1) / nodes)
         communication = inside / (sheet.link_gbps * 1e9) + across / (inter_node_gbps * 1e9)
         volume = None
     else:  # ZeRO-3, FSDP2 full
-        volume = micro * (2 * p * w + p * g)
+        volume = micro * (2 * p * w + pg * g)
     if volume is not None:
         communication = volume * ring / bandwidth
     offload = 0.0
     shard = p / dp
     if layout.offload != "none":
-        offload += shard * (g + w) / (sheet.host_gbps * 1e9)  # gradients down, updated parameters up, every step
+        offload += pg / dp * (g + w) / (sheet.host_gbps * 1e9)  # gradients down, updated parameters up, every step
     if layout.offload == "optimizer+params":
         offload += micro * 2 * shard * w / (sheet.host_gbps * 1e9)  # the parameter shards, forward and backward
     return StepTime(compute, communication, offload, tokens // split, exposed)
@@ -444,12 +453,14 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
            host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB,
            checkpointing: tuple[str, ...] = ("none", "selective", "full"),
            engines: tuple[str, ...] | None = None, model_parallel: bool = True,
-           time_budget_s: float | None = None, writable: bool = True) -> PlanSearch:
+           time_budget_s: float | None = None, writable: bool = True, finetune=None) -> PlanSearch:
     """Every layout of ``gpus`` GPUs for ``global_batch`` sequences of ``seq`` tokens (default: one sequence per GPU),
     the fitting ones ranked by step_time; ``model_parallel=False`` searches data parallelism alone. With
     ``time_budget_s`` the search stops when that many seconds have passed and answers what it found
     (``cut_short``). ``writable`` (the default) keeps only the layouts some engine's files can run as planned
-    (engine_configs.writers): a recipe an engine cannot configure is not offered for that engine."""
+    (engine_configs.writers): a recipe an engine cannot configure is not offered for that engine. ``finetune``
+    (lora.FineTune) searches LoRA on a frozen base: data parallelism only (LoRA under TP, PP, CP or EP is not
+    modelled), every engine of it (finetune_sharding.py)."""
     if not spec.has_architecture:
         raise ConfigError("trainmem plan needs the model's architecture: give a model config, not --params")
     throughput_of(gpu)
@@ -471,6 +482,8 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     unwritable: set[str] = set()
     cache: dict = {}  # compiled steps, shared by every layout that holds the same one (stepmodel.compile_step)
     guesses: dict[tuple, int] = {}  # the last answer of these degrees (and checkpointing): where the next is looked for
+    if finetune is not None:
+        model_parallel = False
 
     def layouts():
         for tp, pp, cp, ep in (model_parallel_degrees(spec, gpus, node, seq) if model_parallel else [(1, 1, 1, 1)]):
@@ -499,7 +512,8 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
                 unwritable.add(recipe)
                 continue
             _search_layout(spec, gpu, seq, device, mfu, inter_node_gbps, host_memory, node, gpus, per_rank, recipe,
-                           label, zero, fsdp, offload, ckpt, tp, pp, cp, ep, cache, guesses, plans, counts)
+                           label, zero, fsdp, offload, ckpt, tp, pp, cp, ep, cache, guesses, plans, counts,
+                           finetune)
         cut_short = False
     except _OutOfTime:
         cut_short = True
@@ -508,15 +522,18 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     plans.sort(key=lambda pl: (round(pl.time.seconds, 9), pl.layout.offload != "none", -pl.layout.micro_batch,
                                pl.peak.required_bytes))
     skipped = NOT_SEARCHED
+    if finetune is not None:
+        skipped += ("tensor, pipeline, context and expert parallelism with LoRA (not modelled: data parallelism "
+                    "only)",)
     if unwritable:
         skipped += (f"layouts whose recipe no engine's files set as planned ({', '.join(sorted(unwritable))} with "
                     "some engines: engine_configs.writers and docs/method.md say which engine runs which recipe)",)
     return PlanSearch(spec, tuple(plans), counts[0], counts[1], len(plans), time.perf_counter() - started, gpu,
-                      gpus, seq, global_batch, mfu, inter_node_gbps, host_memory, skipped, cut_short)
+                      gpus, seq, global_batch, mfu, inter_node_gbps, host_memory, skipped, cut_short, finetune)
 
 
 def _search_layout(spec, gpu, seq, device, mfu, inter_node_gbps, host_memory, node, gpus, per_rank, recipe, label,
-                   zero, fsdp, offload, ckpt, tp, pp, cp, ep, cache, guesses, plans, counts) -> None:
+                   zero, fsdp, offload, ckpt, tp, pp, cp, ep, cache, guesses, plans, counts, finetune=None) -> None:
     """One engine, recipe, offload, checkpointing and degrees: the largest micro-batch that fits, appended to
     ``plans``; ``counts`` (candidates, evaluated) grow by what was counted and probed."""
     micro_batches = divisors(per_rank)
@@ -533,7 +550,7 @@ def _search_layout(spec, gpu, seq, device, mfu, inter_node_gbps, host_memory, no
             parallel = Layout(recipe, label, zero, fsdp, offload, ckpt, b, m, gpus, node, tp, pp, cp,
                               ep).parallel if gpus > 1 else None
             settings = make_settings(recipe=recipe, checkpointing=ckpt, seq=seq, batch=1, grad_accum=min(m, 2))
-            steps[m] = compile_step(spec, settings, device, parallel, cache=cache)
+            steps[m] = compile_step(spec, settings, device, parallel, finetune, cache=cache)
         return steps[m]
 
     step = step_for(micro_batches[0])
@@ -561,7 +578,14 @@ def _search_layout(spec, gpu, seq, device, mfu, inter_node_gbps, host_memory, no
         return
     b = micro_batches[index]
     layout = Layout(recipe, label, zero, fsdp, offload, ckpt, b, per_rank // b, gpus, node, tp, pp, cp, ep)
-    plans.append(Plan(layout, peak, step_time(spec, layout, seq, gpu, mfu, inter_node_gbps), host, step_for(b), seq))
+    trained = None
+    if finetune is not None:
+        from .lora import trainables
+
+        t = trainables(spec, get_recipe(recipe), step.optimizer, finetune)
+        trained = t.adapters + t.copies
+    plans.append(Plan(layout, peak, step_time(spec, layout, seq, gpu, mfu, inter_node_gbps, trained), host,
+                      step_for(b), seq, finetune))
 
 
 MIN_GPUS_EVERY_COUNT_UP_TO = 512
@@ -608,11 +632,13 @@ def min_gpus(spec: ModelSpec, gpu: GPU, seq: int, gpus_per_node: int = 8, time_b
 def run_plan(model, gpu: str, gpus: int | None = None, seq: int = 2048, global_batch: int | None = None,
              gpus_per_node: int = 8, nodes: int | None = None, recipe: str | None = None,
              checkpointing: str | None = None, min_gpus_wanted: bool = False, hub: bool = False,
-             time_budget_s: float | None = None, **options) -> tuple[PlanSearch, int | None]:
+             time_budget_s: float | None = None, lora: dict | None = None,
+             **options) -> tuple[PlanSearch, int | None]:
     """What ``trainmem plan`` and POST /api/plan answer: the search (or, with ``min_gpus_wanted``, the fewest GPUs
     and the search at that count). ``model`` as trainmem.estimate takes it; ``options``: mfu, inter_node_gbps,
     host_memory_gib, device. ``time_budget_s`` bounds the seconds the answer may take (PlanSearch.cut_short says
-    when it ended the search early)."""
+    when it ended the search early). ``lora``: make_request's LoRA keywords (lora, lora_targets, dora, qlora, ...),
+    which search LoRA on a frozen base."""
     from .request import make_request
 
     if nodes is not None:
@@ -627,7 +653,9 @@ def run_plan(model, gpu: str, gpus: int | None = None, seq: int = 2048, global_b
                          options.get("inter_node_gbps", DEFAULT_INTER_NODE_GBPS),
                          options.get("host_memory_gib", DEFAULT_HOST_MEMORY_GIB), global_batch, time_budget_s)
     req = make_request(model, gpu=gpu, hub=hub, seq=seq, recipe=recipe or "mixed-bf16",
-                       checkpointing=checkpointing or "none")
+                       checkpointing=checkpointing or "none", **(lora or {}))
+    if req.finetune is not None:
+        options["finetune"] = req.finetune
     options.setdefault("device", req.device)
     from .engine_configs import written_recipe
 

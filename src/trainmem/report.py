@@ -614,7 +614,9 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
             console.print(short)
         return
     model = found.model
-    table = Table(title=f"{model.name}: {found.gpus} x {found.gpu.name}, {found.global_batch} sequences of "
+    lora = getattr(found, "finetune", None)
+    tuned = "" if lora is None else f" (LoRA rank {lora.lora.rank}{', nf4 base' if lora.base_quant else ''})"
+    table = Table(title=f"{model.name}{tuned}: {found.gpus} x {found.gpu.name}, {found.global_batch} sequences of "
                         f"{found.seq:,} tokens a step: the fastest layouts that fit ({unit} per GPU)",
                   caption=f"{found.candidates:,} layouts searched ({found.evaluated:,} evaluated) in "
                           f"{found.seconds:.2f} s; {found.fitting:,} fit. Time: {found.mfu:.0%} of peak FLOPS, "

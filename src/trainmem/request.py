@@ -156,8 +156,9 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
         if spec.is_nominal:
             raise ConfigError("LoRA needs the model's layers: give a model config, not --params")
         finetune.as_dict(spec)  # the targets are checked against the model's modules here
-        if parallel.engine != "single" or parallel.is_model_parallel:
-            raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
+        if parallel.is_model_parallel:
+            raise ConfigError("LoRA with --tp, --pp, --cp or --ep is not modelled yet: give data parallelism "
+                              "(--gpus N with DDP, --zero or --fsdp)")
     return Request(spec, config, training, device, target, parallel, finetune)
 
 

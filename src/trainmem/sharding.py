@@ -357,6 +357,10 @@ class RankLayout:
     """Whether each finished gradient shard leaves the GPU as soon as its group is reduced (FSDP2's
     CPUOffloadPolicy: ``foreach_reduce`` copies the reduce-scatter output to pinned host memory), so backward keeps
     none of the finished layers' shards on the device."""
+    gradient_shard_of: tuple[int, int] | None = None
+    """(this rank's elements, all elements) of what trains, padding included, where a finished gradient shard is
+    that fraction of the gradient rather than 1 / gradient_shards (LoRA under FSDP2: a lora_A of r rows is one row
+    per rank when W >= r; finetune_sharding.py)."""
 
 
 ALL_PHASES = ("load", "forward", "backward", "optimizer", "between_steps")

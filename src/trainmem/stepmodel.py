@@ -117,7 +117,12 @@ class StepModel:
         self._paged_note = ("paged optimizer: no trained tensor here has 1e5+ elements, so bitsandbytes pages none "
                             "of its states (get_state_buffer): all are ordinary device memory, counted above")
         self.rank: RankLayout | None = None
-        if self.parallel.engine != "single":
+        if finetune is not None and self.parallel.engine != "single":
+            from .finetune_sharding import engine_finetune, finetune_rank_layout
+
+            finetune = engine_finetune(finetune, self.recipe, self.parallel)
+            self.rank = finetune_rank_layout(spec, self.recipe, self.optimizer, finetune, self.parallel)
+        elif self.parallel.engine != "single":
             states, offloaded = single[3].bytes, self.parallel.offload != "none"
             if offloaded and self.paged_bytes:  # (on the host bitsandbytes pages nothing: get_state_buffer's CPU
                 states, self.paged_bytes = states + self.paged_bytes, 0  # fallback; the offload keeps them there)
@@ -129,11 +134,14 @@ class StepModel:
             self.paged_bytes = -(-self.paged_bytes * self.rank.optimizer_numel // spec.num_parameters)
         self.finetune = finetune
         if finetune is not None:
-            if self.rank is not None:
-                raise ConfigError("LoRA on several GPUs is not supported yet: give --gpus 1")
             single, self.paged_bytes = finetune_static_components(spec, settings, finetune), 0
             if self.optimizer.paged:
                 self.paged_bytes = finetune_paged_bytes(spec, self.optimizer, finetune)
+            if self.rank is not None:  # this rank's share of the model states (finetune_sharding.py)
+                t = trainables(spec, self.recipe, self.optimizer, finetune)
+                trained = t.adapters + t.copies
+                self.paged_bytes = -(-self.paged_bytes * self.rank.optimizer_numel // trained)
+                single = rank_static_components(single, self.rank, spec.num_parameters)
             if self.paged_bytes:
                 single = tuple(replace(c, bytes=c.bytes - self.paged_bytes,
                                        bytes_per_param=(c.bytes - self.paged_bytes) / spec.num_parameters,

@@ -606,7 +606,9 @@ def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer
         from .lora import trainables
 
         t = trainables(spec, recipe, optimizer, finetune)
-        return (0 if fused else optimizer.foreach_temporaries * t.stepped_values) + t.masters
+        temp = (0 if fused else optimizer.foreach_temporaries * t.stepped_values) + t.masters
+        # a rank steps its share of them (finetune_sharding.py; none where the step runs on the host)
+        return temp if rank is None else -(-temp * rank.optimizer_numel // (t.adapters + t.copies))
     if not fused:  # the implementation's own shape (optimizers.py, Optimizer.step_temporaries)
         temp += optimizer.step_temporaries(spec.param_groups, n, recipe.state_bytes_for(optimizer.name))
     if recipe.master_weights and recipe.gradients != recipe.master_weights and (rank is None
@@ -1083,6 +1085,9 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         GPU where FSDP2's CPU offload has copied it to the host: sharding.RankLayout.gradients_offloaded)."""
         if offloaded:
             return 0
+        if rank is not None and rank.gradient_shard_of is not None:
+            part, whole = rank.gradient_shard_of
+            return -(-x.grads * part // whole)
         return -(-x.grads // shards) if shard_scale == 1 else -(-int(x.grads * shard_scale) // shards)
 
     st = _static(static, recipe, settings, rank)

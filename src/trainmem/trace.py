@@ -535,8 +535,42 @@ def check_fsdp_traceable(settings: TrainingSettings, parallel) -> None:
             raise ConfigError(f"trace --fsdp does not run {flag} yet (the single-GPU trace does)")
 
 
+def _fsdp_model(config: dict[str, Any], settings: TrainingSettings, parallel, mesh, spec, finetune):
+    """The model ``fully_shard``-ed as torchtitan and torchtune wrap it (every decoder layer, then the root) and the
+    optimizer over what trains. Full fine-tuning under a mixed recipe builds fp32 shards (the masters) computed in
+    half precision (MixedPrecisionPolicy); LoRA builds peft's model as the one-GPU trace does (a base in the recipe's
+    weights, fp32 adapters) and shards each parameter in its own dtype, as torchtune's LoRA recipes (no policy)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .probe import build_lora_model, build_model
+    from .step import causal_lm, enable_checkpointing
+
+    recipe = get_recipe(settings.recipe)
+    half = FSDP_TRACE_RECIPES[settings.recipe] if finetune is None else None
+    if finetune is None:
+        model = build_model(config, get_recipe("fp32") if half else recipe, settings.attention, settings.dropout)
+    else:
+        model = build_lora_model(config, recipe, settings.attention, settings.dropout, finetune, spec)
+    if settings.checkpointing == "full":
+        enable_checkpointing(model)
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, half), reduce_dtype=torch.float32) if half \
+        else MixedPrecisionPolicy()
+    for layer in causal_lm(model).model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=parallel.fsdp == "full")
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer_class = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    fused = settings.fused_optimizer
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if finetune is not None and any(p.dtype != torch.float32 for p in trained) and recipe.master_weights:
+        raise ConfigError("trace --fsdp with --lora runs adapters without master copies: give fp32 adapters "
+                          "(--adapter-dtype auto or fp32) or a recipe without masters")
+    optimizer = optimizer_class[settings.optimizer](trained, lr=1e-4, foreach=not fused, fused=fused or None)
+    return model, optimizer
+
+
 def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel, spec: ModelSpec | None = None,
-                    round_to_cuda: bool = True) -> TraceResult:
+                    round_to_cuda: bool = True, finetune=None) -> TraceResult:
     """One rank of an FSDP2 run (``fully_shard`` on every decoder layer and the root), traced under FakeTensorMode
     with PyTorch's fake process group, whose collectives move no data: rank 0, which holds the largest shards.
     PyTorch's FSDPMemTracker (torch.distributed._tools.fsdp2_mem_tracker) follows every storage, collective
@@ -544,29 +578,12 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
     sharded optimizer states, as torchtitan's estimation script does."""
     import torch
     from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from .probe import build_model
-    from .step import enable_checkpointing
 
     check_fsdp_traceable(settings, parallel)
     started = time.perf_counter()
     with _fake_process_group(parallel.gpus) as mesh, _cuda_block_sizes(round_to_cuda), fake_gpu():
         recipe = get_recipe(settings.recipe)
-        half = FSDP_TRACE_RECIPES[settings.recipe]
-        model = build_model(config, get_recipe("fp32") if half else recipe, settings.attention, settings.dropout)
-        if settings.checkpointing == "full":
-            enable_checkpointing(model)
-        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, half), reduce_dtype=torch.float32) if half \
-            else MixedPrecisionPolicy()
-        reshard = parallel.fsdp == "full"
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        optimizer_class = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-        fused = settings.fused_optimizer
-        optimizer = optimizer_class[settings.optimizer](model.parameters(), lr=1e-4, foreach=not fused,
-                                                        fused=fused or None)
+        model, optimizer = _fsdp_model(config, settings, parallel, mesh, spec, finetune)
         ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq))
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if recipe.autocast else contextlib.nullcontext()
 
