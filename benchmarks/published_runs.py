@@ -29,7 +29,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 CONFIGS = HERE / "configs"  # architecture fields of models outside trainmem's catalog (sources in README.md there)
-GIB, GB = 2**30, 10**9
+GIB, GB, MIB = 2**30, 10**9, 2**20
+UNIT_NAMES = {GIB: "GiB", GB: "GB", MIB: "MiB"}
 BEGIN, END = "<!-- published-runs:begin -->", "<!-- published-runs:end -->"
 
 
@@ -50,6 +51,7 @@ class Source(enum.Enum):
     LITGPT = "litgpt"
     TORCHTITAN = "torchtitan"
     FSDP_QLORA = "fsdp_qlora"
+    TRANSFORMERS = "transformers"
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Row:
     setup: str                 # the published row, in the source's words
     args: tuple[str, ...]      # `trainmem estimate` arguments
     published: float
-    unit: int                  # GIB or GB: the unit the figure is published in
+    unit: int                  # GIB, GB or MIB: the unit the figure is published in
     metric: Metric
     specified: bool = True     # every setting that moves memory is published
     remark: str = ""
@@ -77,7 +79,8 @@ TT_LORA = "pytorch/torchtune docs/source/tutorials/lora_finetune.rst@ff594c231"
 TT_QLORA = "pytorch/torchtune docs/source/tutorials/qlora_finetune.rst@0914d5cfb"
 # torchtune trains bf16 parameters and its AdamW keeps bf16 states; its LoRA adapters are bf16 (the model's dtype);
 # the README's table: batch 2, packed to 2,048 tokens, compile on; the configs: chunked-output CE, checkpointing on.
-TT8 = "llama-3.1-8b --recipe pure-bf16-bf16states --batch 2 --seq 2048 --checkpointing full --loss chunked-output --compile"
+TT8 = ("llama-3.1-8b --recipe pure-bf16-bf16states --batch 2 --seq 2048 --checkpointing full --loss chunked-output"
+       " --compile")
 TT8_LORA = TT8 + " --lora 8 --lora-alpha 16 --lora-targets q,v --adapter-dtype bf16"
 TT8_QLORA = TT8 + " --qlora --lora 8 --lora-alpha 16 --lora-targets q,k,v,o,gate,up,down --adapter-dtype bf16"
 TT3 = "llama-3.2-3b --recipe pure-bf16-bf16states --batch 2 --seq 4096 --optimizer-impl fused"
@@ -183,7 +186,7 @@ def _litgpt(model: str, quant: str, batch: int, gb: float, gpus: int = 1) -> Row
     args = _a(f"{path} {LG_LORA} --batch {batch} --seq {seq}{quant_flags}{layout}")
     where = f"{gpus}x A100" + (", FSDP" if gpus > 1 else "")
     remark = LG_REMARK + ("; PagedAdamW pages no state under 1e5 values (every adapter's); below: bitsandbytes' "
-                          "0.41 MatMul4Bit kept each frozen 4-bit Linear's input (ctx.tensors = (A, B)) when it required grad"
+                          "0.41 MatMul4Bit kept each frozen 4-bit Linear's input (ctx.tensors = (A, B))"
                           if quant != "None" else "")
     return Row(Source.LITGPT, LG, f"{model} LoRA, {quant}, micro-batch {batch}, {where}", args, gb, GB,
                Metric.ALLOCATED, remark=remark)
@@ -219,6 +222,121 @@ LITGPT = [
     _adapter("StableLM Alpha 3B", "None", 10.71, True), _adapter("StableLM Alpha 3B", "bnb.nf4", 7.41, True),
     _adapter("StableLM Alpha 3B", "bnb.nf4-dq", 7.25, True), _adapter("Llama 2 7B", "None", 25.51, True),
     _adapter("Llama 2 7B", "bnb.nf4", 18.30, True), _adapter("Llama 2 7B", "bnb.nf4-dq", 17.98, True),
+]
+
+# litgpt's config hub (config_hub/finetune/README.md@00af8b0d, Sep 2024, A10G 24 GB): each row runs its YAML there
+# (bf16-true, Alpaca2k cut at max_seq_length 512, the YAML's micro-batch and LoRA switches, AdamW; bnb.nf4 rows
+# with bitsandbytes' PagedAdamW, which pages no state under 1e5 values). The LoRA/QLoRA rows' "4xA10G" twins are the
+# same devices: 1 runs (equal figures) and are left out, as are the OOM rows. "Peak memory" is litgpt.utils'
+# max_memory_allocated() / 1e9. Full fine-tunes on several GPUs use Fabric's FSDPStrategy (full shard,
+# checkpointing every Block); their loss is chunked_cross_entropy over the whole bf16 logits. litgpt (model.py at
+# 00af8b0d) never ties the head to the embedding: a tied Hub checkpoint (Llama 3.2, Gemma) is trained with its head
+# copied, so those rows use the "-untied" configs.
+LGH = "Lightning-AI/litgpt config_hub/finetune/README.md@00af8b0d (A10G)"
+LLAMA_TARGETS = {"query": "q", "key": "k", "value": "v", "projection": "o", "mlp": "gate,up,down", "head": "lm_head"}
+PHI_TARGETS = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "projection": "dense", "mlp": "fc1,fc2",
+               "head": "lm_head"}
+HUB_MODELS = {  # config name: (trainmem model, LoRA target names)
+    "falcon-7b": ("falcon-7b", LLAMA_TARGETS), "gemma-2b": (str(CONFIGS / "gemma-2b-untied.json"), LLAMA_TARGETS),
+    "gemma-7b": (str(CONFIGS / "gemma-7b-untied.json"), LLAMA_TARGETS),
+    "gemma2-2b": (str(CONFIGS / "gemma-2-2b-untied.json"), LLAMA_TARGETS),
+    "gemma2-9b": (str(CONFIGS / "gemma-2-9b-untied.json"), LLAMA_TARGETS), "llama-2-7b": ("llama-2-7b", LLAMA_TARGETS),
+    "llama-3-8b": ("llama-3-8b", LLAMA_TARGETS), "llama-3.1-8b": ("llama-3.1-8b", LLAMA_TARGETS),
+    "llama-3.2-1B": (str(CONFIGS / "Llama-3.2-1B-untied.json"), LLAMA_TARGETS),
+    "llama-3.2-3B": (str(CONFIGS / "Llama-3.2-3B-untied.json"), LLAMA_TARGETS),
+    "mistral-7b-v0.2": (MISTRAL2_PATH := str(CONFIGS / "Mistral-7B-v0.2.json"), LLAMA_TARGETS),
+    "mistral-7b": ("mistral-7b", LLAMA_TARGETS), "phi-2": (str(CONFIGS / "phi-2.json"), PHI_TARGETS),
+    "phi-3": ("phi-3-mini-4k", LLAMA_TARGETS), "stablelm-base-alpha-3b": (STABLELM, LLAMA_TARGETS),
+    "tiny-llama": (str(CONFIGS / "TinyLlama-1.1B.json"), LLAMA_TARGETS),
+}
+QLORA_REMARK = ("below, as every QLoRA row of bitsandbytes before its MatMul4Bit stopped saving the input: the "
+                "bitsandbytes of the time kept each frozen 4-bit Linear's input for backward (ctx.tensors = (A, B))")
+FABRIC_FSDP_REMARK = ("Fabric's FSDP1 (flat parameters; the embedding and head in the root unit) asked for as FSDP2; "
+                      "not modelled: the full state-dict checkpoint of model and optimizer that state_dict_type='full' "
+                      "gathers every save_interval steps")
+BELOW_STATES = ("partly specified: below the run's own model states (bf16 weights, gradients and AdamW's two bf16 "
+                "states are 8 bytes per parameter), so the run was not the YAML's plain AdamW step as listed")
+
+
+def _hub(config: str, gb: float, batch: int, rank: int = 0, alpha: int = 16, dropout: float = 0.05,
+         switches: str = "", quant: bool = False, gpus: int = 1, remark: str = "", specified: bool = True) -> Row:
+    """One config-hub row; ``switches`` the YAML's lora_* switches that are true (query,value,...)."""
+    model, names = HUB_MODELS[config]
+    args = f"{model} --recipe pure-bf16-bf16states --batch {batch} --seq 512 --loss chunked-output"
+    if rank:
+        targets = ",".join(names[s] for s in switches.split(","))
+        args += (f" --lora {rank} --lora-alpha {alpha} --lora-dropout {dropout} --lora-targets {targets}"
+                 " --adapter-dtype bf16" + (" --base-quant nf4" if quant else ""))
+    if gpus > 1:
+        args += f" --gpus {gpus} --fsdp full --checkpointing full"
+    kind = "full" if not rank else "qlora" if quant else "lora"
+    setup = f"{config}/{kind}.yaml, micro-batch {batch}, {gpus}x A10G"
+    if quant:
+        remark = remark or QLORA_REMARK
+    elif gpus > 1:
+        remark = remark or FABRIC_FSDP_REMARK
+    elif not rank:
+        remark = remark or "lit-gpt's own model code (fused qkv, its RoPE), not transformers'"
+    return Row(Source.LITGPT, LGH, setup, _a(args), gb, GB, Metric.ALLOCATED, specified=specified, remark=remark)
+
+
+QV, ALL = "query,value", "query,key,value,projection,mlp,head"
+LITGPT_HUB = [
+    _hub("falcon-7b", 16.69, 1, 32, switches=QV), _hub("falcon-7b", 9.44, 1, 32, switches=QV, quant=True),
+    _hub("gemma-2b", 17.43, 1, gpus=4), _hub("gemma-2b", 12.62, 2, 8, dropout=0.1, switches=ALL),
+    _hub("gemma-2b", 11.58, 2, 16, dropout=0.1, switches=ALL, quant=True),
+    _hub("gemma-7b", 17.18, 1, 16, dropout=0.1, switches=ALL, quant=True),
+    _hub("gemma2-2b", 14.31, 2, 8, dropout=0.1, switches=ALL),
+    _hub("gemma2-2b", 13.52, 2, 16, dropout=0.1, switches=ALL, quant=True),
+    _hub("gemma2-9b", 20.92, 1, 16, dropout=0.1, switches=ALL, quant=True),
+    _hub("llama-2-7b", 19.77, 2, 32, switches=QV), _hub("llama-2-7b", 13.68, 2, 32, switches=QV, quant=True),
+    _hub("llama-3-8b", 19.73, 1, 32, switches=QV), _hub("llama-3-8b", 17.41, 2, 32, switches=QV, quant=True),
+    _hub("llama-3.1-8b", 19.73, 1, 32, switches=QV), _hub("llama-3.1-8b", 17.41, 2, 32, switches=QV, quant=True),
+    _hub("llama-3.2-1B", 8.70, 4, remark=BELOW_STATES, specified=False),
+    _hub("llama-3.2-1B", 4.49, 1, 32, switches=QV), _hub("llama-3.2-1B", 5.53, 2, 32, switches=QV, quant=True),
+    _hub("llama-3.2-3B", 16.51, 4, remark=BELOW_STATES, specified=False),
+    _hub("llama-3.2-3B", 9.67, 1, 32, switches=QV), _hub("llama-3.2-3B", 10.30, 2, 32, switches=QV, quant=True),
+    _hub("mistral-7b-v0.2", 20.66, 2, 32, switches=QV),
+    _hub("mistral-7b-v0.2", 14.29, 2, 32, switches=QV, quant=True),
+    _hub("mistral-7b", 20.66, 2, 32, switches=QV), _hub("mistral-7b", 14.29, 2, 32, switches=QV, quant=True),
+    _hub("phi-2", 14.44, 4, gpus=2), _hub("phi-2", 13.98, 4, 8, switches=ALL),
+    _hub("phi-2", 14.27, 4, 8, switches=ALL, quant=True),
+    _hub("phi-3", 17.01, 4, remark=BELOW_STATES, specified=False), _hub("phi-3", 19.75, 4, 8, switches=ALL),
+    _hub("phi-3", 19.13, 4, 8, switches=ALL, quant=True),
+    _hub("stablelm-base-alpha-3b", 21.23, 1, gpus=2), _hub("stablelm-base-alpha-3b", 8.58, 1, 32, switches=QV),
+    _hub("stablelm-base-alpha-3b", 5.24, 1, 32, switches=QV, quant=True),
+    _hub("tiny-llama", 14.10, 4), _hub("tiny-llama", 13.50, 8, 32, switches=ALL),
+    _hub("tiny-llama", 16.24, 8, 32, switches=ALL, quant=True),
+]
+
+# -- transformers' docs ----------------------------------------------------------------------------------------------
+HF = "huggingface/transformers docs/source/en/perf_train_gpu_one.mdx@0016acf7 (2022, one V100 16 GB)"
+# bert-large-uncased as AutoModelForSequenceClassification, Trainer, 512 random 512-token rows; "GPU memory
+# occupied" is pynvml's used memory // 1024**2 (nvidia-smi's figure, MiB), which the page measures as 1,343 MiB for
+# the CUDA context and kernels alone: that is the --cuda-overhead given. Trainer's default optimizer then was
+# transformers' own AdamW (two fp32 states); fp16=True is autocast over fp32 weights with a GradScaler.
+BERT = str(CONFIGS / "bert-large-uncased.json")
+CLASSIFIER = "the run trains a 2-way sequence classifier (pooler and a 2-row head), not the masked-LM head"
+
+
+def _hf(setup: str, flags: str, mib: float) -> Row:
+    args = _a(f"{BERT} --seq 512 --cuda-overhead 1343 {flags}")
+    return Row(Source.TRANSFORMERS, HF, setup, args, mib, MIB, Metric.NVIDIA_SMI, specified=False,
+               remark=CLASSIFIER)
+
+
+TRANSFORMERS = [
+    _hf("bert-large, batch 4, fp32 AdamW", "--recipe fp32 --batch 4", 14949),
+    _hf("batch 1 x accumulation 4", "--recipe fp32 --batch 1 --grad-accum 4", 8681),
+    _hf("+ gradient checkpointing", "--recipe fp32 --batch 1 --grad-accum 4 --checkpointing full", 6775),
+    _hf("batch 4, fp16", "--recipe amp-fp16 --batch 4", 13939),
+    _hf("batch 1 x 4, checkpointing, fp16", "--recipe amp-fp16 --batch 1 --grad-accum 4 --checkpointing full", 7275),
+    _hf("batch 4, Adafactor", "--recipe fp32 --batch 4 --optimizer adafactor", 12295),
+    _hf("batch 1 x 4, checkpointing, fp16, Adafactor",
+        "--recipe amp-fp16 --batch 1 --grad-accum 4 --checkpointing full --optimizer adafactor", 4847),
+    _hf("batch 4, bitsandbytes Adam8bit", "--recipe fp32 --batch 4 --optimizer adamw-8bit", 13085),
+    _hf("batch 1 x 4, checkpointing, fp16, Adam8bit",
+        "--recipe amp-fp16 --batch 1 --grad-accum 4 --checkpointing full --optimizer adamw-8bit", 5363),
 ]
 
 # -- torchtitan -----------------------------------------------------------------------------------------------------
@@ -274,7 +392,7 @@ FQ = "AnswerDotAI/fsdp_qlora benchmarks_03_2024.md@05ed9f2 (2x 3090 / 2x 4090)"
 # under the LoRA table: "peak reserved memory ... peak allocated memory is 8.28 GiB vs 9.16 GiB").
 FQ_BASE = "--recipe pure-bf16 --lora 64 --lora-alpha 16 --lora-dropout 0.1 --lora-targets q,k,v,gate,up,down " \
           "--checkpointing full --gpus 2"
-YI, MISTRAL2 = str(CONFIGS / "Yi-34B.json"), str(CONFIGS / "Mistral-7B-v0.2.json")
+YI, MISTRAL2 = str(CONFIGS / "Yi-34B.json"), MISTRAL2_PATH
 
 
 def _fq(model: str, name: str, qlora: bool, batch: int, seq: int, gib: float, offload: bool = False,
@@ -305,7 +423,7 @@ FSDP_QLORA = [
     _fq(MISTRAL2, "Mistral 7B v0.2", True, 1, 24576, 22.54, offload=True),
 ]
 
-ROWS: list[Row] = [*TORCHTUNE, *LITGPT, *TORCHTITAN, *FSDP_QLORA]
+ROWS: list[Row] = [*TORCHTUNE, *LITGPT, *LITGPT_HUB, *TORCHTITAN, *FSDP_QLORA, *TRANSFORMERS]
 
 
 @dataclass(frozen=True)
@@ -345,7 +463,7 @@ def _command(row: Row) -> str:
 
 
 def _figure(value: float, unit: int) -> str:
-    return f"{value:.2f} {'GiB' if unit == GIB else 'GB'}"
+    return f"{value:,.0f} MiB" if unit == MIB else f"{value:.2f} {UNIT_NAMES[unit]}"
 
 
 def table(results: list[Result]) -> str:
