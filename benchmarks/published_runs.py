@@ -52,6 +52,7 @@ class Source(enum.Enum):
     TORCHTITAN = "torchtitan"
     FSDP_QLORA = "fsdp_qlora"
     TRANSFORMERS = "transformers"
+    PEFT = "peft"
 
 
 @dataclass(frozen=True)
@@ -339,6 +340,38 @@ TRANSFORMERS = [
         "--recipe amp-fp16 --batch 1 --grad-accum 4 --checkpointing full --optimizer adamw-8bit", 5363),
 ]
 
+# -- peft's docs -------------------------------------------------------------------------------------------------------
+PEFT_FSDP = "huggingface/peft docs/source/accelerate/fsdp.md@5d602fd"
+PEFT_DS = "huggingface/peft docs/source/accelerate/deepspeed.md@5d602fd"
+# examples/sft/train.py through Trainer + TRL: Llama-2-70B, packed to 2,048 tokens, flash attention 2, gradient
+# checkpointing, LoRA rank 8, alpha 16, dropout 0.1 on all-linear (peft's fp32 adapters); accelerate's
+# mixed_precision bf16. Without quantization the model loads in fp32 (dtype=quant_storage_dtype or torch.float32),
+# which FSDP1's MixedPrecision computes in bf16 (trainmem's mixed-bf16); QLoRA is nf4 with nested quantization
+# stored as bf16. The pages give "memory consumed per GPU" without naming the counter; the LoRA sections' figures are
+# GPU-memory screenshots (the device's used memory), so all are compared with the device total.
+PEFT70 = ("llama-2-70b --seq 2048 --attention flash --checkpointing full --lora 8 --lora-alpha 16 --lora-dropout 0.1"
+          " --lora-targets all-linear")
+PEFT_COUNTER = "the counter is not named: the device's used memory assumed"
+PEFT = [
+    Row(Source.PEFT, PEFT_FSDP, "Llama-2-70B LoRA, 8x H100, FSDP, batch 8",
+        _a(PEFT70 + " --recipe mixed-bf16 --batch 8 --gpus 8 --fsdp full"), 80, GB, Metric.NVIDIA_SMI,
+        specified=False, remark="published as a range, \"72-80 GB (90-98%)\", read off a screenshot; the top is "
+                                "taken"),
+    Row(Source.PEFT, PEFT_FSDP, "Llama-2-70B QLoRA, 2 GPUs, FSDP + CPU offload, batch 2",
+        _a(PEFT70 + " --recipe pure-bf16 --qlora --batch 2 --gpus 2 --fsdp full --offload optimizer+params"), 19.6,
+        GB, Metric.NVIDIA_SMI, remark=PEFT_COUNTER),
+    Row(Source.PEFT, PEFT_FSDP, "Llama-2-70B QLoRA, 2 GPUs, FSDP, batch 2",
+        _a(PEFT70 + " --recipe pure-bf16 --qlora --batch 2 --gpus 2 --fsdp full"), 35.6, GB, Metric.NVIDIA_SMI,
+        remark=PEFT_COUNTER),
+    Row(Source.PEFT, PEFT_DS, "Llama-2-70B LoRA, 8x H100, ZeRO-3, batch 8",
+        _a(PEFT70 + " --recipe mixed-bf16 --batch 8 --gpus 8 --zero 3"), 64, GB, Metric.NVIDIA_SMI,
+        remark="\"64 GB (80%)\" off a screenshot; DeepSpeed's bf16 mode casts the model to bf16, fp32 "
+               "masters for the adapters only"),
+    Row(Source.PEFT, PEFT_DS, "Llama-2-70B QLoRA, 2x A100-40GB, ZeRO-3, batch 2",
+        _a(PEFT70 + " --recipe pure-bf16 --qlora --batch 2 --gpus 2 --zero 3"), 36.6, GB, Metric.NVIDIA_SMI,
+        remark=PEFT_COUNTER),
+]
+
 # -- torchtitan -----------------------------------------------------------------------------------------------------
 TI = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md@b5bcd76 (torchtitan 9dec370, 96 GB H100s)"
 TI_TRAINY = "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md@b5bcd76"
@@ -423,7 +456,7 @@ FSDP_QLORA = [
     _fq(MISTRAL2, "Mistral 7B v0.2", True, 1, 24576, 22.54, offload=True),
 ]
 
-ROWS: list[Row] = [*TORCHTUNE, *LITGPT, *LITGPT_HUB, *TORCHTITAN, *FSDP_QLORA, *TRANSFORMERS]
+ROWS: list[Row] = [*TORCHTUNE, *LITGPT, *LITGPT_HUB, *TORCHTITAN, *FSDP_QLORA, *TRANSFORMERS, *PEFT]
 
 
 @dataclass(frozen=True)
