@@ -88,9 +88,9 @@ def app() -> None:
 
 
 def _console():
-    from rich.console import Console
+    from .plaintext import console  # rich's text without importing rich when stdout is not a terminal
 
-    return Console(width=max(120, Console().width))
+    return console(120)
 
 
 def _header(engine: str) -> dict:
