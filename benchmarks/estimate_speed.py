@@ -12,7 +12,7 @@ import sys
 import time
 
 from trainmem.catalog import catalog_names, catalog_spec
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.settings import make_settings
 from trainmem.stepmodel import compile_step, evaluate
 
