@@ -33,7 +33,8 @@ def catalog_names() -> list[str]:
 
 @lru_cache(maxsize=None)
 def catalog_config(name: str) -> dict[str, Any]:
-    return json.loads(_catalog_files()[name].read_text(encoding="utf-8"))
+    config: dict[str, Any] = json.loads(_catalog_files()[name].read_text(encoding="utf-8"))
+    return config
 
 
 @lru_cache(maxsize=1)
@@ -102,7 +103,7 @@ def _from_hub(repo_id: str, hub: bool) -> dict[str, Any]:
     return read_config_file(Path(path))
 
 
-def load_config(model: str, hub: bool = False) -> tuple[dict[str, Any], str, str]:
+def load_config(model: str | os.PathLike[str] | None, hub: bool = False) -> tuple[dict[str, Any], str, str]:
     """Return (config, display name, source) for a catalog name, a path, or a Hub repo id (from the local cache, or
     from the Hub if ``hub``)."""
     if isinstance(model, os.PathLike):
@@ -134,7 +135,7 @@ def load_config(model: str, hub: bool = False) -> tuple[dict[str, Any], str, str
     )
 
 
-def resolve_model_and_config(model: str, hub: bool = False) -> tuple[ModelSpec, dict[str, Any]]:
+def resolve_model_and_config(model: str | os.PathLike[str] | None, hub: bool = False) -> tuple[ModelSpec, dict[str, Any]]:
     """The ModelSpec of any model reference and the config it came from (read once). Unknown model_types are
     counted by transformers if it is installed. The network is used only if ``hub`` allows it."""
     config, name, source = load_config(model, hub)

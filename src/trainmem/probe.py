@@ -169,7 +169,7 @@ def enable_checkpointing(model, every: int = 1) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if every > 1:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+        layers: Any = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
         for index, layer in enumerate(layers):
             if index % every:
                 layer.gradient_checkpointing = False

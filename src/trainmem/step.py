@@ -264,12 +264,12 @@ class TrainingStep:
         if settings.optimizer_in_backward:
             # one optimizer per parameter, stepped by the parameter's post-accumulate hook, which then frees its
             # gradient (torchtune's optimizer_in_bwd); step() has nothing left to do
-            self.optimizers = {p: make_optimizer(torch, settings.optimizer, [p], settings.fused_optimizer,
+            self.optimizers: dict[Any, Any] | None = {p: make_optimizer(torch, settings.optimizer, [p], settings.fused_optimizer,
                                                  fp32_states, None if is_matrix is None else [is_matrix[i]])
                                for i, p in enumerate(self.params)}
             for p, opt in self.optimizers.items():
                 p.register_post_accumulate_grad_hook(lambda param, opt=opt: self._step_in_backward(opt))
-            self.optimizer = None
+            self.optimizer: Any = None
         else:
             self.optimizers = None
             self.optimizer = make_optimizer(torch, settings.optimizer, self.masters or self.params,
