@@ -81,18 +81,21 @@ def test_random_tables_match_rich(spec, width):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(_markup, _words), max_size=8), st.integers(10, 130), st.booleans())
-def test_random_lines_match_rich(pieces, width, soft_wrap):
+@given(st.lists(st.tuples(_markup, _words), max_size=8), st.integers(10, 130), st.booleans(),
+       st.sampled_from([{}, {"markup": False}, {"markup": True}, {"style": "bold"}]))
+def test_random_lines_match_rich(pieces, width, soft_wrap, options):
     text = "".join(f"{tag}{words}{tag.replace('[', '[/')}" for tag, words in pieces)
 
     def draw(console, _):
-        console.print(text, highlight=False, soft_wrap=soft_wrap)
+        console.print(text, highlight=False, soft_wrap=soft_wrap, **options)
 
     assert _plain_output(width, draw) == _rich_output(width, draw)
 
 
 def test_what_it_does_not_draw_goes_to_rich(capsys):
     console = plaintext.Console(60)
+    console.print("two", "objects", end="|")  # (options it does not take: rich prints them)
+    assert capsys.readouterr().out == "two objects|"
     console.print("an emoji code :smile: and a wide character \u4e2d")
     table = plaintext.Table(title="t")
     table.add_column("a")

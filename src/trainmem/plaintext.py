@@ -37,11 +37,11 @@ class Unsupported(Exception):
     """Something this module does not draw as rich would: rich draws it instead."""
 
 
-def _plain(text: str) -> str:
-    """The text rich shows for a markup string: tags removed (rich/markup.py render)."""
-    if "\\" in text or re.search(_EMOJI, text):
-        raise Unsupported("escaped markup or an emoji code")
-    plain = re.sub(_TAG, "", text) if "[" in text else text
+def _plain(text: str, markup: bool = True) -> str:
+    """The text rich shows for a string: markup tags removed (rich/markup.py render) unless ``markup`` is off."""
+    if re.search(_EMOJI, text) or markup and "\\" in text:
+        raise Unsupported("escaped markup or an emoji code")  # (rich replaces emoji codes with markup off too)
+    plain = re.sub(_TAG, "", text) if markup and "[" in text else text
     for ch in plain:
         # one cell each: ASCII, Latin-1 and the punctuation, arrows and math blocks (rich/cells.py cell_len)
         code = ord(ch)
@@ -260,19 +260,22 @@ class Console:
             self._rich = RichConsole(width=self.width)
         return self._rich
 
-    def print(self, obj: Any = "", *, highlight: bool | None = None, soft_wrap: bool = False,
-              style: str | None = None) -> None:
+    def print(self, *objects: Any, **options: Any) -> None:
+        """rich's Console.print for one table or string with ``highlight``, ``soft_wrap``, ``style`` (no colour
+        here) or ``markup``; anything else goes to rich as given."""
         try:
+            if len(objects) > 1 or set(options) - {"highlight", "soft_wrap", "style", "markup"}:
+                raise Unsupported("several objects or other options")
+            obj = objects[0] if objects else ""
             if isinstance(obj, Table):
                 lines = obj.lines(self.width)
             elif isinstance(obj, str):
-                text = _plain(obj)
-                lines = text.split("\n") if soft_wrap else wrap(text, self.width, "default")
+                text = _plain(obj, markup=options.get("markup") is not False)
+                lines = [text] if options.get("soft_wrap") else wrap(text, self.width, "default")
             else:
                 raise Unsupported(type(obj).__name__)
         except Unsupported:
-            rich_obj = obj.to_rich() if isinstance(obj, Table) else obj
-            self._fallback().print(rich_obj, highlight=highlight, soft_wrap=soft_wrap, style=style)
+            self._fallback().print(*(o.to_rich() if isinstance(o, Table) else o for o in objects), **options)
             return
         sys.stdout.write("".join(line + "\n" for line in lines))
 
