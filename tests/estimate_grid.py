@@ -57,7 +57,7 @@ def to_schema_2(doc: dict) -> dict:
 def documents():
     """(key, estimate document) for every catalog model and every setting in the grid, in order."""
     from trainmem.catalog import catalog_names, catalog_spec
-    from trainmem.estimate import estimate_model
+    from trainmem.stepmodel import estimate_model
     from trainmem.report import to_dict
     from trainmem.settings import make_settings
 

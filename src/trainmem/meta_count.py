@@ -94,7 +94,7 @@ def _one_line(exc: BaseException) -> str:
     return (text or type(exc).__name__)[:200]
 
 
-def build_meta_model(config: dict[str, Any], origin: str = "config"):
+def build_meta_model(config: dict[str, Any], origin: str = "config") -> Any:
     """The transformers causal-LM for ``config``, with its parameters on the meta device."""
     model_type = check_buildable(config, origin)
     try:

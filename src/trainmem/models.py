@@ -307,7 +307,7 @@ class ModelSpec:
             cached = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
         return cached
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_hash", None)
         return state

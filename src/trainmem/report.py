@@ -13,6 +13,7 @@ from typing import Any
 from . import __version__
 from .estimate import NO_PEAK, Estimate
 from .hardware import GPUS, GPU
+from .plaintext import table_class
 from .units import format_bytes, format_count
 
 SCHEMA_VERSION = 2
@@ -308,7 +309,7 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
                     verdict: dict[str, Any] | None = None) -> None:
     """Print the breakdown tables to a rich console, and with ``gpu`` the verdict line (``verdict``: gpu_verdict's,
     when the caller has it)."""
-    from rich.table import Table
+    Table = table_class(console)
 
     m, s = est.model, est.settings
     caption = f"recipe {s.recipe}, optimizer {s.optimizer}; unit {unit}"
@@ -366,7 +367,7 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
 
 
 def _render_per_rank(est: Estimate, unit: str, console) -> None:
-    from rich.table import Table
+    Table = table_class(console)
 
     table = Table(title="Each kind of GPU in the layout (the figures above are the most loaded one's)")
     for col in ("role", "stages", "layers", "parameters", "static", "activations", "peak (allocated)", "required"):
@@ -391,7 +392,7 @@ def render_warnings(est: Estimate, console) -> None:
 
 
 def _render_activations(est: Estimate, unit: str, console, explain: bool) -> None:
-    from rich.table import Table
+    Table = table_class(console)
 
     acts = est.activations
     assert acts is not None
@@ -435,7 +436,7 @@ def _render_activations(est: Estimate, unit: str, console, explain: bool) -> Non
 
 
 def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
-    from rich.table import Table
+    Table = table_class(console)
 
     pk = est.peak
     assert pk is not None
