@@ -142,7 +142,8 @@ def test_without_torch_the_estimate_is_static_memory_and_one_line_naming_the_ext
     pytest.importorskip("transformers")
     import importlib.util
 
-    from trainmem.estimate import NO_PEAK, estimate_model
+    from trainmem.estimate import NO_PEAK
+    from trainmem.stepmodel import estimate_model
 
     spec = _spec(PHI)
     real = importlib.util.find_spec
