@@ -117,12 +117,16 @@ TORCHTUNE = [
     Row(Source.TORCHTUNE, TT_README, "Llama 3.1 70B LoRA, 8x A100",
         _a("llama-3.1-70b --recipe pure-bf16-bf16states --batch 2 --seq 2048 --checkpointing full --loss "
            "chunked-output --compile --gpus 8 --fsdp full --lora 16 --lora-alpha 32 --lora-targets q,k,v "
-           "--adapter-dtype bf16"), 27.6, GIB, Metric.ACTIVE, remark="70B_lora: q,k,v rank 16, FSDP2"),
+           "--adapter-dtype bf16"), 27.6, GIB, Metric.ACTIVE,
+        remark="70B_lora: q,k,v rank 16, FSDP2"),
     Row(Source.TORCHTUNE, TT_README, "Llama 3.1 405B QLoRA, 8x A100",
         _a("llama-3.1-405b --recipe pure-bf16-bf16states --batch 2 --seq 2048 --checkpointing full --compile --gpus 8 "
            "--fsdp full --qlora --lora 16 --lora-alpha 32 --lora-targets q,k,v,o,gate,up,down --adapter-dtype bf16"),
         44.8, GIB, Metric.ACTIVE,
-        remark="405B_qlora: plain CrossEntropyLoss; published as \"44.8 GB\", read as torchtune's GiB"),
+        remark="405B_qlora: plain CrossEntropyLoss, batch_size 1 in the config (the README says 2 for every "
+               "row); published as \"44.8 GB\", read as torchtune's GiB; above: the per-GPU nf4 weights come "
+               "out 30.44 GiB where the single-GPU static state over 8 is 25.7 GiB, and the root group "
+               "(embedding and head, 7.83 GiB) is held gathered"),
     Row(Source.TORCHTUNE, TT_FLAGS, "Llama 3.2 3B full, A100: baseline (unpacked)", _a(TT3), 25.5, GIB,
         Metric.ACTIVE, specified=False, unsupported="the unpacked dataset's row lengths are not published"),
     Row(Source.TORCHTUNE, TT_FLAGS, "+ packed dataset", _a(TT3), 60.0, GIB, Metric.ACTIVE,
@@ -178,6 +182,9 @@ PHI, STABLELM = str(CONFIGS / "phi-1_5.json"), str(CONFIGS / "stablelm-base-alph
 LG_MODELS = {"phi-1.5": (PHI, 1044), "StableLM Alpha 3B": (STABLELM, 1034), "Llama 2 7B": ("llama-2-7b", 1304),
              "Llama 2 13B": ("llama-2-13b", 1304)}
 LG_REMARK = "lit-gpt's own model code; its 128-token head chunks mapped to torchtune's 8-slice chunked loss"
+LG_FSDP_REMARK = ("below, and published above the same run on one GPU: lit-gpt's FSDP1 wraps each Block whole, the "
+                  "frozen base and the adapters in one flat parameter, so its gradient and all-gathers are the "
+                  "whole layer's; trainmem's --fsdp is FSDP2's per-parameter sharding, which has no such mode")
 
 
 def _litgpt(model: str, quant: str, batch: int, gb: float, gpus: int = 1) -> Row:
@@ -186,6 +193,9 @@ def _litgpt(model: str, quant: str, batch: int, gb: float, gpus: int = 1) -> Row
     layout = f" --gpus {gpus} --fsdp full --checkpointing full" if gpus > 1 else ""
     args = _a(f"{path} {LG_LORA} --batch {batch} --seq {seq}{quant_flags}{layout}")
     where = f"{gpus}x A100" + (", FSDP" if gpus > 1 else "")
+    if gpus > 1:
+        return Row(Source.LITGPT, LG, f"{model} LoRA, {quant}, micro-batch {batch}, {where}", args, gb, GB,
+                   Metric.ALLOCATED, remark=LG_FSDP_REMARK)
     remark = LG_REMARK + ("; PagedAdamW pages no state under 1e5 values (every adapter's); below: bitsandbytes' "
                           "0.41 MatMul4Bit kept each frozen 4-bit Linear's input (ctx.tensors = (A, B))"
                           if quant != "None" else "")
@@ -315,13 +325,17 @@ HF = "huggingface/transformers docs/source/en/perf_train_gpu_one.mdx@0016acf7 (2
 # bert-large-uncased as AutoModelForSequenceClassification, Trainer, 512 random 512-token rows; "GPU memory
 # occupied" is pynvml's used memory // 1024**2 (nvidia-smi's figure, MiB), which the page measures as 1,343 MiB for
 # the CUDA context and kernels alone: that is the --cuda-overhead given. Trainer's default optimizer then was
-# transformers' own AdamW (two fp32 states); fp16=True is autocast over fp32 weights with a GradScaler.
+# transformers' own AdamW (two fp32 states); fp16=True is autocast over fp32 weights with a GradScaler. BERT had
+# no SDPA path then (transformers added it in 4.41): eager attention, whose probabilities and dropout are saved.
+# transformers' AdamW steps one parameter at a time (no multi-tensor buffers): --optimizer-impl fused is the
+# implementation trainmem has with no parameter-sized step temporaries.
 BERT = str(CONFIGS / "bert-large-uncased.json")
 CLASSIFIER = "the run trains a 2-way sequence classifier (pooler and a 2-row head), not the masked-LM head"
 
 
 def _hf(setup: str, flags: str, mib: float) -> Row:
-    args = _a(f"{BERT} --seq 512 --cuda-overhead 1343 {flags}")
+    impl = "" if "adafactor" in flags else " --optimizer-impl fused"  # trainmem's Adafactor has one implementation
+    args = _a(f"{BERT} --seq 512 --attention eager --cuda-overhead 1343{impl} {flags}")
     return Row(Source.TRANSFORMERS, HF, setup, args, mib, MIB, Metric.NVIDIA_SMI, specified=False,
                remark=CLASSIFIER)
 
@@ -435,8 +449,15 @@ def _fq(model: str, name: str, qlora: bool, batch: int, seq: int, gib: float, of
         (" --offload optimizer+params" if offload else "")
     setup = (f"{name} {'QLoRA' if qlora else 'LoRA'}, batch {batch}, context {seq}" + (", CPU offload" if offload
              else "") + (", DDP" if ddp else ""))
-    return Row(Source.FSDP_QLORA, FQ, setup, _a(args), gib, GIB, metric,
-               remark="FSDP1 (flat parameters) asked for as FSDP2")
+    remark = "FSDP1 (LoRA layers wrapped apart, use_orig_params=False) asked for as FSDP2"
+    if metric is Metric.RESERVED:
+        remark += ("; reserved: the two runs published with both counters hold 12-24% over their allocated peak, "
+                   "more than the flat fraction trainmem's reserved adds")
+    if qlora:
+        remark += "; MatMul4Bit then kept each 4-bit Linear's input (ctx.tensors = (A, B), as in its 2023 code)"
+    if offload:
+        remark += "; FSDP1's CPUOffload(offload_params=True), not FSDP2's CPUOffloadPolicy"
+    return Row(Source.FSDP_QLORA, FQ, setup, _a(args), gib, GIB, metric, remark=remark)
 
 
 FSDP_QLORA = [
