@@ -157,8 +157,9 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
             raise ConfigError("LoRA needs the model's layers: give a model config, not --params")
         finetune.as_dict(spec)  # the targets are checked against the model's modules here
         if parallel.is_model_parallel:
-            raise ConfigError("LoRA with --tp, --pp, --cp or --ep is not modelled yet: give data parallelism "
-                              "(--gpus N with DDP, --zero or --fsdp)")
+            used = next(f"--{n}" for n in ("tp", "pp", "cp", "ep") if getattr(parallel, n) > 1)
+            raise ConfigError(f"LoRA with {used} is not modelled yet: give data parallelism (--gpus N with DDP, "
+                              "--zero or --fsdp)")
     return Request(spec, config, training, device, target, parallel, finetune)
 
 
