@@ -144,7 +144,7 @@ def _zero_layout(spec: ModelSpec, recipe: Recipe, t, groups: tuple[HeldGroup, ..
                  parallel: Parallel) -> RankLayout:
     """DeepSpeed ZeRO over what trains (sharding._zero_layout's rules, the flat groups holding the adapters only);
     stage 3 partitions every parameter, each padded to the world size."""
-    world, stage, ds = parallel.gpus, parallel.zero, parallel.deepspeed
+    world, stage, ds = parallel.gpus, parallel.zero or 0, parallel.deepspeed
     trained_numel, g = t.adapters + t.copies, recipe.gradient_bytes
     buffers: list[Buffer] = []
     if stage == 0:
