@@ -395,6 +395,7 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
     \b
     Example: trainmem trace llama-2-7b --batch 1 --seq 2048 --recipe mixed-bf16
              trainmem trace llama-3-8b --gpus 8 --fsdp full --recipe mixed-bf16
+             trainmem trace llama-3.2-1b --gpus 8 --fsdp full --lora 16
              trainmem trace llama-3-8b --gpus 2 --tp 2 --sp --recipe pure-bf16-bf16states
              trainmem trace llama-3.2-1b --allocator --alloc-conf expandable_segments:True --gpu L4
     """
