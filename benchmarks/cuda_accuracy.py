@@ -148,7 +148,7 @@ def main() -> int:
     import torch
 
     from trainmem.catalog import catalog_config, catalog_spec
-    from trainmem.estimate import estimate_model
+    from trainmem.stepmodel import estimate_model
     from trainmem.measure import measure_steps
     from trainmem.settings import make_settings
 

@@ -10,7 +10,7 @@ Run: python benchmarks/deepspeed_estimators.py
 """
 
 from trainmem.catalog import catalog_spec
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.settings import make_settings
 from trainmem.sharding import Parallel
 

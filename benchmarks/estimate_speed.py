@@ -12,7 +12,7 @@ import sys
 import time
 
 from trainmem.catalog import catalog_names, catalog_spec
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.settings import make_settings
 from trainmem.stepmodel import compile_step, evaluate
 
@@ -54,14 +54,17 @@ def main() -> None:
         rate = n / (time.perf_counter() - start)
         print(f"compiled {name} {recipe} seq {seq}: compile {compile_s * 1e3:.1f} ms, then {rate:,.0f} evaluations/s "
               f"(batch 2-257, phases and peak)")
-    runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "trainmem", "estimate", "llama-2-7b", "--json"], check=True,
-                       capture_output=True)
-        runs.append(time.perf_counter() - start)
-    print(f"CLI `python -m trainmem estimate llama-2-7b --json`: best {min(runs):.3f} s, median "
-          f"{sorted(runs)[2]:.3f} s over 5 runs")
+    # a cold process each time (a warm install: the bytecode is compiled); the interpreter's own start-up beside it
+    for label, args in (("python -c pass", ["-c", "pass"]), ("python -m trainmem estimate llama-2-7b --json",
+                        ["-m", "trainmem", "estimate", "llama-2-7b", "--json"]),
+                        ("python -m trainmem estimate llama-2-7b (tables, to a pipe)",
+                         ["-m", "trainmem", "estimate", "llama-2-7b"])):
+        runs = []
+        for _ in range(9):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, *args], check=True, capture_output=True)
+            runs.append(time.perf_counter() - start)
+        print(f"cold process `{label}`: best {min(runs):.3f} s, median {sorted(runs)[4]:.3f} s over 9 runs")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from trainmem.catalog import catalog_spec
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.settings import make_settings
 from trainmem.sharding import Parallel
 

@@ -11,7 +11,7 @@ import sys
 CHILD = r"""
 import json, resource, sys, time
 from trainmem.catalog import catalog_config, catalog_spec
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.settings import make_settings
 from trainmem.trace import trace_step
 name = sys.argv[1]

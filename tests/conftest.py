@@ -20,3 +20,17 @@ def run_cli(capsys):
         return code, out.out, out.err
 
     return run
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _trainmem_cache(tmp_path_factory):
+    """The traced path's cache (recorded.py) in a folder of the test session's own, never the user's."""
+    import os
+
+    previous = os.environ.get("TRAINMEM_CACHE_DIR")
+    os.environ["TRAINMEM_CACHE_DIR"] = str(tmp_path_factory.mktemp("trainmem-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("TRAINMEM_CACHE_DIR", None)
+    else:
+        os.environ["TRAINMEM_CACHE_DIR"] = previous

@@ -57,7 +57,7 @@ def to_schema_2(doc: dict) -> dict:
 def documents():
     """(key, estimate document) for every catalog model and every setting in the grid, in order."""
     from trainmem.catalog import catalog_names, catalog_spec
-    from trainmem.estimate import estimate_model
+    from trainmem.stepmodel import estimate_model
     from trainmem.report import to_dict
     from trainmem.settings import make_settings
 
@@ -78,7 +78,13 @@ ADDED_GPUS = ("A40", "H100-PCIe", "H100-NVL", "Gaudi-2", "L40", "MI250X", "RTX-A
 """Cards added to the catalog after the recording: their answers in ``fits`` are left out of the digest too."""
 
 
+ADDED_TOP_KEYS = ("activation_source", "traced")
+"""Top-level keys added after the recording: which model answered (activation_source) and, for the traced path,
+what it recorded. Neither is a figure of the step."""
+
+
 def without_additions(doc: dict) -> dict:
+    doc = {k: v for k, v in doc.items() if k not in ADDED_TOP_KEYS}
     if isinstance(doc.get("fits"), dict):
         doc = dict(doc, fits={gpu: fits for gpu, fits in doc["fits"].items() if gpu not in ADDED_GPUS})
     activations = doc.get("activations") or {}

@@ -395,7 +395,7 @@ def test_the_cuda_benchmark_compares_reserved_memory():
     import importlib.util
     from pathlib import Path
 
-    from trainmem.estimate import estimate
+    from trainmem.request import estimate
     from trainmem.measure import Measurement, PhasePeak
 
     path = Path(__file__).parent.parent / "benchmarks" / "cuda_accuracy.py"

@@ -109,7 +109,7 @@ JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**13), st.fl
                                         "text_config", "tie_word_embeddings", "rope_scaling", "sliding_window"]),
                        JSON_VALUES, max_size=6))
 def test_random_malformed_configs_raise_only_the_packages_errors(model_type, fields):
-    from trainmem.estimate import estimate_model
+    from trainmem.stepmodel import estimate_model
     from trainmem.models import spec_from_config
     from trainmem.settings import make_settings
 

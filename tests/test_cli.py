@@ -195,7 +195,7 @@ def test_activation_k_keeps_all_five_phases_and_the_optimizer_temporaries(run_cl
     temporaries) and between steps are all there, and the peak can only grow with k."""
     import json
 
-    from trainmem.estimate import estimate
+    from trainmem.request import estimate
 
     plain = estimate("llama-2-7b")
     k = estimate("llama-2-7b", activation_k=34)
@@ -355,7 +355,7 @@ def test_units_b_prints_whole_bytes_everywhere(run_cli):
 
 def test_unknown_component_is_a_clear_error():
     from trainmem.errors import ModelError
-    from trainmem.estimate import estimate
+    from trainmem.request import estimate
 
     with pytest.raises(ModelError, match="no static component 'unknown'; accepted: weights, gradients"):
         estimate("gpt2").component("unknown")
@@ -374,7 +374,7 @@ def test_dtypes_name_zero_and_nan_and_keep_json_valid(run_cli):
 
 
 def test_estimate_names_what_is_not_validated(run_cli):
-    from trainmem.estimate import estimate
+    from trainmem.request import estimate
 
     for settings, words in ((dict(optimizer="lion"), "optimizer 'lion' is not traced"),
                             (dict(loss="chunked"), "--loss chunked"), (dict(attention="flash"), "--attention flash")):

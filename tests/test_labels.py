@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from trainmem import activations, models, stepmodel
 from trainmem.errors import ConfigError
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.lora import FineTune, LoraOptions
 from trainmem.models import spec_from_config
 from trainmem.settings import make_settings
@@ -103,7 +103,7 @@ def test_the_patch_reaches_the_labels(relabel):
     dict(optimizer="muon"), dict(optimizer="adamw-8bit"),
 ])
 def test_rewritten_labels_leave_sharded_and_optimizer_estimates_unchanged(relabel, rewrite, layout):
-    from trainmem.estimate import estimate
+    from trainmem.request import estimate
 
     options = dict(recipe="mixed-bf16", batch=2, seq=512, **layout)
 

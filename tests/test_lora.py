@@ -67,7 +67,7 @@ def _assert_traced_within(model: str, options: LoraOptions, tolerance: float, vo
     meta device, then fake tensors), against its estimate: every phase within ``tolerance``. Returns the estimate."""
     pytest.importorskip("peft")
     from trainmem.catalog import catalog_config
-    from trainmem.estimate import estimate_model
+    from trainmem.stepmodel import estimate_model
     from trainmem.lora import FineTune
     from trainmem.settings import make_settings
     from trainmem.trace import trace_step

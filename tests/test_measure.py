@@ -164,7 +164,7 @@ def test_trainer_callback_inside_a_real_trainer(tmp_path):
     tensors (its loss accumulator)."""
     from transformers import Trainer, TrainingArguments
 
-    from trainmem.estimate import estimate_model
+    from trainmem.stepmodel import estimate_model
     from trainmem.measure import trainer_callback
     from trainmem.probe import build_model
     from trainmem.recipes import get_recipe

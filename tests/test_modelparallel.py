@@ -8,7 +8,8 @@ import pytest
 
 from trainmem.catalog import catalog_config, catalog_spec
 from trainmem.errors import ConfigError
-from trainmem.estimate import estimate, estimate_model
+from trainmem.request import estimate
+from trainmem.stepmodel import estimate_model
 from trainmem.modelparallel import in_flight_chunks, stage_spec, tensor_parallel_spec
 from trainmem.models import spec_from_config
 from trainmem.settings import make_settings

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings as hyp_settings, strategies as st
 
 from trainmem.catalog import catalog_spec
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.optimizers import TRACEABLE_OPTIMIZERS, get_optimizer, muon_tensor_temporaries
 from trainmem.settings import make_settings
 

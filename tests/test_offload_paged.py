@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from trainmem.catalog import catalog_spec
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.settings import make_settings
 from trainmem.sharding import Parallel
 

@@ -2,7 +2,7 @@
 
 from hypothesis import given, settings, strategies as st
 
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.models import nominal_spec, spec_from_config
 from trainmem.optimizers import OPTIMIZERS
 from trainmem.recipes import RECIPES

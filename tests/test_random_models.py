@@ -77,3 +77,42 @@ def test_falcon_eager_attention_keeps_the_fused_projection_its_views_read(config
     row = result.row
     for name, estimate, trace in ((row.phase, row.estimate, row.trace), *row.other_phases):
         assert abs(_total_error(estimate, trace)) < 0.001, (name, result.describe())
+
+
+# Cases of `trainmem validate --random N --seed S` (2026-12-02, 19 model types) that were out of tolerance, written
+# out so that a change of the draw (new types, new options) keeps them: (config, settings, why it was off).
+RANDOM_MISSES = {
+    "falcon-alibi-recompute": (
+        {"model_type": "falcon", "vocab_size": 2311, "tie_word_embeddings": True, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 144, "num_attention_heads": 4, "num_hidden_layers": 1,
+         "bias": True, "attention_dropout": 0.1, "hidden_dropout": 0.1, "max_position_embeddings": 4096,
+         "ffn_hidden_size": 384, "alibi": True, "multi_query": True, "parallel_attn": True,
+         "new_decoder_architecture": False},
+        {"recipe": "mixed-fp16", "optimizer": "adam", "batch": 4, "seq": 1000, "attention": "eager",
+         "checkpointing": "full", "dropout": None, "grad_accum": 2},
+        # (seed 4242 case 3: -51.95% at the backward peak; the recompute of the eager ALiBi attention holds its three
+        # fp32 s x s locals, as the checkpointed forward did, which no backward moment had)
+    ),
+    "gemma3-one-rotary-pair": (
+        {"model_type": "gemma3_text", "vocab_size": 768, "tie_word_embeddings": False, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 96, "num_attention_heads": 1, "num_key_value_heads": 1,
+         "num_hidden_layers": 1, "intermediate_size": 192, "max_position_embeddings": 4096,
+         "attention_dropout": 0.0, "head_dim": 128, "sliding_window": 2048, "query_pre_attn_scalar": 96},
+        {"recipe": "amp-bf16", "optimizer": "sgd", "batch": 1, "seq": 512, "attention": "eager",
+         "checkpointing": "full", "dropout": 0.1, "grad_accum": 1},
+        # (seed 4242 case 28: +6.78% at the forward peak; one layer, which slides, so Gemma3TextModel builds one
+        # pair of rotary tables, not one for local and one for global layers)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_MISSES))
+def test_random_misses_are_within_one_percent(name):
+    from trainmem.validate import _total_error
+
+    config, settings, *_ = RANDOM_MISSES[name]
+    result = run_random_case(config, settings)
+    assert result.row is not None, result.describe()
+    row = result.row
+    for phase, estimate, trace in ((row.phase, row.estimate, row.trace), *row.other_phases):
+        assert abs(_total_error(estimate, trace)) < 0.01, (name, phase, result.describe())

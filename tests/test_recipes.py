@@ -8,7 +8,7 @@ from tiny_configs import TINY_CONFIGS
 from trainmem import estimate
 from trainmem.errors import ConfigError
 from trainmem.models import nominal_spec, spec_from_config
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.optimizers import get_optimizer
 from trainmem.recipes import RECIPES
 from trainmem.settings import make_settings

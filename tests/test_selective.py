@@ -5,7 +5,7 @@ import pytest
 
 from trainmem.catalog import catalog_config, catalog_spec
 from trainmem.errors import ConfigError
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.models import spec_from_config
 from trainmem.settings import make_settings
 

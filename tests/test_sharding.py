@@ -10,7 +10,7 @@ import pytest
 
 import trainmem
 from trainmem.catalog import catalog_spec
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.models import spec_from_config
 from trainmem.settings import make_settings
 from trainmem.sharding import Parallel

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from trainmem.catalog import catalog_spec
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.hardware import GPUS
 from trainmem.planner import max_batch
 from trainmem.settings import make_settings

@@ -8,7 +8,8 @@ from hypothesis import given, settings as hyp_settings, strategies as st
 
 from scaled import SCALED
 from trainmem.catalog import catalog_spec
-from trainmem.estimate import DeviceOptions, estimate_model
+from trainmem.estimate import DeviceOptions
+from trainmem.stepmodel import estimate_model
 from trainmem.hardware import GPUS, get_gpu
 from trainmem.models import spec_from_config
 from trainmem.planner import max_batch, max_seq
@@ -231,7 +232,7 @@ def test_optimizer_in_backward_refusals(kwargs, says):
 def test_optimizer_in_backward_matches_its_trace(name, recipe, checkpointing, optimizer):
     """One optimizer per parameter stepped by its post-accumulate hook (torchtune's optimizer_in_bwd), traced."""
     from trainmem.catalog import catalog_config
-    from trainmem.estimate import estimate_model
+    from trainmem.stepmodel import estimate_model
     from trainmem.models import spec_from_config
     from trainmem.settings import make_settings
     from trainmem.trace import trace_step

@@ -79,7 +79,7 @@ def test_cuda_benchmark_section_replaces_only_its_own():
     import importlib.util
     from pathlib import Path
 
-    from trainmem.estimate import estimate
+    from trainmem.request import estimate
     from trainmem.measure import Measurement, PhasePeak
 
     path = Path(__file__).parent.parent / "benchmarks" / "cuda_accuracy.py"

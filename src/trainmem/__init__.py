@@ -8,13 +8,13 @@ __version__ = "0.1.0"
 
 from .catalog import catalog_names, resolve_model  # noqa: E402
 from .errors import ConfigError, ModelError, TrainmemError  # noqa: E402
-from .estimate import Estimate, estimate, estimate_model  # noqa: E402
+from .estimate import Estimate  # noqa: E402
 from .models import ModelSpec, spec_from_config  # noqa: E402
 from .recipes import RECIPES, Recipe  # noqa: E402
 from .optimizers import OPTIMIZERS, Optimizer  # noqa: E402
 from .settings import TrainingSettings  # noqa: E402
-from .request import Request, make_request  # noqa: E402
-from .stepmodel import StepModel, compile_step, evaluate  # noqa: E402
+from .request import Request, estimate, make_request  # noqa: E402
+from .stepmodel import StepModel, compile_step, estimate_model, evaluate  # noqa: E402
 from .planner import find_max_batch as max_batch, find_max_seq as max_seq, sweep_grid as sweep  # noqa: E402
 
 

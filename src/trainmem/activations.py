@@ -1271,9 +1271,11 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         embedding.append(Term("embedding dropout mask", MASK * h))
     rotary_dims = {layer.attention.rotary_dim for layer, _ in spec.layer_runs if layer.attention.rotary_dim}
     if rotary_dims:
-        # cos and sin, (1, s, rotary dim) in the residual dtype, shared by every layer; Gemma 3 has one pair for its
-        # local layers and one for its global ones.
-        tables = spec.traits.rotary_tables
+        # cos and sin, (1, s, rotary dim) in the residual dtype, shared by every layer; Gemma 3 has one pair per
+        # layer type the config lists (modeling_gemma3.py, Gemma3TextModel.forward: ``for layer_type in
+        # set(self.config.layer_types)``): a model whose layers all slide (or none do) builds one.
+        kinds = {layer.sliding_window is not None for layer, _ in spec.layer_runs}
+        tables = min(spec.traits.rotary_tables, len(kinds))
         constant.append(Term("rotary cos, sin", tables * 2 * p.residual * s * max(rotary_dims)))
 
     masks_built, masks_used = _mask_bytes(spec, settings, p)

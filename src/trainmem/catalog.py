@@ -12,7 +12,6 @@ import difflib
 import json
 import os
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,9 @@ from .models import ModelSpec, UnsupportedModelType, read_config_file, spec_from
 
 @lru_cache(maxsize=1)
 def _catalog_files() -> dict[str, Any]:
-    """Catalog name -> the Traversable of its JSON file."""
-    folder = resources.files("trainmem") / "catalog"
+    """Catalog name -> its JSON file (beside this module: importlib.resources would cost start-up time for the
+    same folder, as the package is installed as files)."""
+    folder = Path(__file__).parent / "catalog"
     return {f.name[: -len(".json")]: f for f in folder.iterdir() if f.name.endswith(".json")}
 
 
@@ -33,7 +33,13 @@ def catalog_names() -> list[str]:
 
 @lru_cache(maxsize=None)
 def catalog_config(name: str) -> dict[str, Any]:
-    return json.loads(_catalog_files()[name].read_text(encoding="utf-8"))
+    config: dict[str, Any] = json.loads(_catalog_files()[name].read_text(encoding="utf-8"))
+    return config
+
+
+@lru_cache(maxsize=1)
+def _lower_names() -> dict[str, str]:
+    return {name.lower(): name for name in _catalog_files()}
 
 
 @lru_cache(maxsize=1)
@@ -97,7 +103,7 @@ def _from_hub(repo_id: str, hub: bool) -> dict[str, Any]:
     return read_config_file(Path(path))
 
 
-def load_config(model: str, hub: bool = False) -> tuple[dict[str, Any], str, str]:
+def load_config(model: str | os.PathLike[str] | None, hub: bool = False) -> tuple[dict[str, Any], str, str]:
     """Return (config, display name, source) for a catalog name, a path, or a Hub repo id (from the local cache, or
     from the Hub if ``hub``)."""
     if isinstance(model, os.PathLike):
@@ -109,7 +115,8 @@ def load_config(model: str, hub: bool = False) -> tuple[dict[str, Any], str, str
         raise ModelError("no model given: a catalog name (trainmem models), a Hub repo id or a path to a config.json")
     if len(key) > 255:
         raise ModelError(f"model name of {len(key)} characters; a catalog name, repo id or path is at most 255")
-    name = _aliases().get(key.lower())
+    # a catalog name is found without reading the catalog's 35 files for their repo ids
+    name = _lower_names().get(key.lower()) or _aliases().get(key.lower())
     if name:
         config = catalog_config(name)
         return config, name, config.get("_name_or_path", name)
@@ -128,7 +135,7 @@ def load_config(model: str, hub: bool = False) -> tuple[dict[str, Any], str, str
     )
 
 
-def resolve_model_and_config(model: str, hub: bool = False) -> tuple[ModelSpec, dict[str, Any]]:
+def resolve_model_and_config(model: str | os.PathLike[str] | None, hub: bool = False) -> tuple[ModelSpec, dict[str, Any]]:
     """The ModelSpec of any model reference and the config it came from (read once). Unknown model_types are
     counted by transformers if it is installed. The network is used only if ``hub`` allows it."""
     config, name, source = load_config(model, hub)

@@ -88,9 +88,9 @@ def app() -> None:
 
 
 def _console():
-    from rich.console import Console
+    from .plaintext import console  # rich's text without importing rich when stdout is not a terminal
 
-    return Console(width=max(120, Console().width))
+    return console(120)
 
 
 def _header(engine: str) -> dict:
@@ -436,7 +436,7 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
 
     check_transformers_config(w.config, w.spec.source or w.spec.name)  # (what transformers would refuse mid-trace)
 
-    from .estimate import estimate_model
+    from .stepmodel import estimate_model
     from .report import render_trace, trace_to_dict
     from .trace import trace_fsdp_step, trace_step
 
@@ -560,7 +560,7 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     """
     from click.core import ParameterSource
 
-    from .estimate import estimate_model
+    from .stepmodel import estimate_model
     from .measure import measure_steps, recipe_for_cpu, refuse_unmeasurable, resolve_device
     from .units import format_bytes
 

@@ -15,6 +15,9 @@ a GPU change which tensors exist and in which dtype, so the trace replaces them 
 - **Dropout.** On CUDA ``F.dropout`` is the fused ``native_dropout`` and keeps a bool mask; the CPU keeps a mask in
   the input's dtype.
 
+:func:`fake_gpu` puts these together with fake tensors and the answers a fake tensor cannot give (``item()``,
+transformers' packed-sequence check, the meta ``grouped_mm``'s bf16-only rule): the trace's and the probe's device.
+
 The GPU assumed is an Ampere-or-newer data-centre part (see :mod:`trainmem.kernels`).
 
 Needs torch (the ``trace`` extra).
@@ -364,3 +367,72 @@ def emulate_cuda():
             yield
         finally:
             FakeTensorMode.cache.clear()
+
+
+@contextlib.contextmanager
+def scalars_from_fake_tensors():
+    """``Tensor.item()`` on a fake tensor has no value to return; optimizers that read one (Adafactor's update
+    clipping and relative step size: ``param.norm(2).item()``) get 1.0, which changes no tensor's size."""
+    import torch
+
+    original = torch.Tensor.item
+    torch.Tensor.item = lambda self: 1.0 if self.is_floating_point() else 1
+    try:
+        yield
+    finally:
+        torch.Tensor.item = original
+
+
+@contextlib.contextmanager
+def grouped_mm_fallback_for_non_bf16():
+    """The fake (meta) ``grouped_mm`` accepts bf16 only, so routed experts with fp32 or fp16 weights take
+    transformers' own fallback (``transformers::grouped_mm_fallback``), which keeps the same tensors for backward
+    (the gathered input and the weights) and returns the same output."""
+    from transformers.integrations import moe
+
+    original = moe._can_use_grouped_mm
+
+    def can_use_grouped_mm(input, weight, offs) -> bool:
+        import torch
+
+        # grouped_mm also needs 16-byte aligned strides (a GPU run with such a config fails).
+        aligned = all(stride == 1 or stride * t.element_size() % 16 == 0 for t in (input, weight)
+                      for stride in t.stride())
+        return weight.dtype == torch.bfloat16 and aligned and original(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use_grouped_mm
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+@contextlib.contextmanager
+def unpacked_batches():
+    """Without a KV cache (use_cache is off under checkpointing) transformers checks position_ids for packed
+    sequences, a data-dependent check that fake tensors cannot answer, so it would build a dense causal mask (and
+    SDPA would then repeat k and v to every head) where a real run with one sequence per row builds none. The
+    trace's batches are one sequence per row, which is what the real check finds."""
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:  # older transformers: no packed-sequence detection
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def fake_gpu(emulate: str = "cuda"):
+    """Fake tensors behaving as on a GPU: CUDA's autocast policy and kernels (``emulate="cuda"``), transformers'
+    data-dependent checks answered as a real run answers them, and ops that need a value given one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device_behaviour = emulate_cuda() if emulate == "cuda" else contextlib.nullcontext()
+    with FakeTensorMode(), unpacked_batches(), scalars_from_fake_tensors(), grouped_mm_fallback_for_non_bf16(), \
+            device_behaviour:
+        yield

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 
@@ -28,16 +29,16 @@ class FloatFormat:
 
     @property
     def bias(self) -> int:
-        return 2 ** (self.exponent_bits - 1) - 1
+        return int(2 ** (self.exponent_bits - 1) - 1)
 
     @property
     def max(self) -> float:
         m = self.mantissa_bits
         if self.finite_only:
             emax = 2**self.exponent_bits - 1 - self.bias
-            return (2 - 2 ** (1 - m)) * 2.0**emax  # all-ones mantissa is NaN: the top value has mantissa 1...10
+            return float((2 - 2 ** (1 - m)) * 2.0**emax)  # all-ones mantissa is NaN: the top value has mantissa 1...10
         emax = 2**self.exponent_bits - 2 - self.bias
-        return (2 - 2.0**-m) * 2.0**emax
+        return float((2 - 2.0**-m) * 2.0**emax)
 
     @property
     def smallest_normal(self) -> float:
@@ -92,7 +93,7 @@ FORMATS: dict[str, FloatFormat] = {
 }
 
 
-def describe(value: float) -> list[dict]:
+def describe(value: float) -> list[dict[str, Any]]:
     """How ``value`` is stored in every format: the nearest representable value and the relative error."""
     rows = []
     for f in FORMATS.values():

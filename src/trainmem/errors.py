@@ -7,6 +7,8 @@ what is accepted. The CLI turns it into that line on stderr and exit code 2; the
 
 from __future__ import annotations
 
+from typing import Iterable
+
 
 class TrainmemError(Exception):
     """Base class of every error trainmem raises on purpose."""
@@ -20,11 +22,11 @@ class ConfigError(TrainmemError):
     """A training setting (recipe, optimizer, batch, ...) is invalid."""
 
 
-def unknown_choice(what: str, name: str, accepted) -> ConfigError:
+def unknown_choice(what: str, name: str, accepted: Iterable[str]) -> ConfigError:
     """``unknown recipe 'bf16' (did you mean 'amp-bf16'?); accepted: ...``, for the caller to raise."""
     import difflib
 
-    accepted = list(accepted)
-    close = difflib.get_close_matches(name, accepted, n=1)
+    choices = list(accepted)
+    close = difflib.get_close_matches(name, choices, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(f"unknown {what} {name!r}{hint}; accepted: {', '.join(accepted)}")
+    return ConfigError(f"unknown {what} {name!r}{hint}; accepted: {', '.join(choices)}")

@@ -1,6 +1,8 @@
 """The estimator: model spec + training settings -> where every byte of a training step goes.
 
-Pure functions over frozen dataclasses; no torch. ``estimate("llama-2-7b")`` is the library entry point.
+Pure functions over frozen dataclasses; no torch. The entry points build on these types from above them, so the
+import graph has no cycle: ``trainmem.estimate("llama-2-7b")`` (request.estimate) validates a request and calls
+stepmodel.estimate_model, which compiles the step model and evaluates it.
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ class Estimate:
     """The part of the model that most loaded rank holds (its heads, layers, experts), when model parallel."""
     in_flight_bytes: int = 0
     """Activations of the other micro-batches a pipeline stage keeps while it computes one."""
+    traced: Any = None
+    """recorded.Recorded when the traced path answered (a model_type without a hand-written description)."""
     paged_bytes: int = 0
     """Optimizer states in CUDA unified memory (bitsandbytes' paged optimizers: cudaMallocManaged), per GPU. Not in
     ``static``, the phases or the peak: torch.cuda.max_memory_allocated() does not count them and the driver can
@@ -232,33 +236,7 @@ def validation_notes(model: ModelSpec, settings: TrainingSettings) -> tuple[str,
     return tuple(notes)
 
 
-def estimate_model(model: ModelSpec, settings: TrainingSettings | None = None,
-                   device: DeviceOptions | None = None, parallel=None, finetune=None) -> Estimate:
-    """The estimate of one set-up: the step model compiled (stepmodel.py) and evaluated at its batch and seq, for
-    one GPU of ``parallel`` (sharding.Parallel; default one GPU)."""
-    from .stepmodel import compile_step
-
-    settings = settings or TrainingSettings()
-    return compile_step(model, settings, device, parallel, finetune).estimate(settings.batch, settings.seq)
-
-
-def estimate(model=None, device: DeviceOptions | None = None, **options) -> Estimate:
-    """Estimate the memory of training ``model`` (a catalog name, Hub id, config path or ModelSpec).
-
-    ``options`` are the request's (request.make_request: ``params``, ``gpu``, ``headroom``, ``fragmentation``,
-    ``cuda_overhead``, ``hub``) and the training settings (TrainingSettings' fields), validated as the CLI validates
-    its flags. With ``gpu``, ``fits()`` answers for that GPU.
-
-    >>> e = estimate("llama-2-7b", recipe="pure-bf16", optimizer="adamw")
-    >>> e.static_bytes == 12 * e.model.num_parameters
-    True
-    """
-    from dataclasses import replace
-
-    from .request import make_request
-
-    if device is not None and {"headroom", "fragmentation", "cuda_overhead"} & set(options):
-        raise ConfigError("give device=DeviceOptions(...) or headroom/fragmentation/cuda_overhead, not both")
-    req = make_request(model, **options)
-    return replace(estimate_model(req.model, req.settings, device or req.device, req.parallel, req.finetune),
-                   gpu=req.gpu)
+def fits_at_least(allocated: int, device: DeviceOptions, gpu: GPU) -> bool:
+    """Whether a step whose peak allocates at least ``allocated`` bytes can fit ``gpu``: what the GPU must hold
+    for it (peak_of_phases, less the fragmentation of the part that changes) is within its memory."""
+    return int((allocated + device.cuda_overhead_bytes) * device.headroom) <= gpu.memory_bytes

@@ -95,7 +95,7 @@ class _CpuRecorder:
     def __init__(self, torch, baseline: int):
         self.torch, self.baseline = torch, baseline
         self.marks: list[tuple[int, str]] = []
-        self.profiler = None
+        self.profiler: Any = None
         self.current = "load"
 
     def start(self) -> None:
@@ -120,7 +120,7 @@ class _CpuRecorder:
         ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name().split("::", 1)[1]) for e in events
                         if e.name().startswith("trainmem::"))
         memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.nbytes())
-        live, peaks = self.baseline, {}
+        live, peaks = self.baseline, dict[str, int]()
         index = 0
         for start, end, name in ranges:
             peak = live
@@ -179,7 +179,7 @@ class Tracker:
     def __enter__(self) -> "Tracker":
         torch = self.torch
         if self.device.type == "cuda":
-            self.recorder = _CudaRecorder(torch, self.device)
+            self.recorder: _CudaRecorder | _CpuRecorder = _CudaRecorder(torch, self.device)
         else:
             self.recorder = _CpuRecorder(torch, self._baseline())
         switch = self.recorder.switch

@@ -94,7 +94,7 @@ def _one_line(exc: BaseException) -> str:
     return (text or type(exc).__name__)[:200]
 
 
-def build_meta_model(config: dict[str, Any], origin: str = "config"):
+def build_meta_model(config: dict[str, Any], origin: str = "config") -> Any:
     """The transformers causal-LM for ``config``, with its parameters on the meta device."""
     model_type = check_buildable(config, origin)
     try:
@@ -182,18 +182,34 @@ def check_transformers_config(config: dict[str, Any], origin: str = "config") ->
 
 
 def spec_by_building(config: dict[str, Any], name: str, source: str, reason: str = "") -> ModelSpec:
-    """A spec without architecture whose parameter tensors are exactly those of the transformers model."""
-    model = build_meta_model(config, source or name or "config")
-    tensors = tuple(ParamTensor(n, tuple(p.shape)) for n, p in model.named_parameters())
-    if not tensors:
-        raise ModelError(f"{source or name}: transformers built model_type {config['model_type']!r} without "
-                         "parameters")
-    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    """A spec without architecture whose parameter tensors are exactly those of the transformers model. The count
+    is kept on disk (recorded.py's cache, keyed by the config and the library versions), so the next estimate of
+    the same config imports neither torch nor transformers."""
+    from .recorded import cache_path, canonical_config, read_cached, write_cached
+
+    check_buildable(config, source or name or "config")
+    path = cache_path("params", {"config": canonical_config(config)})
+    counted = read_cached(path)
+    if not (counted and isinstance(counted.get("tensors"), list)):
+        counted = _count_by_building(config, source or name or "config")
+        write_cached(path, counted)
     return ModelSpec(
-        name=name, model_type=str(config["model_type"]),
-        hidden_size=int(getattr(text_config, "hidden_size", 0) or 0),
-        vocab_size=int(getattr(text_config, "vocab_size", 0) or 0), layer_runs=(), norm="rms", norm_vectors=0,
-        tied_embeddings=bool(getattr(model.config, "tie_word_embeddings", False)),
-        explicit_param_groups=(ParamGroup("all (counted by transformers on the meta device)", 1, tensors),),
-        source=source,
+        name=name, model_type=str(config["model_type"]), hidden_size=int(counted["hidden_size"]),
+        vocab_size=int(counted["vocab_size"]), layer_runs=(), norm="rms", norm_vectors=0,
+        tied_embeddings=bool(counted["tied"]),
+        explicit_param_groups=(ParamGroup("all (counted by transformers on the meta device)", 1,
+                                          tuple(ParamTensor(n, tuple(shape)) for n, shape in counted["tensors"])),),
+        source=source, built_config=canonical_config(config),
     )
+
+
+def _count_by_building(config: dict[str, Any], origin: str) -> dict[str, Any]:
+    """The parameter tensors of the model built on the meta device, and the sizes the spec keeps."""
+    model = build_meta_model(config, origin)
+    tensors = [[n, list(p.shape)] for n, p in model.named_parameters()]
+    if not tensors:
+        raise ModelError(f"{origin}: transformers built model_type {config['model_type']!r} without parameters")
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return {"tensors": tensors, "hidden_size": int(getattr(text_config, "hidden_size", 0) or 0),
+            "vocab_size": int(getattr(text_config, "vocab_size", 0) or 0),
+            "tied": bool(getattr(model.config, "tie_word_embeddings", False))}

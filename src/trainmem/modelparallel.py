@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from .errors import ConfigError
 from .activations import Precision
-from .estimate import DeviceOptions, Estimate, Peak, peak_of_phases
+from .estimate import DeviceOptions, Estimate, Peak, fits_at_least, peak_of_phases
 from .models import Layer, ModelSpec, runs_of
 from .recipes import get_recipe
 from .settings import TrainingSettings
@@ -229,8 +229,9 @@ class LayoutStep:
     ``phases``, ``estimate``) and answers for the most loaded rank."""
 
     def __init__(self, spec: ModelSpec, settings: TrainingSettings, device: DeviceOptions | None,
-                 parallel: Parallel, finetune=None, cache: dict | None = None):
-        from .stepmodel import compile_step
+                 parallel: Parallel, finetune=None, cache: dict | None = None, *,
+                 compile_stage: Callable[..., Any]):
+        compile_step = compile_stage  # stepmodel.compile_step, handed in by it: this module imports no stepmodel
 
         if finetune is not None:
             raise ConfigError("LoRA with --tp, --pp, --cp or --ep is not modelled yet: give data parallelism "
@@ -322,8 +323,6 @@ class LayoutStep:
         """The layout's peak at (batch, seq) (that of :meth:`phases`) if every stage's fits ``gpu``, else None.
         A search asks this: it stops at the first stage that does not fit, trying first the one that last did
         not."""
-        from .stepmodel import fits_at_least
-
         order = list(range(len(self._stages)))
         order.insert(0, order.pop(self._tightest))
         top = None

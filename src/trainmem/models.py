@@ -294,6 +294,9 @@ class ModelSpec:
     vocab_shards: int = 1
     """Tensor parallelism over the vocabulary: vocab_size is this rank's ceil(V / T) rows of the embedding and the
     LM head, and the loss is the vocabulary-parallel one (PyTorch's ``loss_parallel``)."""
+    built_config: str = field(default="", repr=False)
+    """The config (JSON, sorted keys) a spec counted by transformers was built from: what the traced path
+    (recorded.py) traces for its activations. Empty for every other spec."""
 
     def __hash__(self) -> int:
         # Kept once computed: a spec keys a search's caches thousands of times, and hashing its layers each time
@@ -304,7 +307,7 @@ class ModelSpec:
             cached = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
         return cached
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_hash", None)
         return state

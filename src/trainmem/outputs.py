@@ -91,6 +91,7 @@ def check_output_file(path: str | os.PathLike | None, flag: str, suffix: str | N
     """The real path ``flag`` will write (a symbolic link to a file is followed), refused in one line if it cannot
     be written: see the module's docstring. ``suffix`` (e.g. ``.png``) is required when given."""
     target = _common_checks(path, flag)
+    assert path is not None  # (_common_checks refused None)
     shown = _shown(os.fspath(path))
     if suffix is not None and target.suffix.lower() != suffix and Path(os.fspath(path)).suffix.lower() != suffix:
         raise ConfigError(f"{flag} writes a {suffix[1:].upper()} file: give a path ending in {suffix}, got {shown}")
@@ -125,6 +126,7 @@ def check_output_dir(path: str | os.PathLike | None, flag: str) -> Path:
     """The real path of the folder ``flag`` will write files into (created if missing, in an existing folder),
     refused in one line if it cannot be."""
     target = _common_checks(path, flag)
+    assert path is not None  # (_common_checks refused None)
     shown = _shown(os.fspath(path))
     if target.exists():
         if not target.is_dir():

@@ -56,7 +56,7 @@ def estimate_searched(model: ModelSpec, settings: TrainingSettings, device: Devi
     (``max_batch``, ``max_seq``, ``max_seq_is_position_limit``; 0 when nothing fits)."""
     from dataclasses import replace
 
-    from .estimate import estimate_model
+    from .stepmodel import estimate_model
 
     extra: dict = {}
     if find_batch or find_seq:

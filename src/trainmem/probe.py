@@ -39,6 +39,16 @@ def decoder_layers(model) -> list:
         except AttributeError:
             continue
         return list(obj)
+    # Any other causal LM (BERT-like decoders' encoder.layer, MPT's transformer.blocks, Mamba's backbone.layers):
+    # the ModuleList of as many modules as the config has layers, else the longest one.
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", None) if config is not None else None
+    matching = [m for m in lists if len(m) == layers] or lists
+    if matching:
+        return list(max(matching, key=len))
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
@@ -158,6 +168,23 @@ def _dora_weight_without_module_calls(model) -> None:
             module.get_lora_weight = lora_weight
 
 
+def enable_checkpointing(model, every: int = 1) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer, or with ``every`` = N of layers 0, N, 2N, ...
+    (torchtitan's layer-selective checkpointing: transformers' GradientCheckpointingLayer checks its own
+    ``gradient_checkpointing``, so the others are switched back off). transformers renamed
+    ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` in 5.x and deprecated the old name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if every > 1:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        layers: Any = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+        for index, layer in enumerate(layers):
+            if index % every:
+                layer.gradient_checkpointing = False
+
+
 def saved_tensors(config: dict[str, Any], recipe: str | Recipe = "fp32", batch: int = 2, seq: int = 16,
                   attention: str = "sdpa", dropout: float | None = None, seed: int = 0,
                   checkpointing: bool = False, emulate: str = "cuda") -> list[SavedTensor]:
@@ -167,8 +194,7 @@ def saved_tensors(config: dict[str, Any], recipe: str | Recipe = "fp32", batch: 
     (:mod:`trainmem.cuda_emulation`), which is what a GPU saves; ``emulate="cpu"`` runs real CPU tensors."""
     import torch
 
-    from .step import enable_checkpointing
-    from .trace import fake_gpu
+    from .cuda_emulation import fake_gpu
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     torch.manual_seed(seed)

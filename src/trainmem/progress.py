@@ -9,7 +9,7 @@ so the result tables print as without it. Counting works whether or not anything
 from __future__ import annotations
 
 import sys
-from typing import IO
+from typing import IO, Any
 
 
 def _isatty(stream) -> bool:
@@ -33,8 +33,8 @@ class Progress:
         if force is None:
             force = not as_json and _isatty(self.stream)
         self.enabled = force and not as_json
-        self._bar = None
-        self._task = None
+        self._bar: Any = None
+        self._task: Any = None
 
     def __enter__(self) -> "Progress":
         if self.enabled:

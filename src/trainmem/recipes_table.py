@@ -42,7 +42,7 @@ def recipes_rows(optimizer: str | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def render_recipes(rows: list[dict[str, Any]], console) -> None:
+def render_recipes(rows: list[dict[str, Any]], console: Any) -> None:
     from rich.table import Table
 
     table = Table(title="Bytes per parameter (static memory; activations come on top)")
@@ -59,7 +59,7 @@ def render_recipes(rows: list[dict[str, Any]], console) -> None:
     console.print(table)
 
 
-def recipes_document(optimizer: str | None = None) -> dict:
+def recipes_document(optimizer: str | None = None) -> dict[str, Any]:
     """``trainmem recipes --json`` (and GET /api/recipes): every recipe x optimizer's bytes per parameter."""
     from .report import header
 

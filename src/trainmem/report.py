@@ -13,6 +13,7 @@ from typing import Any
 from . import __version__
 from .estimate import NO_PEAK, Estimate
 from .hardware import GPUS, GPU
+from .plaintext import table_class
 from .units import format_bytes, format_count
 
 SCHEMA_VERSION = 2
@@ -189,6 +190,15 @@ def verdict_line(est: Estimate, gpu: GPU, unit: str, verdict: dict[str, Any] | N
     return f"{gpu.name} ({format_bytes(gpu.memory_bytes, unit)}): {answer} ({basis})"
 
 
+def activation_source(est: Estimate) -> str | None:
+    """Which model answered the phases and the peak (the JSON's activation_source), None without a peak."""
+    if est.peak is None:
+        return None
+    if est.traced is not None:
+        return "traced"
+    return "seed-rule" if est.activation_k_bytes is not None else "hand-written"
+
+
 def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None = None,
             search_batch: bool = True) -> dict[str, Any]:
     """The estimate document; with ``gpu``, its verdict (gpu_verdict; ``search_batch`` False leaves
@@ -215,7 +225,10 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
         "fits_unknown_reason": NO_PEAK,
         "notes": list(est.notes),
         "warnings": list(est.warnings),
+        "activation_source": activation_source(est),
     }
+    if est.traced is not None:
+        doc["traced"] = est.traced.as_dict()
     if est.peak is not None:
         pk = est.peak
         doc["peak"] = {
@@ -296,7 +309,7 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
                     verdict: dict[str, Any] | None = None) -> None:
     """Print the breakdown tables to a rich console, and with ``gpu`` the verdict line (``verdict``: gpu_verdict's,
     when the caller has it)."""
-    from rich.table import Table
+    Table = table_class(console)
 
     m, s = est.model, est.settings
     caption = f"recipe {s.recipe}, optimizer {s.optimizer}; unit {unit}"
@@ -354,7 +367,7 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
 
 
 def _render_per_rank(est: Estimate, unit: str, console) -> None:
-    from rich.table import Table
+    Table = table_class(console)
 
     table = Table(title="Each kind of GPU in the layout (the figures above are the most loaded one's)")
     for col in ("role", "stages", "layers", "parameters", "static", "activations", "peak (allocated)", "required"):
@@ -379,7 +392,7 @@ def render_warnings(est: Estimate, console) -> None:
 
 
 def _render_activations(est: Estimate, unit: str, console, explain: bool) -> None:
-    from rich.table import Table
+    Table = table_class(console)
 
     acts = est.activations
     assert acts is not None
@@ -423,7 +436,7 @@ def _render_activations(est: Estimate, unit: str, console, explain: bool) -> Non
 
 
 def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
-    from rich.table import Table
+    Table = table_class(console)
 
     pk = est.peak
     assert pk is not None

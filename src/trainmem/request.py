@@ -13,11 +13,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import ConfigError
-from .estimate import DEFAULT_HEADROOM, MAX_CUDA_OVERHEAD_BYTES, DeviceOptions
+from .estimate import DEFAULT_HEADROOM, MAX_CUDA_OVERHEAD_BYTES, DeviceOptions, Estimate
 from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION, GPU, MIB, custom_gpu, get_gpu
 from .models import ModelSpec, nominal_spec
 from .optimizers import get_optimizer
 from .settings import TrainingSettings, make_settings
+from .stepmodel import estimate_model
 from .lora import FineTune, LoraOptions
 from .sharding import Parallel, read_deepspeed_config
 from .units import parse_sized
@@ -210,3 +211,21 @@ def _with_deepspeed_config(parallel: Parallel, path, spec: ModelSpec) -> Paralle
     zero = parallel.zero if parallel.zero is not None else (stage if stage is not None else 0)
     return replace(parallel, zero=zero, deepspeed=knobs,
                    offload=parallel.offload if parallel.offload != "none" else (offload or "none"))
+
+
+def estimate(model=None, device: DeviceOptions | None = None, **options) -> Estimate:
+    """Estimate the memory of training ``model`` (a catalog name, Hub id, config path or ModelSpec).
+
+    ``options`` are the request's (request.make_request: ``params``, ``gpu``, ``headroom``, ``fragmentation``,
+    ``cuda_overhead``, ``hub``) and the training settings (TrainingSettings' fields), validated as the CLI validates
+    its flags. With ``gpu``, ``fits()`` answers for that GPU.
+
+    >>> e = estimate("llama-2-7b", recipe="pure-bf16", optimizer="adamw")
+    >>> e.static_bytes == 12 * e.model.num_parameters
+    True
+    """
+    if device is not None and {"headroom", "fragmentation", "cuda_overhead"} & set(options):
+        raise ConfigError("give device=DeviceOptions(...) or headroom/fragmentation/cuda_overhead, not both")
+    req = make_request(model, **options)
+    return replace(estimate_model(req.model, req.settings, device or req.device, req.parallel, req.finetune),
+                   gpu=req.gpu)

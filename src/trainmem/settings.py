@@ -148,13 +148,13 @@ class TrainingSettings:
         return moved
 
     @property
-    def activation_key(self) -> tuple:
+    def activation_key(self) -> tuple[Any, ...]:
         """What the activations depend on: every field but the optimizer's, the recipe's name (its dtypes are the
         caller's to add) and the accumulation steps."""
         return tuple(getattr(self, name) for name in _ACTIVATION_FIELDS)
 
     @property
-    def step_key(self) -> tuple:
+    def step_key(self) -> tuple[Any, ...]:
         """What a compiled step depends on (stepmodel.compile_step): every field but the batch and the sequence
         length, with the accumulation steps counted only as one or more than one."""
         return tuple(min(value, 2) if name == "grad_accum" else value for name, value in self.__dict__.items()

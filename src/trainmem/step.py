@@ -16,6 +16,7 @@ from .errors import ConfigError
 from .optimizers import TRACEABLE_OPTIMIZERS
 from .recipes import get_recipe
 from .settings import OFFLOAD_MIN_BYTES, OUTPUT_CHUNKS, TrainingSettings
+from .probe import enable_checkpointing  # (with the model building it belongs to; re-exported)
 
 
 
@@ -115,23 +116,6 @@ def muon_matrices(layer_params: set[int], params: list) -> list[bool]:
     """Which of ``params`` trainmem's ``muon`` gives to torch.optim.Muon: the 2-D parameters of the decoder layers
     (what ``ParamGroup.is_layer`` and a 2-D shape select in the estimate, optimizers.py)."""
     return [id(p) in layer_params and p.ndim == 2 for p in params]
-
-
-def enable_checkpointing(model, every: int = 1) -> None:
-    """Non-reentrant activation checkpointing of every decoder layer, or with ``every`` = N of layers 0, N, 2N, ...
-    (torchtitan's layer-selective checkpointing: transformers' GradientCheckpointingLayer checks its own
-    ``gradient_checkpointing``, so the others are switched back off). transformers renamed
-    ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` in 5.x and deprecated the old name."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if every > 1:
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
-        for index, layer in enumerate(layers):
-            if index % every:
-                layer.gradient_checkpointing = False
 
 
 def make_optimizer(torch, name: str, params: list, fused: bool, fp32_states_for_half: bool = False,
@@ -280,12 +264,12 @@ class TrainingStep:
         if settings.optimizer_in_backward:
             # one optimizer per parameter, stepped by the parameter's post-accumulate hook, which then frees its
             # gradient (torchtune's optimizer_in_bwd); step() has nothing left to do
-            self.optimizers = {p: make_optimizer(torch, settings.optimizer, [p], settings.fused_optimizer,
+            self.optimizers: dict[Any, Any] | None = {p: make_optimizer(torch, settings.optimizer, [p], settings.fused_optimizer,
                                                  fp32_states, None if is_matrix is None else [is_matrix[i]])
                                for i, p in enumerate(self.params)}
             for p, opt in self.optimizers.items():
                 p.register_post_accumulate_grad_hook(lambda param, opt=opt: self._step_in_backward(opt))
-            self.optimizer = None
+            self.optimizer: Any = None
         else:
             self.optimizers = None
             self.optimizer = make_optimizer(torch, settings.optimizer, self.masters or self.params,

@@ -38,6 +38,7 @@ from .lora import FineTune, activations_modelled, base_weight_bytes, lora_activa
 from .sharding import Parallel, RankLayout, rank_layout
 from .timeline import (Phase, expanded_layers, forward_floor, peak_of, seed_activation_bytes, seed_rule_candidates,
                        step_candidates)
+from .estimate import fits_at_least  # (beside peak_of_phases, where modelparallel finds it too)
 
 PAGED_NOTE = ("paged optimizer states (paged_bytes) live in CUDA unified memory (cudaMallocManaged): "
               "max_memory_allocated() does not count them, so they are out of the allocated and reserved peaks and "
@@ -245,6 +246,10 @@ class StepModel:
                     "memory only")
             return Estimate(spec, settings, self.static, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
                             warnings=warnings, finetune=self.finetune, paged_bytes=self.paged_bytes)
+        if not spec.has_architecture and spec.built_config:
+            from .recorded import traced_estimate  # (imports torch only when it records)
+
+            return traced_estimate(self, batch, seq, warnings)
         if not spec.has_architecture:
             note = ("activations need the architecture: give a model config, not only --params"
                     if spec.is_nominal else
@@ -312,12 +317,6 @@ def _activations_at(spec: ModelSpec, recipe, settings: TrainingSettings, finetun
     if layers and found[1] is None:
         found[1] = tuple(expanded_layers(spec, found[0], recipe, settings, finetune))
     return found[0], found[1]
-
-
-def fits_at_least(allocated: int, device: DeviceOptions, gpu) -> bool:
-    """Whether a step whose peak allocates at least ``allocated`` bytes can fit ``gpu``: what the GPU must hold
-    for it (estimate.peak_of_phases, less the fragmentation of the part that changes) is within its memory."""
-    return int((allocated + device.cuda_overhead_bytes) * device.headroom) <= gpu.memory_bytes
 
 
 def rank_static_components(single: tuple[StaticComponent, ...], rank: RankLayout,
@@ -474,7 +473,7 @@ def compile_step(spec: ModelSpec, settings: TrainingSettings | None = None,
     if parallel is not None and parallel.is_model_parallel:
         from .modelparallel import LayoutStep
 
-        step = LayoutStep(spec, settings, device, parallel, finetune, cache)
+        step = LayoutStep(spec, settings, device, parallel, finetune, cache, compile_stage=compile_step)
     else:
         step = StepModel(spec, settings, device, parallel, finetune)
     if cache is not None:
@@ -483,9 +482,17 @@ def compile_step(spec: ModelSpec, settings: TrainingSettings | None = None,
 
 
 def evaluate(step: StepModel, batch: int, seq: int) -> Evaluation:
-    """The phases and the peak at (batch, seq): byte for byte what :func:`trainmem.estimate.estimate_model` gives."""
+    """The phases and the peak at (batch, seq): byte for byte what :func:`estimate_model` gives."""
     if not step.spec.has_architecture:
         return Evaluation((), None)
     phases = step.phases(batch, seq)
     return Evaluation(phases, peak_of_phases(phases, step.device))
 
+
+def estimate_model(model: ModelSpec, settings: TrainingSettings | None = None,
+                   device: DeviceOptions | None = None, parallel: Parallel | None = None,
+                   finetune: FineTune | None = None) -> Estimate:
+    """The estimate of one set-up: the step model compiled and evaluated at its batch and seq, for one GPU of
+    ``parallel`` (sharding.Parallel; default one GPU)."""
+    settings = settings or TrainingSettings()
+    return compile_step(model, settings, device, parallel, finetune).estimate(settings.batch, settings.seq)

@@ -1285,6 +1285,15 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                     "backward", f"layer {index} recomputed attention's end", weights,
                     max(grads_in_forward, head_grad + grads_above), states,
                     base_kept + kept_below[index] + x.recompute_attention_end, tied_held + x.recompute_gradient))
+            # The recompute runs the layer's forward again (torch/utils/checkpoint.py, _checkpoint_hook's
+            # recompute_fn) beside the gradient of its output: its locals reach at least the checkpointed forward's
+            # worst moments (what it saves only adds). Falcon's eager ALiBi attention (modeling_falcon.py,
+            # FalconAttention.forward: the fp32 scores, logits and softmax input, three s x s locals) holds more
+            # there than the layer saves (traced: -52% at the backward peak without this moment).
+            for transient in x.forward_transient:
+                candidates.append(Phase(
+                    "backward", f"layer {index} recomputing", weights, max(grads_in_forward, head_grad + grads_above),
+                    states, base_kept + kept_below[index] + transient, tied_held + x.recompute_gradient))
             # The layer's forward has been recomputed (to its last saved tensor) and the gradient of its output
             # is waiting.
             for held, transient in x.adapter_moments:  # (what a recompute makes counts as activations)

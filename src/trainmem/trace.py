@@ -14,7 +14,7 @@ bool-mask dropout. Three corrections to a plain MemTracker run: the whole of a c
 tagged as activations (``_recompute_aware_tracker``); backward runs in place what a GPU runs in place, where the
 active dispatch mode would turn it out of place (``_plain_tensor_overload``, ``_gradient_sum``); and
 transformers' packed-sequence check, which fake tensors cannot answer, is answered as a real run with one
-sequence per row does (``_unpacked_batches``). docs/accuracy.md lists the estimate-vs-trace differences.
+sequence per row does (``cuda_emulation.unpacked_batches``). docs/accuracy.md lists the estimate-vs-trace differences.
 
 Needs torch and transformers (``pip install 'trainmem[trace]'``).
 """
@@ -32,6 +32,7 @@ from .models import ModelSpec
 from .recipes import get_recipe
 from .settings import TrainingSettings
 from .timeline import CATEGORIES, Phase
+from .cuda_emulation import fake_gpu  # (there with the rest of the fake GPU; re-exported for the tests)
 
 _CATEGORY_OF = {
     "Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients", "Optstate": "optimizer_states",
@@ -69,63 +70,6 @@ def _device_snapshot(snapshot: dict) -> dict[str, int]:
         for key, nbytes in per_device.items():
             merged[key] = merged.get(key, 0) + nbytes
     return merged
-
-
-@contextlib.contextmanager
-def _scalars_from_fake_tensors():
-    """``Tensor.item()`` on a fake tensor has no value to return; optimizers that read one (Adafactor's update
-    clipping and relative step size: ``param.norm(2).item()``) get 1.0, which changes no tensor's size."""
-    import torch
-
-    original = torch.Tensor.item
-    torch.Tensor.item = lambda self: 1.0 if self.is_floating_point() else 1
-    try:
-        yield
-    finally:
-        torch.Tensor.item = original
-
-
-@contextlib.contextmanager
-def _grouped_mm_fallback_for_non_bf16():
-    """The fake (meta) ``grouped_mm`` accepts bf16 only, so routed experts with fp32 or fp16 weights take
-    transformers' own fallback (``transformers::grouped_mm_fallback``), which keeps the same tensors for backward
-    (the gathered input and the weights) and returns the same output."""
-    from transformers.integrations import moe
-
-    original = moe._can_use_grouped_mm
-
-    def can_use_grouped_mm(input, weight, offs) -> bool:
-        import torch
-
-        # grouped_mm also needs 16-byte aligned strides (a GPU run with such a config fails).
-        aligned = all(stride == 1 or stride * t.element_size() % 16 == 0 for t in (input, weight)
-                      for stride in t.stride())
-        return weight.dtype == torch.bfloat16 and aligned and original(input, weight, offs)
-
-    moe._can_use_grouped_mm = can_use_grouped_mm
-    try:
-        yield
-    finally:
-        moe._can_use_grouped_mm = original
-
-
-@contextlib.contextmanager
-def _unpacked_batches():
-    """Without a KV cache (use_cache is off under checkpointing) transformers checks position_ids for packed
-    sequences, a data-dependent check that fake tensors cannot answer, so it would build a dense causal mask (and
-    SDPA would then repeat k and v to every head) where a real run with one sequence per row builds none. The
-    trace's batches are one sequence per row, which is what the real check finds."""
-    from transformers import masking_utils
-
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:  # older transformers: no packed-sequence detection
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
 
 
 @contextlib.contextmanager
@@ -243,25 +187,11 @@ def _recording(recorder: _AllocationRecorder | None):
 
 
 @contextlib.contextmanager
-def fake_gpu(emulate: str = "cuda"):
-    """Fake tensors behaving as on a GPU: CUDA's autocast policy and kernels (``emulate="cuda"``), transformers'
-    data-dependent checks answered as a real run answers them, and ops that need a value given one."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .cuda_emulation import emulate_cuda
-
-    device_behaviour = emulate_cuda() if emulate == "cuda" else contextlib.nullcontext()
-    with FakeTensorMode(), _unpacked_batches(), _scalars_from_fake_tensors(), _grouped_mm_fallback_for_non_bf16(), \
-            device_behaviour:
-        yield
-
-
-@contextlib.contextmanager
 def _real_cpu(emulate: str):
     """The trace's environment on real CPU tensors: the same experts path (and CUDA's policies if asked)."""
-    from .cuda_emulation import emulate_cuda
+    from .cuda_emulation import emulate_cuda, grouped_mm_fallback_for_non_bf16
 
-    with _grouped_mm_fallback_for_non_bf16(), (emulate_cuda() if emulate == "cuda" else contextlib.nullcontext()):
+    with grouped_mm_fallback_for_non_bf16(), (emulate_cuda() if emulate == "cuda" else contextlib.nullcontext()):
         yield
 
 

@@ -64,7 +64,8 @@ def parse_sized(value: object, what: str = "gpu-memory") -> tuple[int, str]:
         raise ConfigError(f"{what} must be a size such as '48GiB' or an integer of bytes, got "
                           f"{type(value).__name__} {value!r}")
     if isinstance(value, int):
-        number, unit = value, "B"
+        number: int | float = value
+        unit = "B"
     else:
         match = _SIZE.match(value) if len(value) <= 100 else None
         if match is None:

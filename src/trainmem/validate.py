@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass, replace
 
 from .catalog import catalog_config
-from .estimate import estimate_model
+from .stepmodel import estimate_model
 from .models import spec_from_config
 from .settings import make_settings
 from .timeline import CATEGORIES

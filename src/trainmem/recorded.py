@@ -1,0 +1,365 @@
+"""The traced path: a peak for any causal LM transformers can build, from a recorded slice of its real step.
+
+For a model_type without a hand-written description (its spec was counted by transformers, meta_count.py), the
+estimate traces the real training step (trace.trace_step: the transformers model under FakeTensorMode, every
+allocation counted by MemTracker) on reduced copies of the config, and extrapolates to the real layer count:
+
+- **The layer pattern.** The full model is built on the meta device and each decoder layer gets a signature: its
+  parameters' names and shapes, the plain attributes of its modules (sliding_window, is_sliding, attention_type,
+  ...; not layer_idx) and the config's per-layer list values at its index (layer_types, mlp_layer_types, ...), plus
+  whether selective checkpointing checkpoints it. The smallest period ``p`` after a prefix ``s`` (DeepSeek's
+  first_k_dense_replace dense layers) such that the signatures repeat is the model's pattern: 1 for Llama-like
+  models, 4 for OLMo-3's three sliding + one full, 8 for Jamba's attention period.
+- **Two traces, a line.** The step is traced with ``n1`` and ``n1 + p`` layers at the real widths, batch and
+  sequence (fake tensors cost no memory and time is per operation, not per byte), where ``n1 >= s + p`` (every kind
+  of layer is present, so the masks the model builds per kind are the same as in the full model) and
+  ``n1 = L (mod p)`` (the real layer count is ``n1`` plus whole periods). Every phase's every category is then
+  ``v(n1) + m * (v(n1 + p) - v(n1))`` with ``m = (L - n1) / p``: each period adds the same tensors, saved for
+  backward and freed in the same order, and each phase's peak moment (end of forward, start or end of backward,
+  the optimizer step) moves by one period's bytes (checked against full traces: tests/test_recorded.py and
+  benchmarks/every_model_type.py). Where ``n1 + p >= L`` the real count is traced directly.
+- **The cache.** The recorded phases are kept on disk (``$TRAINMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/trainmem``,
+  else ``~/.cache/trainmem``) under a hash of the config, every training setting (batch and sequence included: the
+  trace is not provably linear in them, so they are keyed, not extrapolated) and the torch, transformers and
+  trainmem versions; the parameter tensors the spec counts (meta_count.spec_by_building) are kept the same way.
+  A second estimate of the same set-up imports neither torch nor transformers.
+
+Needs torch and transformers (``pip install 'trainmem[trace]'``); without them the estimate is the static memory
+and one line naming the extra.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .timeline import CATEGORIES, Phase
+
+CACHE_FORMAT = 1
+"""Bumped when what the cache holds, or how it is recorded, changes: older entries are then never read."""
+CACHE_ENV = "TRAINMEM_CACHE_DIR"
+TRACE_EXTRA = "pip install 'trainmem[trace]'"
+_NOT_PER_LAYER = re.compile(r"rope|section|token_id|limit|multiplier")
+"""Config lists whose length can equal the layer count without being per layer (mrope_section, time_step_limit)."""
+_LAYER_INDEX = frozenset({"layer_idx", "layer_id", "layer_number", "layer_index", "idx", "block_idx"})
+"""Module attributes that number the layers: different in every layer by design, not part of its kind."""
+
+
+# -- the cache -----------------------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """Where recorded steps and counted parameters are kept."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "trainmem"
+
+
+def library_versions() -> dict[str, str] | None:
+    """The versions that change a trace, read from the installed metadata (no import); None if torch or
+    transformers is not installed."""
+    from importlib import metadata
+
+    from . import __version__
+
+    try:
+        return {"torch": metadata.version("torch"), "transformers": metadata.version("transformers"),
+                "trainmem": __version__, "format": str(CACHE_FORMAT)}
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def canonical_config(config: dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def cache_path(kind: str, payload: dict[str, Any]) -> Path | None:
+    """The file that holds ``kind`` ("phases", "params") for ``payload``, or None without torch/transformers."""
+    versions = library_versions()
+    if versions is None:
+        return None
+    text = json.dumps({"kind": kind, "versions": versions, **payload}, sort_keys=True, default=str)
+    return cache_dir() / kind / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
+
+
+def read_cached(path: Path | None) -> dict[str, Any] | None:
+    """A cached document, or None when absent or unreadable (a torn or edited file is recomputed, not trusted)."""
+    if path is None:
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def write_cached(path: Path | None, doc: dict[str, Any]) -> str:
+    """Keep ``doc`` at ``path`` (written whole, then renamed, so a reader never sees half a file); returns "" or
+    why it was not kept (a read-only home is no reason to fail the estimate)."""
+    if path is None:
+        return "torch or transformers not installed"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc.strerror or exc}"
+    return ""
+
+
+# -- the layer pattern ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Which layer counts to trace for a model of ``layers`` decoder layers whose pattern repeats every ``period``
+    layers after the first ``prefix`` ones (module docstring)."""
+
+    layers: int
+    prefix: int
+    period: int
+    counts: tuple[int, ...]
+    """One count (the real one, traced directly) or two (n1 and n1 + period)."""
+
+    @property
+    def periods_added(self) -> int:
+        """m: how many periods the real model has past the first traced count."""
+        return 0 if len(self.counts) == 1 else (self.layers - self.counts[0]) // self.period
+
+
+def plan_layers(layers: int, prefix: int, period: int) -> LayerPlan:
+    n1 = prefix + period + (layers - prefix - period) % period
+    if n1 + period >= layers:
+        return LayerPlan(layers, prefix, period, (layers,))
+    return LayerPlan(layers, prefix, period, (n1, n1 + period))
+
+
+def find_period(signatures: list) -> tuple[int, int]:
+    """The smallest (period, then prefix) after which ``signatures`` repeat: (prefix, period)."""
+    kinds: dict = {}
+    signatures = [kinds.setdefault(s, len(kinds)) for s in signatures]  # (ints compare faster than signatures)
+    n = len(signatures)
+    for period in range(1, n + 1):
+        for prefix in range(0, n - period + 1):
+            if all(signatures[i] == signatures[i - period] for i in range(prefix + period, n)):
+                if prefix + 2 * period < n:  # a reduction worth tracing twice for
+                    return prefix, period
+                break
+    return 0, n
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str)) or (
+        isinstance(value, tuple) and all(_plain(v) for v in value))
+
+
+def layer_signature(layer, index: int, per_layer: dict[str, list], checkpoint_every: int) -> tuple:
+    """What makes decoder layer ``index`` the kind of layer it is (module docstring)."""
+    params = tuple((name, tuple(p.shape), str(p.dtype)) for name, p in layer.named_parameters())
+    attrs = tuple((path, key, value) for path, module in layer.named_modules()
+                  for key, value in sorted(vars(module).items())
+                  if not key.startswith("_") and key not in _LAYER_INDEX and _plain(value))
+    listed = tuple((key, json.dumps(values[index], default=str)) for key, values in sorted(per_layer.items()))
+    checkpointed = checkpoint_every > 1 and index % checkpoint_every == 0
+    return params, attrs, listed, checkpointed
+
+
+def per_layer_lists(hf_config: dict[str, Any], layers: int) -> tuple[dict[str, list], dict[str, list]]:
+    """The config's lists with one value per layer, and its lists of layer indices (mlp_only_layers)."""
+    per_layer, indices = {}, {}
+    for key, value in hf_config.items():
+        if not isinstance(value, list) or _NOT_PER_LAYER.search(key):
+            continue
+        if len(value) == layers:
+            per_layer[key] = value
+        elif "layer" in key and value and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers
+                                              for v in value) and len(set(value)) == len(value):
+            indices[key] = value
+    return per_layer, indices
+
+
+def _decoder_layers(model, layers: int):
+    """The model's ModuleList of ``layers`` decoder layers (the longest one of that length), or None."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
+    return max(lists, key=lambda m: sum(1 for _ in m.modules()), default=None)
+
+
+def layer_plan(config: dict[str, Any], checkpoint_every: int = 1) -> tuple[LayerPlan, str, dict[str, Any]]:
+    """The layer plan of ``config``, the config key of its layer count and its full config (transformers' to_dict,
+    with every per-layer list the config class derives), from the model built on the meta device."""
+    from .meta_count import build_meta_model
+
+    model = build_meta_model(config)
+    hf = model.config
+    key = type(hf).attribute_map.get("num_hidden_layers", "num_hidden_layers")
+    layers = getattr(hf, "num_hidden_layers", None)
+    full = hf.to_dict()
+    nested = hasattr(hf, "get_text_config") and _text_config_is_nested(hf)
+    found = None if nested or not isinstance(layers, int) else _decoder_layers(model, layers)
+    if found is None:  # no layer list to reduce: trace the model as it is
+        return LayerPlan(int(layers or 0), 0, 1, (int(layers or 0),)), key, full
+    per_layer, indices = per_layer_lists(full, layers)
+    for name, values in indices.items():
+        per_layer[name] = [i in values for i in range(layers)]
+    signatures = [layer_signature(layer, i, per_layer, checkpoint_every) for i, layer in enumerate(found)]
+    prefix, period = find_period(signatures)
+    return plan_layers(layers, prefix, period), key, full
+
+
+def _text_config_is_nested(hf) -> bool:
+    try:
+        return hf.get_text_config() is not hf
+    except ValueError:  # several text configs (an encoder-decoder): not one decoder to reduce
+        return True
+
+
+def reduced_config(config: dict[str, Any], full: dict[str, Any], key: str, layers: int, count: int) -> dict:
+    """``config`` with its first ``count`` of ``layers`` layers: the layer count set, each per-layer list cut to
+    its first ``count`` values, each list of layer indices to those below ``count``."""
+    if count == layers:
+        return dict(config)
+    out = {k: v for k, v in config.items() if k not in ("num_hidden_layers", key)}
+    out[key] = count
+    for name, value in full.items():  # the decoder's own count where the layer count names the encoder's (BART)
+        if name != key and re.search(r"(^|_)(layers|n_layer)$", name) and value == layers:
+            out[name] = count
+    per_layer, indices = per_layer_lists(full, layers)
+    for name, values in per_layer.items():
+        out[name] = values[:count]
+    for name, values in indices.items():
+        out[name] = [i for i in values if i < count]
+    return out
+
+
+# -- recording and extrapolating -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Recorded:
+    """A step's phases recorded on the traced path."""
+
+    phases: tuple[Phase, ...]
+    plan: LayerPlan
+    seconds: float
+    """How long recording took (0 when read from the cache)."""
+    cache: str
+    """The cache file, or why it was not kept."""
+    from_cache: bool
+
+    def note(self) -> str:
+        counts = " and ".join(str(n) for n in self.plan.counts)
+        how = ("traced directly" if len(self.plan.counts) == 1 else
+               f"period {self.plan.period}{f' after {self.plan.prefix}' if self.plan.prefix else ''}, extrapolated "
+               "linearly")
+        where = (f"read from the cache at {self.cache}" if self.from_cache else
+                 f"recorded in {self.seconds:.1f} s, cached at {self.cache}" if self.cache.endswith(".json") else
+                 f"recorded in {self.seconds:.1f} s, not cached ({self.cache})")
+        return (f"traced path: no hand-written description of this model_type, so its step was traced under "
+                f"FakeTensorMode (recorded {counts} of {self.plan.layers} layers, {how}); {where}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layers": self.plan.layers, "recorded_layers": list(self.plan.counts), "period": self.plan.period,
+                "prefix": self.plan.prefix, "cache": self.cache, "from_cache": self.from_cache,
+                "seconds": round(self.seconds, 3)}
+
+
+def extrapolate(first: tuple[Phase, ...], second: tuple[Phase, ...], periods: int) -> tuple[Phase, ...]:
+    """Each phase at ``periods`` more periods than ``first``, ``second`` being one more (module docstring)."""
+    out = []
+    for a, b in zip(first, second, strict=True):
+        values = {c: getattr(a, c) + periods * (getattr(b, c) - getattr(a, c)) for c in CATEGORIES}
+        if any(v < 0 for v in values.values()):
+            raise ValueError(f"the {a.name} phase shrinks with the layers ({a.by_category()} -> {b.by_category()})")
+        out.append(Phase(a.name, b.moment, **values))
+    return tuple(out)
+
+
+def record(config: dict[str, Any], settings, spec=None, progress: bool = True) -> tuple[tuple[Phase, ...], LayerPlan]:
+    """Trace ``config``'s step at the plan's layer counts and extrapolate to its real count."""
+    from .progress import Progress
+    from .settings import SELECTIVE_EVERY
+    from .trace import trace_step
+
+    plan, key, full = layer_plan(config, SELECTIVE_EVERY if settings.checkpointing == "selective" else 1)
+    traced = []
+    with Progress(f"tracing {' and '.join(map(str, plan.counts))} of {plan.layers} layers", total=len(plan.counts),
+                  force=None if progress else False) as bar:
+        for count in plan.counts:
+            traced.append(trace_step(reduced_config(config, full, key, plan.layers, count), settings, spec).phases)
+            bar.advance()
+    if len(traced) == 1:
+        return traced[0], plan
+    return extrapolate(traced[0], traced[1], plan.periods_added), plan
+
+
+def _phase_doc(phase: Phase) -> dict[str, Any]:
+    return {"name": phase.name, "moment": phase.moment, **phase.by_category()}
+
+
+def _plan_doc(plan: LayerPlan) -> dict[str, Any]:
+    return {"layers": plan.layers, "prefix": plan.prefix, "period": plan.period, "counts": list(plan.counts)}
+
+
+def recorded_phases(config: dict[str, Any], settings, spec=None, progress: bool = True) -> Recorded:
+    """The step's phases on the traced path, from the cache when this set-up was recorded before."""
+    path = cache_path("phases", {"config": canonical_config(config), "settings": asdict(settings)})
+    doc = read_cached(path)
+    if doc is not None:
+        try:
+            phases = tuple(Phase(**p) for p in doc["phases"])
+            plan = LayerPlan(**{**doc["plan"], "counts": tuple(doc["plan"]["counts"])})
+            return Recorded(phases, plan, 0.0, str(path), True)
+        except (KeyError, TypeError):
+            pass  # an entry of another shape: recorded again below
+    started = time.perf_counter()
+    phases, plan = record(config, settings, spec, progress)
+    seconds = time.perf_counter() - started
+    why_not = write_cached(path, {"phases": [_phase_doc(p) for p in phases], "plan": _plan_doc(plan),
+                                  "seconds": seconds})
+    return Recorded(phases, plan, seconds, why_not or str(path), False)
+
+
+def missing_extra() -> str | None:
+    """One line naming the extra to install when torch or transformers is missing, else None."""
+    from importlib.util import find_spec
+
+    missing = [name for name in ("torch", "transformers") if find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"no peak: the traced path that gives a peak for this model_type needs {' and '.join(missing)} "
+            f"({TRACE_EXTRA})")
+
+
+def traced_estimate(step, batch: int, seq: int, warnings: tuple[str, ...]):
+    """StepModel.estimate for a spec counted by transformers (``spec.built_config``): the traced path's phases and
+    peak; the static memory and one line why not where it cannot answer."""
+    from .errors import TrainmemError
+    from .estimate import NO_PEAK, Estimate, peak_of_phases
+
+    spec, settings = step.spec, step.settings_at(batch, seq)
+    common = dict(parallel=step.parallel, rank=step.rank, device=step.device, warnings=warnings,
+                  paged_bytes=step.paged_bytes)
+    reason = missing_extra()
+    if reason is None and step.parallel.engine != "single":
+        reason = ("no peak: the traced path records one GPU's step; for a model_type without a hand-written "
+                  "description, give --gpus 1 (or trace it: trainmem trace)")
+    if reason is None:
+        try:
+            recorded = recorded_phases(json.loads(spec.built_config), settings, spec)
+        except TrainmemError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (whatever the model's forward raises on fake tensors is its own)
+            text = " ".join(str(exc).split())[:160] or type(exc).__name__
+            reason = f"no peak: the traced path could not run this model's step on fake tensors ({text})"
+    if reason is not None:
+        return Estimate(spec, settings, step.static, notes=(reason, NO_PEAK, *step.unchecked), **common)
+    phases = recorded.phases
+    return Estimate(spec, settings, step.static, phases=phases, peak=peak_of_phases(phases, step.device),
+                    notes=(recorded.note(), *step.unchecked), traced=recorded, **common)
