@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.lora import FineTune, LoraOptions
 from trainmem.models import spec_from_config
 from trainmem.settings import make_settings
