@@ -166,7 +166,7 @@ def test_qlora_base_is_stored_as_bitsandbytes_stores_it():
     (["--train-modules", "lm_head"], "need --lora"),
     (["--lora", "8", "--train-modules", "norm"], "accepted: the token embedding and the LM head"),
     (["--lora", "8", "--train-modules", "lm_head", "--lora-targets", "q,v,lm_head"], "not both"),
-    (["--lora", "8", "--gpus", "2"], "several GPUs"),
+    (["--lora", "8", "--gpus", "4", "--tp", "2"], "LoRA with --tp is not modelled yet"),
     (["--lora", "8", "--base-quant", "int4"], "unknown base quantization"),
     (["--lora", "8", "--base-quant", "int8", "--double-quant"], "4-bit base"),
     (["--lora", "0"], "rank must be"),

@@ -156,7 +156,7 @@ def test_catalog_gpus_and_recipes_are_the_cli_documents(client, run_cli):
     ({"config": {"foo": 1}}, "config", "model_type"),
     ({"config": {"model_type": "llama", "hidden_size": "x"}}, "config", "must be an integer"),
     ({"model": "llama-3-8b", "trust_remote_code": True}, "trust_remote_code", "Extra inputs"),
-    ({"model": "llama-3-8b", "gpus": 3, "zero": 3, "lora": 8}, "gpus", "several GPUs"),
+    ({"model": "llama-3-8b", "gpus": 4, "tp": 2, "lora": 8}, "tp", "LoRA with --tp"),
     ({"model": "llama-3-8b", "gpus": 3, "tp": 3}, "tp", "must divide the attention heads"),
     ({"model": "llama-3-8b", "gpus": 6, "tp": 4}, "gpus", "not a multiple of tp x pp x cp"),
 ])

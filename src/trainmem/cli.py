@@ -128,7 +128,7 @@ class _Workload:
 
 SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attention", "checkpointing", "dropout",
                  "loss", "activation_k", "optimizer_in_backward", "compile", "offload_activations")
-LAYOUT_FLAGS = ("tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep")
+LAYOUT_FLAGS = ("tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep", "pp_layers")
 """Model-parallel flags (modelparallel.py), passed to the request as they are."""
 _FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "zero", "fsdp", "offload",
                "gpus_per_node", "tp", "pp", "cp", "ep", "pp-schedule", "virtual-stages", "micro-batches", "sp")
@@ -276,6 +276,8 @@ def _workload_options(f):
         click.option("--sp", is_flag=True, help="Sequence parallel on the tensor-parallel GPUs (needs --tp)."),
         click.option("--pp", type=_Whole(_MAX_GPUS), default=1, show_default=True, help="Pipeline stages."),
         click.option("--pp-schedule", default="1f1b", show_default=True, help="1f1b | interleaved."),
+        click.option("--pp-layers", default=None, help="Layers per pipeline stage where they do not split evenly "
+                     "(15,16,16,15), or torchtitan (its split: the embedding and the output count as a layer)."),
         click.option("--virtual-stages", type=_Whole(_MAX_GPUS), default=1, show_default=True,
                      help="Model chunks per GPU with --pp-schedule interleaved."),
         click.option("--micro-batches", type=_Whole(_MAX_GPUS), default=0,
@@ -393,6 +395,7 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
     \b
     Example: trainmem trace llama-2-7b --batch 1 --seq 2048 --recipe mixed-bf16
              trainmem trace llama-3-8b --gpus 8 --fsdp full --recipe mixed-bf16
+             trainmem trace llama-3.2-1b --gpus 8 --fsdp full --lora 16
              trainmem trace llama-3-8b --gpus 2 --tp 2 --sp --recipe pure-bf16-bf16states
              trainmem trace llama-3.2-1b --allocator --alloc-conf expandable_segments:True --gpu L4
     """

@@ -128,13 +128,16 @@ def finetune_rank_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, 
     engine = parallel.engine
     if engine == "ddp":
         trained = t.trainable_bytes
+        notes = ("not validated: DDP with LoRA is modelled from torch's source (buckets of the trained parameters "
+                 "only); each rank runs the one-GPU LoRA step, which is traced",)
         if parallel.ddp_bucket_view:
             return RankLayout(base + trained, trained, t.masters, t.states, t.adapters + t.copies, 1,
-                              persistent_gradients=True)
+                              persistent_gradients=True, notes=notes)
         bucket = Buffer("DDP gradient buckets", trained, "gradients", ALL_PHASES,
                         "flat buckets of the gradients of the parameters that require grad: the adapters' "
                         "(gradient_as_bucket_view=False)")
-        return RankLayout(base + trained, trained, t.masters, t.states, t.adapters + t.copies, 1, (bucket,))
+        return RankLayout(base + trained, trained, t.masters, t.states, t.adapters + t.copies, 1, (bucket,),
+                          notes=notes)
     if engine == "deepspeed":
         return _zero_layout(spec, recipe, t, groups, base, parallel)
     return _fsdp_layout(t, groups, parallel)
@@ -144,7 +147,7 @@ def _zero_layout(spec: ModelSpec, recipe: Recipe, t, groups: tuple[HeldGroup, ..
                  parallel: Parallel) -> RankLayout:
     """DeepSpeed ZeRO over what trains (sharding._zero_layout's rules, the flat groups holding the adapters only);
     stage 3 partitions every parameter, each padded to the world size."""
-    world, stage, ds = parallel.gpus, parallel.zero, parallel.deepspeed
+    world, stage, ds = parallel.gpus, parallel.zero or 0, parallel.deepspeed
     trained_numel, g = t.adapters + t.copies, recipe.gradient_bytes
     buffers: list[Buffer] = []
     if stage == 0:

@@ -66,9 +66,13 @@ def check_layout(spec: ModelSpec, parallel: Parallel, seq: int | None = None) ->
         if layer.moe is not None and layer.moe.num_experts % ep:
             raise ConfigError(f"--ep {ep} must divide the routed experts ({layer.moe.num_experts})")
     chunks = pp * v
-    if spec.num_layers % chunks or spec.num_layers < chunks:
+    if parallel.pp_layers:
+        if sum(parallel.pp_layers) != spec.num_layers:
+            raise ConfigError(f"--pp-layers {','.join(map(str, parallel.pp_layers))} adds up to "
+                              f"{sum(parallel.pp_layers)} layers; {spec.name} has {spec.num_layers}")
+    elif spec.num_layers % chunks or spec.num_layers < chunks:
         raise ConfigError(f"the {spec.num_layers} layers must split evenly into pp x virtual stages = {pp} x {v} = "
-                          f"{chunks} chunks")
+                          f"{chunks} chunks, or give --pp-layers (per stage, or torchtitan for its split)")
     if seq is not None:
         if seq % cp:
             raise ConfigError(f"--cp {cp} must divide the sequence length ({seq:,})")
@@ -137,11 +141,44 @@ def stage_spec(rank: ModelSpec, parallel: Parallel, stage: int) -> ModelSpec:
         return rank
     layers = rank.layers
     p, v = parallel.pp, parallel.virtual_stages
-    size = len(layers) // (p * v)
-    held = [layer for chunk in range(v) for layer in layers[(chunk * p + stage) * size:(chunk * p + stage + 1) * size]]
+    if parallel.pp_layers:  # an uneven 1F1B split (pipeline_split)
+        start = sum(parallel.pp_layers[:stage])
+        held = list(layers[start:start + parallel.pp_layers[stage]])
+    else:
+        size = len(layers) // (p * v)
+        held = [layer for chunk in range(v)
+                for layer in layers[(chunk * p + stage) * size:(chunk * p + stage + 1) * size]]
     first, last = stage == 0, stage == p - 1
     return replace(rank, layer_runs=runs_of(held), has_embedding=first, has_head=last,
                    tied_embeddings=rank.tied_embeddings and not (first or last))
+
+
+def pipeline_split(num_layers: int, pp: int, given) -> tuple[int, ...]:
+    """``--pp-layers``: the decoder layers of each stage, given as "15,16,...,15" (or a list), or ``torchtitan``
+    for torchtitan's split (torchtitan/distributed/pipeline_parallel.py, ``generate_llm_fqn_per_model_part`` with
+    its default input_weight = output_weight = 1): the embedding and the norm + output each count as one layer, the
+    L + 2 are spread over the P stages with the remainder going to the first stages, and the first and last stages
+    hold one layer fewer for them (Llama-3.1-405B's 126 layers over 8 stages: 15, 16 x 6, 15)."""
+    if isinstance(given, str) and given.strip() == "torchtitan":
+        effective = num_layers + 2
+        each, extra = divmod(effective, pp)
+        if pp < 2 or each < 1:
+            raise ConfigError(f"--pp-layers torchtitan: {pp} stages cannot split {num_layers} layers plus the "
+                              "embedding and the output")
+        out = [each + (s < extra) - (s == 0) - (s == pp - 1) for s in range(pp)]
+        out[-1] = num_layers - sum(out[:-1])  # (torchtitan's last stage takes what is left: no layer is lost)
+        if min(out) < 1:
+            raise ConfigError(f"--pp-layers torchtitan leaves a stage without layers ({out})")
+        return tuple(out)
+    if isinstance(given, str):
+        try:
+            return tuple(int(part) for part in given.split(","))
+        except ValueError:
+            raise ConfigError(f"--pp-layers takes layers per stage such as 15,16,16,15 or torchtitan, got {given!r}") \
+                from None
+    if isinstance(given, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) for n in given):
+        return tuple(given)
+    raise ConfigError(f"--pp-layers takes layers per stage such as 15,16,16,15 or torchtitan, got {given!r}")
 
 
 def _role_stages(parallel: Parallel) -> list[tuple[str, tuple[int, ...]]]:
@@ -159,7 +196,8 @@ def _distinct_stages(spec: ModelSpec, parallel: Parallel,
     """(role, stage, what it holds) of each stage a layout is evaluated on: of a role's stages that hold the same,
     the first (the most loaded: in flight falls with the stage). Kept in a search's ``cache`` by the degrees, which
     alone decide it."""
-    key = ("stages", spec, parallel.tp, parallel.sp, parallel.pp, parallel.virtual_stages, parallel.cp, parallel.ep)
+    key = ("stages", spec, parallel.tp, parallel.sp, parallel.pp, parallel.virtual_stages, parallel.cp, parallel.ep,
+           parallel.pp_layers)
     if cache is not None and key in cache:
         return cache[key]
     rank = tensor_parallel_spec(spec, parallel)

@@ -78,7 +78,7 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
                  lora_dropout: float = 0.0, dora: bool = False, train_modules: Any = (),
                  adapter_dtype: str = "auto", base_quant: str | None = None, double_quant: bool = False,
                  qlora: bool = False, tp: int = 1, sp: bool = False, pp: int = 1, pp_schedule: str = "1f1b",
-                 virtual_stages: int = 1, micro_batches: int = 0, cp: int = 1, ep: int = 1,
+                 virtual_stages: int = 1, micro_batches: int = 0, cp: int = 1, ep: int = 1, pp_layers: Any = None,
                  accelerate_config: str | os.PathLike | None = None,
                  torchtitan_config: str | os.PathLike | None = None, **settings: Any) -> Request:
     """Validate a request. ``model`` is a catalog name, a Hub repo id, a path to a config.json or its folder, or a
@@ -90,7 +90,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     ``lora`` (the rank), ``lora_alpha``, ``lora_targets`` (a list or "q,v"), ``dora``, ``train_modules`` (peft's
     modules_to_save: lm_head, embed_tokens), ``adapter_dtype``, ``base_quant``, ``double_quant`` and ``qlora`` (nf4
     with double quantization) train adapters on a frozen base (lora.py). ``tp``, ``sp``, ``pp``, ``pp_schedule``,
-    ``virtual_stages``, ``micro_batches``, ``cp`` and ``ep`` split the model across the GPUs (modelparallel.py).
+    ``virtual_stages``, ``micro_batches``, ``cp`` and ``ep`` split the model across the GPUs (modelparallel.py);
+    ``pp_layers`` ("15,16,...", a list, or "torchtitan") splits the layers unevenly over the stages.
     ``gpu_memory`` (``"48GiB"``, ``"80GB"``, ``"49140MiB"`` or an int of bytes) is the GPU's memory: ``gpu``'s card
     with that memory, or without ``gpu`` a custom card ("custom 48 GiB").
     ``settings`` are TrainingSettings fields. ``ds_config``, ``accelerate_config`` and ``torchtitan_config`` (the
@@ -149,6 +150,12 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
         parallel = _with_deepspeed_config(parallel, ds_config, spec)
     if parallel.engine != "single" and spec.is_nominal and (parallel.zero == 3 or parallel.fsdp):
         raise ConfigError("ZeRO-3 and FSDP2 shard each tensor: give a model instead of --params")
+    if pp_layers is not None:
+        from .modelparallel import pipeline_split
+
+        if parallel.pp == 1 or not spec.has_architecture:
+            raise ConfigError("--pp-layers splits a pipeline's layers: give --pp 2 or more and a model config")
+        parallel = replace(parallel, pp_layers=pipeline_split(spec.num_layers, parallel.pp, pp_layers))
     if parallel.is_model_parallel:
         from .modelparallel import check_layout
 
@@ -158,8 +165,9 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
             raise ConfigError("LoRA needs the model's layers: give a model config, not --params")
         finetune.as_dict(spec)  # the targets are checked against the model's modules here
         if parallel.is_model_parallel:
-            raise ConfigError("LoRA with --tp, --pp, --cp or --ep is not modelled yet: give data parallelism "
-                              "(--gpus N with DDP, --zero or --fsdp)")
+            used = next(f"--{n}" for n in ("tp", "pp", "cp", "ep") if getattr(parallel, n) > 1)
+            raise ConfigError(f"LoRA with {used} is not modelled yet: give data parallelism (--gpus N with DDP, "
+                              "--zero or --fsdp)")
     return Request(spec, config, training, device, target, parallel, finetune)
 
 

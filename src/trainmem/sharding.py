@@ -168,6 +168,9 @@ class Parallel:
     """Model chunks per rank with the interleaved schedule."""
     micro_batches: int = 0
     """Micro-batches per step through the pipeline (0: pp, the fewest that fill it)."""
+    pp_layers: tuple[int, ...] = ()
+    """Decoder layers per pipeline stage, first to last, where they are not split evenly (1F1B; --pp-layers,
+    modelparallel.pipeline_split); (): pp equal stages."""
     cp: int = 1
     """Context parallel degree: the sequence split across cp ranks."""
     ep: int = 1
@@ -237,7 +240,8 @@ class Parallel:
         group = self.data_parallel * self.cp
         per_node = max(1, self.node_size // self.model_parallel) if self.gpus_per_node else 0
         return replace(self, gpus=group, gpus_per_node=min(per_node, group), tp=1, sp=False, pp=1,
-                       pp_schedule="1f1b", virtual_stages=1, micro_batches=0, cp=1, ep=1, experts_split=self.ep)
+                       pp_schedule="1f1b", virtual_stages=1, micro_batches=0, cp=1, ep=1, experts_split=self.ep,
+                       pp_layers=())
 
     @property
     def node_size(self) -> int:
@@ -274,6 +278,8 @@ class Parallel:
             out.update({name: getattr(self, name) for name in _MODEL_PARALLEL_FIELDS},
                        micro_batches=self.in_flight_micro_batches if self.pp > 1 else 0,
                        data_parallel=self.data_parallel, shard_size=self.data_parallel_view().shard_size)
+            if self.pp_layers:
+                out["pp_layers"] = list(self.pp_layers)
         if self.zero is not None:
             out["deepspeed"] = {f.name: getattr(self.deepspeed, f.name) for f in fields(self.deepspeed)}
         return out
@@ -281,6 +287,7 @@ class Parallel:
 
 PP_SCHEDULES = ("1f1b", "interleaved")
 _MODEL_PARALLEL_FIELDS = ("tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep")
+# (pp_layers is written by as_dict only where it is given: an uneven split)
 _EXPERT_ROLES = ("expert", "expert_down")
 
 
@@ -295,6 +302,10 @@ def _check_model_parallel(p: Parallel) -> None:
         raise ConfigError("--sp splits the sequence across the tensor-parallel ranks: it needs --tp 2 or more")
     if p.pp_schedule not in PP_SCHEDULES:
         raise ConfigError(f"unknown pp-schedule {p.pp_schedule!r}; accepted: {', '.join(PP_SCHEDULES)}")
+    if p.pp_layers and (not isinstance(p.pp_layers, tuple) or len(p.pp_layers) != p.pp or p.virtual_stages > 1
+                        or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in p.pp_layers)):
+        raise ConfigError(f"--pp-layers gives the layers of each of the {p.pp} stages of a 1F1B pipeline, each 1 or "
+                          f"more, got {p.pp_layers!r}")
     if p.pp == 1 and (p.pp_schedule != "1f1b" or p.virtual_stages > 1 or p.micro_batches):
         raise ConfigError("--pp-schedule, --virtual-stages and --micro-batches describe a pipeline: give --pp 2 "
                           "or more")

@@ -92,6 +92,7 @@ class EstimateInput(BaseModel):
     sp: bool = Field(False, description="Sequence parallel on the tensor-parallel GPUs.")
     pp: int = Field(1, ge=1, le=1 << 20, description="Pipeline stages.")
     pp_schedule: str = "1f1b"
+    pp_layers: str | list[int] | None = None
     virtual_stages: int = Field(1, ge=1, le=1 << 20)
     micro_batches: int = Field(0, ge=0, le=1 << 20, description="Micro-batches per step through the pipeline "
                                "(0: pp).")
@@ -149,7 +150,7 @@ SETTINGS_FIELDS = ("recipe", "optimizer", "optimizer_impl", "batch", "seq", "gra
 REQUEST_FIELDS = ("params", "gpus", "gpus_per_node", "zero", "fsdp", "offload", "ddp_bucket_view", "lora",
                   "lora_alpha", "lora_dropout", "lora_targets", "dora", "train_modules", "adapter_dtype", "qlora",
                   "base_quant", "double_quant", "gpu", "headroom", "fragmentation", "cuda_overhead", "tp", "sp",
-                  "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep")
+                  "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep", "pp_layers")
 
 
 MAX_BUILT_LAYERS = 512
