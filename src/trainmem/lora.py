@@ -452,10 +452,11 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
                 _merged_weight_bytes(spec, la.layer, wrapped, p)
             if first and p.autocast:
                 # a frozen weight's half copy (autocast caches none: the weight takes no gradient) is kept by its
-                # matmul only for its input's gradient: the first layer's q, k, v inputs take none
+                # matmul only for its input's gradient: the first layer's q, k, v inputs take none, nor in a
+                # parallel-residual layer the MLP's input, nor, with the MLP frozen, anything in its branch
                 constant -= p.compute * sum(t.numel for t in layer_tensors(la.layer, spec.hidden_size,
                                                                             spec.norm_vectors)
-                                            if t.role == "attention_input" and _linear_weight(t))
+                                            if t.role in rules.first_inputs(la.layer) and _linear_weight(t))
             layers.append(replace(la, count=count, terms=terms, constant_bytes=constant,
                                   attention_bytes_per_token=la.attention_bytes_per_token + delta))
     head, _ = rules.adapted_terms(acts.head_terms, None)
@@ -494,14 +495,22 @@ class _Rules:
         self.head_trained = "head" in options.trained_roles
         self.embedding_trained = "embedding" in options.trained_roles
 
+    def mlp_frozen(self, layer) -> bool:
+        return not any(c in self.chosen for c in SITE_CONSUMERS["mlp_input"] + SITE_CONSUMERS["down_input"])
+
+    def first_inputs(self, layer) -> tuple[str, ...]:
+        """The roles of the Linears whose input takes no gradient in the first layer."""
+        if not layer.parallel_residual:
+            return ("attention_input",)
+        return ("attention_input", "mlp") + (("mlp_down",) if self.mlp_frozen(layer) else ())
+
     def layer_terms(self, la, first: bool):
         """A layer's terms under LoRA (``first``: the first layer, whose input takes no gradient)."""
         layer = la.layer
         no_gradient = ("input_norm", "qkv_input") + (_PARALLEL_MLP_SITES if layer.parallel_residual else ())
         terms = la.terms
         if first and layer.parallel_residual:
-            mlp_sites = SITE_CONSUMERS["mlp_input"] + SITE_CONSUMERS["down_input"]
-            if not any(c in self.chosen for c in mlp_sites):
+            if self.mlp_frozen(layer):
                 # the MLP branch of the first layer reads the embedding through frozen Linears only: nothing in it
                 # takes a gradient, so it keeps nothing (traced: GPT-NeoX q,v)
                 terms = terms[:_mlp_branch_start(la)]
