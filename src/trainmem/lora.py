@@ -350,6 +350,11 @@ SITE_CONSUMERS = {
 and "shared_input" kinds, else Term.input_of), in every family: MLA's q_a_proj and kv_a_proj_with_mqa read the
 layer's norm output, the MoE router (``mlp.gate``) and shared experts the MLP's."""
 _ATTENTION_SITES = ("input_norm", "qkv_input", "o_input", "q_b_input", "kv_b_input")
+_EXPERT_SITES = ("expert_input", "expert_down_input")
+"""The routed experts' inputs. In bf16 a frozen expert weight keeps none (grouped_mm saves an operand for the other's
+gradient only); experts in fp32 (under autocast, or the fp32 recipe: transformers' grouped_mm_experts_forward casts
+to the weights' dtype) keep them as a full fine-tune does, and compute the weight gradient anyway (traced: Mixtral
+amp-bf16, the gathered tokens and the product kept in fp32; integrations/moe.py's fallback saves both operands)."""
 _PARALLEL_MLP_SITES = ("mlp_norm", "mlp_input")
 """In a parallel-residual layer (GPT-NeoX, Falcon) the MLP reads the layer input too: in a first layer whose input
 takes no gradient, what its norm and first Linears would keep for their input's gradient is not kept."""
@@ -534,7 +539,7 @@ class _Rules:
                 adapted = [c for c in consumers if c in chosen and c not in self.wrapped]
                 width = self.in_features[adapted[0]] if adapted else 0
                 if t.kind == "shared_input" or (site == "head_input" and self.head_trained) or \
-                        any(c in self.wrapped for c in consumers):
+                        any(c in self.wrapped for c in consumers) or (site in _EXPERT_SITES and self.p.experts == 4):
                     # kept by another op whatever the Linear does, by the trained LM head, or by a Linear whose
                     # weight takes a gradient (parameter_wrapped)
                     new.append(t)

@@ -822,7 +822,7 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             + (_adapter_forward_transients(spec, la, p, tokens, finetune) if finetune is not None else ()),
             experts_freed=int(_term_bytes(la.terms, "routed_experts", "intermediate") * tokens),
             experts_transient=_experts_transient(spec, la, p, gradients_of, tokens, frozen=finetune is not None and
-                                                 "mlp.experts.gate_up_proj" not in adapted),
+                                                 "mlp.experts.gate_up_proj" not in adapted and p.experts != FP32),
             experts_weighting_transient=_experts_weighting_transient(spec, layer, p, tokens),
             experts_weighting_freed=_experts_weighting_freed(spec, la, p, tokens),
             experts_weighting_grads=(_param_bytes(_numel(tensors, "shared_expert"), gradients_of.gradient_bytes)
