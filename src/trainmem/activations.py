@@ -774,11 +774,12 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
     kvr = att.kv_lora_rank
     if att.q_lora_rank:
         q = att.q_lora_rank
-        terms += [Term("q_a_layernorm: input in fp32, rsqrt, normalised", FP32 * q + FP32 + c * q),
+        terms += [Term("q_a_layernorm: input in fp32, rsqrt", FP32 * q + FP32),
+                  Term("q_a_layernorm: normalised", c * q, kind="normalised"),
                   Term("q_a_layernorm output (q_b_proj input)", c * q, input_of="q_b_input")]
     # kv_a_layernorm reads a view of kv_a_proj_with_mqa's output; in fp32 its no-op upcast keeps that whole output.
-    terms += [Term("kv_a_layernorm: input in fp32, rsqrt, normalised",
-                   FP32 * (kvr + rope if c == FP32 else kvr) + FP32 + c * kvr),
+    terms += [Term("kv_a_layernorm: input in fp32, rsqrt", FP32 * (kvr + rope if c == FP32 else kvr) + FP32),
+              Term("kv_a_layernorm: normalised", c * kvr, kind="normalised"),
               Term("kv_a_layernorm output (kv_b_proj input)", c * kvr, input_of="kv_b_input")]
     kv_b_out = c * a * (nope + dv)
     q_bytes = p.residual if p.autocast else c  # the rotated half is fp32 under autocast, and the cat promotes
@@ -914,7 +915,7 @@ def _router_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
         return [Term("router softmax (fp32)", FP32 * e), Term("top-k indices (int64)", INDEX * k)] + norm
     # Under autocast F.linear casts the fp32 upcast back to half: that copy is one of the MLP input's casts.
     upcast = FP32 * h if p.compute != FP32 and not p.autocast else 0
-    terms = [Term("router input in fp32", upcast), Term("router sigmoid scores", scores * e),
+    terms = [Term("router input in fp32", upcast, input_of="router_input"), Term("router sigmoid scores", scores * e),
              Term("per-group top-2 indices, selected groups, group mask",
                   INDEX * 2 * moe.groups + INDEX * moe.top_groups + MASK * e),
              Term("top-k indices (int64)", INDEX * k)]

@@ -344,7 +344,7 @@ SITE_CONSUMERS = {
     "mlp_input": ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj", "mlp.fc1", "mlp.gate",
                   "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert_gate"),
     "down_input": ("mlp.down_proj", "mlp.fc2"), "shared_down_input": ("mlp.shared_expert.down_proj",),
-    "expert_input": ("mlp.experts.gate_up_proj",), "expert_down_input": ("mlp.experts.down_proj",),
+    "router_input": ("mlp.gate",), "expert_input": ("mlp.experts.gate_up_proj",), "expert_down_input": ("mlp.experts.down_proj",),
     "head_input": ("lm_head",)}
 """The Linears (trainmem's names) reading each input the activation terms tag (Term.module for the "linear_input"
 and "shared_input" kinds, else Term.input_of), in every family: MLA's q_a_proj and kv_a_proj_with_mqa read the
