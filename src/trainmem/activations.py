@@ -1154,7 +1154,7 @@ def llama_style_layers(spec: ModelSpec) -> bool:
 
 
 def lora_layers_modelled(spec: ModelSpec) -> bool:
-    """Layers whose LoRA step is modelled: Llama-style, or the same with a plain two-Linear MLP (GPT-2, OPT without
+    """Layers shaped as Llama's or as the same with a plain two-Linear MLP (GPT-2, OPT without
     projected embeddings): attention (no MLA), a dense MLP, two norms, sequential residuals."""
     return bool(spec.layer_runs) and spec.traits.block == "standard" and not spec.projects_embeddings and not any(
         lay.attention.kind == "mla" or lay.moe or lay.mlp is None or lay.parallel_residual or lay.num_norms != 2

@@ -454,7 +454,7 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
                 continue
             terms, delta = rules.layer_terms(la, first)
             constant = la.constant_bytes + adapter_half_copies(spec, la.layer, options, p) + \
-                _merged_weight_bytes(spec, la.layer, wrapped, p)
+                _merged_weight_bytes(spec, la.layer, wrapped, p, options)
             if first and p.autocast:
                 # a frozen weight's half copy (autocast caches none: the weight takes no gradient) is kept by its
                 # matmul only for its input's gradient: the first layer's q, k, v inputs take none, nor in a
@@ -477,13 +477,23 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
     return replace(acts, layers=tuple(layers), head_terms=head, embedding_terms=embedding)
 
 
-def _merged_weight_bytes(spec: ModelSpec, layer, wrapped: frozenset[str], p) -> int:
+def _merged_weight_bytes(spec: ModelSpec, layer, wrapped: frozenset[str], p, options: LoraOptions) -> int:
     """Per layer, the merged weights parameter_wrapped's matmuls keep for their input's gradient, in the weights'
-    dtype (the parametrization's output: ``baddbmm(W, ...)``, ``W + delta``)."""
+    dtype (the parametrization's output: ``baddbmm(W, ...)``, ``W + delta``), and the experts' adapter factors cast
+    to that dtype where they are in another (``get_delta_factors``: ``lhs.to(param.dtype)``), which baddbmm keeps
+    for each other's gradient: experts x rank x (in + out), the fused gate_up at rank 2r (traced: Mixtral
+    all-linear, fp32 adapters on bf16, 335,872 bytes a layer)."""
     if not wrapped:
         return 0
-    return sum(p.residual * t.numel for t in layer_tensors(layer, spec.hidden_size, spec.norm_vectors)
-               if t.name.removesuffix(".weight") in wrapped)
+    rank, total = options.rank, 0
+    for t in layer_tensors(layer, spec.hidden_size, spec.norm_vectors):
+        if t.name.removesuffix(".weight") not in wrapped:
+            continue
+        total += p.residual * t.numel
+        if len(t.shape) == 3 and adapter_bytes_per_value(options, p.residual) != p.residual:
+            experts, rows, cols = t.shape
+            total += p.residual * experts * rank * (2 if t.role == "expert" else 1) * (rows + cols)
+    return total
 
 
 class _Rules:
