@@ -47,8 +47,9 @@ def test_a_frozen_moe_keeps_neither_the_experts_inputs_nor_their_product():
     moe = spec.layer_runs[0][0].moe
     h, i, k = spec.hidden_size, moe.expert_intermediate_size, moe.top_k
     experts = ("expert_input", "expert_down_input")
-    assert sum(t.bytes_per_token for t in full.layers[-1].terms if t.input_of in experts) == 2 * k * (h + i)  # bf16
-    assert not [t for t in lora.layers[-1].terms if t.input_of in experts]
+    assert sum(t.bytes_per_token * t.input_share for t in full.layers[-1].terms if t.input_of in experts) == \
+        2 * k * (h + i)  # bf16
+    assert not [t for t in lora.layers[-1].terms if t.input_of == "expert_input"]
     # the gate_up output and the activation stay (the activation's and the product's backward need them)
     assert sum(t.bytes_per_token for t in lora.layers[-1].terms if t.module == "routed_experts") == \
         2 * k * (2 * i + i + h)  # bf16 gate_up output (2I), activation (I), weighted outputs (h)

@@ -52,6 +52,12 @@ class Term:
     ``module`` does not say it already: a frozen Linear does not keep its input for a weight gradient it does not
     take, so a LoRA step drops the tensor (lora.lora_activations) unless ``kind`` is "shared_input" (another op
     keeps it too). Changes no byte of a full fine-tune."""
+    input_share: float = 1.0
+    """The part of ``bytes_per_token`` that is that input (one term can stand for several tensors: the experts'
+    activation and product)."""
+    normalised_bytes: float = 0.0
+    """Bytes per token of a norm's normalised value within this term (kept for the norm weight's gradient only:
+    a frozen norm keeps none)."""
 
 
 # Term kinds the attention formulas look terms up by (module ""): what a term is, whatever its label says.
@@ -774,12 +780,12 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
     kvr = att.kv_lora_rank
     if att.q_lora_rank:
         q = att.q_lora_rank
-        terms += [Term("q_a_layernorm: input in fp32, rsqrt", FP32 * q + FP32),
-                  Term("q_a_layernorm: normalised", c * q, kind="normalised"),
+        terms += [Term("q_a_layernorm: input in fp32, rsqrt, normalised", FP32 * q + FP32 + c * q,
+                       normalised_bytes=c * q),
                   Term("q_a_layernorm output (q_b_proj input)", c * q, input_of="q_b_input")]
     # kv_a_layernorm reads a view of kv_a_proj_with_mqa's output; in fp32 its no-op upcast keeps that whole output.
-    terms += [Term("kv_a_layernorm: input in fp32, rsqrt", FP32 * (kvr + rope if c == FP32 else kvr) + FP32),
-              Term("kv_a_layernorm: normalised", c * kvr, kind="normalised"),
+    terms += [Term("kv_a_layernorm: input in fp32, rsqrt, normalised",
+                   FP32 * (kvr + rope if c == FP32 else kvr) + FP32 + c * kvr, normalised_bytes=c * kvr),
               Term("kv_a_layernorm output (kv_b_proj input)", c * kvr, input_of="kv_b_input")]
     kv_b_out = c * a * (nope + dv)
     q_bytes = p.residual if p.autocast else c  # the rotated half is fp32 under autocast, and the cat promotes
@@ -880,8 +886,9 @@ def _moe_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
              k * (3 * INDEX + weight_bytes)),
         Term("tokens gathered per selected expert", k * w * h, input_of="expert_input"),
         Term("expert gate_up outputs", k * 2 * w * i, "routed_experts", "intermediate"),
-        Term("expert activation", k * w * i, "routed_experts", "intermediate"),
-        Term("expert product (down input)", k * w * i, "routed_experts", "intermediate", "expert_down_input"),
+        # (the product is the down projection's input: half of this term)
+        Term("expert activation and product", k * 2 * w * i, "routed_experts", "intermediate", "expert_down_input",
+             input_share=0.5),
         Term("expert outputs (weighted by the router)", k * w * h, "routed_experts", "intermediate"),
     ]
     if moe.shared_intermediate_size:

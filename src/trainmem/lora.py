@@ -532,6 +532,8 @@ class _Rules:
         return self.adapted_terms(terms, layer, no_gradient if first else ())
 
     def adapted_terms(self, terms, layer, no_gradient=()):
+        from dataclasses import replace
+
         chosen = self.chosen
         out, attention_delta = [], 0.0
         # where two terms tag one site, the Linear reads the later one (flash's output is kept by the kernel, its
@@ -540,6 +542,8 @@ class _Rules:
         for index, t in enumerate(terms):
             new: list = []
             site = _term_site(t)
+            if t.normalised_bytes:  # (MLA's latent norms: one term with their fp32 input and rsqrt)
+                t = replace(t, bytes_per_token=t.bytes_per_token - t.normalised_bytes, normalised_bytes=0.0)
             if t.kind == "normalised" or (t.kind == "input_ids" and not self.embedding_trained) or \
                     t.module in no_gradient and not site or \
                     ("input_norm" in no_gradient and t.module in _HEAD_NORM_OF and _HEAD_NORM_OF[t.module] not in chosen):
@@ -553,6 +557,8 @@ class _Rules:
                     # kept by another op whatever the Linear does, by the trained LM head, or by a Linear whose
                     # weight takes a gradient (parameter_wrapped)
                     new.append(t)
+                elif t.input_share < 1:  # the rest of the term is kept by another op
+                    new.append(replace(t, bytes_per_token=t.bytes_per_token * (1 - t.input_share)))
                 if adapted and read[site] == index:
                     new += self._adapter_terms(t, site, adapted, width, site in no_gradient, new)
             else:
