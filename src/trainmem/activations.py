@@ -16,7 +16,7 @@ the residual stream (fp32 under autocast, else the weights' dtype). A tensor tha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from .kernels import (EAGER, EFFICIENT, EFFICIENT_MASK_MULTIPLE, FLASH, FLASH_MAX_HEAD_DIM, MATH,
@@ -47,6 +47,17 @@ class Term:
     """What it is within that module: a norm's "input_fp32", "rsqrt", "normalised" (RMSNorm) or "input", "stats"
     (LayerNorm); the routed experts' "intermediate" (what their gate_up backward frees); the LM head's
     "autocast_weight_copy"; "back_from_host" for the offloaded layer inputs backward has brought back."""
+    input_of: str = ""
+    """The Linears that read this tensor, by site (lora.SITE_CONSUMERS: "o_input", "expert_input", ...), where
+    ``module`` does not say it already: a frozen Linear does not keep its input for a weight gradient it does not
+    take, so a LoRA step drops the tensor (lora.lora_activations) unless ``kind`` is "shared_input" (another op
+    keeps it too). Changes no byte of a full fine-tune."""
+    input_share: float = 1.0
+    """The part of ``bytes_per_token`` that is that input (one term can stand for several tensors: the experts'
+    activation and product)."""
+    normalised_bytes: float = 0.0
+    """Bytes per token of a norm's normalised value within this term (kept for the norm weight's gradient only:
+    a frozen norm keeps none)."""
 
 
 # Term kinds the attention formulas look terms up by (module ""): what a term is, whatever its label says.
@@ -590,7 +601,8 @@ def _eager_terms(spec: ModelSpec, att: Attention, p: Precision, s: int, batch: i
     if att.logit_softcap:
         # attn_logit_softcapping: scores / cap -> tanh -> * cap; tanh keeps its output.
         terms.append(Term("attention softcapping tanh output", c * a * s))
-    terms.append(Term("attention output, contiguous (o_proj input)", c * a * dv, kind=CONTIGUOUS_OUTPUT))
+    terms.append(Term("attention output, contiguous (o_proj input)", c * a * dv, kind=CONTIGUOUS_OUTPUT,
+                      input_of="o_input"))
     return terms
 
 
@@ -636,7 +648,7 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
             terms.append(Term("attention dropout mask", MASK * a * s))
         if r != c or dropout > 0:
             terms.append(Term("probabilities in compute dtype (matmul with v)", c * a * s))
-        terms.append(Term("attention output, merged (dense input)", c * a * d))
+        terms.append(Term("attention output, merged (dense input)", c * a * d, input_of="o_input"))
         # (v's backward frees nothing where v is a view of the fused output q or k still keeps)
         v_freed = c * kept_heads * d if "v" not in views else c * (a + 2 * kv) * d if views == ("v",) else 0
         released = c * a * d + v_freed + (c * a * s if r != c or dropout > 0 else 0)
@@ -691,7 +703,7 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         terms += [Term(name, c * heads * d) for name, is_view, heads in (
             ("q" + (" after rotary" if rotary else ""), q_view, a), ("k", k_view, k_heads), ("v", v_view, v_heads))
             if not is_view]
-        terms += [Term("attention output (dense input)", c * a * d),
+        terms += [Term("attention output (dense input)", c * a * d, kind="shared_input", input_of="o_input"),
                   Term("softmax logsumexp (fp32, padded to 32 rows)", efficient_lse_per_token(a, s))]
         if rotary:  # the boolean (b, 1, s, s) mask, converted to a float one per call
             terms.append(Term("attention mask converted to the compute dtype (padded to 16 columns)",
@@ -707,7 +719,7 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
               Term("v (fp32)", FP32 * kv_kept * d), Term("softmax probabilities (fp32)", FP32 * a * s)]
     if sdpa_dropout > 0:
         terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
-    terms.append(Term("attention output copied contiguous (dense input)", c * a * d))
+    terms.append(Term("attention output copied contiguous (dense input)", c * a * d, input_of="o_input"))
     released, backward = math_backward_per_token(c, a, d, s, sdpa_dropout)
     return AttentionTerms(tuple(terms), MATH, k_cache + v_cache, 0.0, released, backward,
                           matmul_backward=math_matmul_backward_per_token(c, a, d, s))
@@ -768,12 +780,13 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
     kvr = att.kv_lora_rank
     if att.q_lora_rank:
         q = att.q_lora_rank
-        terms += [Term("q_a_layernorm: input in fp32, rsqrt, normalised", FP32 * q + FP32 + c * q),
-                  Term("q_a_layernorm output (q_b_proj input)", c * q)]
+        terms += [Term("q_a_layernorm: input in fp32, rsqrt, normalised", FP32 * q + FP32 + c * q,
+                       normalised_bytes=c * q),
+                  Term("q_a_layernorm output (q_b_proj input)", c * q, input_of="q_b_input")]
     # kv_a_layernorm reads a view of kv_a_proj_with_mqa's output; in fp32 its no-op upcast keeps that whole output.
     terms += [Term("kv_a_layernorm: input in fp32, rsqrt, normalised",
-                   FP32 * (kvr + rope if c == FP32 else kvr) + FP32 + c * kvr),
-              Term("kv_a_layernorm output (kv_b_proj input)", c * kvr)]
+                   FP32 * (kvr + rope if c == FP32 else kvr) + FP32 + c * kvr, normalised_bytes=c * kvr),
+              Term("kv_a_layernorm output (kv_b_proj input)", c * kvr, input_of="kv_b_input")]
     kv_b_out = c * a * (nope + dv)
     q_bytes = p.residual if p.autocast else c  # the rotated half is fp32 under autocast, and the cat promotes
     # The cache (use_cache) keeps the latents: the normalised kv (fp32 under autocast, where kv_b_proj keeps a
@@ -793,7 +806,7 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
             terms.append(Term("attention dropout mask", MASK * a * s))
         # the batched matmul with v copies the strided view of kv_b_proj's output
         terms += [Term("v, contiguous copy", c * a * dv), Term("attention output, contiguous (o_proj input)",
-                                                                c * a * dv)]
+                                                                c * a * dv, input_of="o_input")]
         released = 2 * c * a * dv + (c * a * s if c != FP32 or dropout > 0 else 0)
         if dropout > 0 and q_bytes != FP32:
             # the dropout (on probabilities cast to q's half dtype) has run its backward by the softmax's: its mask
@@ -812,12 +825,12 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
                   Term("v padded" if pad else "v (a view of kv_b_proj's output, which it keeps)",
                        c * a * d8 if pad else kv_b_out),
                   Term("attention output", c * a * d8), Term("softmax logsumexp (fp32)", FP32 * a),
-                  Term("attention output copied contiguous (o_proj input)", c * a * dv)]
+                  Term("attention output copied contiguous (o_proj input)", c * a * dv, input_of="o_input")]
         released, backward = c * a * dv, flash_backward_per_token(c, a, a, qk, dv, s)
     elif backend == EFFICIENT:
         terms += [Term("q", c * a * qk), Term("k", c * a * qk),
                   Term("v (a view of kv_b_proj's output, which it keeps)", kv_b_out),
-                  Term("attention output (o_proj input)", c * a * dv),
+                  Term("attention output (o_proj input)", c * a * dv, kind="shared_input", input_of="o_input"),
                   Term("softmax logsumexp (fp32, padded to 32 rows)", efficient_lse_per_token(a, s))]
         released, backward = 0.0, c * a * (2 * qk + 2 * dv)  # dq, dk, dv beside d(output)
     else:
@@ -827,7 +840,7 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
                   Term("softmax probabilities (fp32)", FP32 * a * s)]
         if dropout > 0:
             terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
-        terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv))
+        terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv, input_of="o_input"))
         released, backward = math_backward_per_token(c, a, dv, s, dropout)
     matmul_backward = math_matmul_backward_per_token(c, a, dv, s) if backend == MATH else 0.0
     return AttentionTerms(tuple(terms), backend, cache_extra, 0.0, released, backward, forward_inputs=inputs,
@@ -871,14 +884,18 @@ def _moe_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
     terms += [
         Term("routing bookkeeping per (token, expert) pair (3 int64 indices and the weight)",
              k * (3 * INDEX + weight_bytes)),
-        Term("tokens gathered per selected expert", k * w * h),
+        Term("tokens gathered per selected expert", k * w * h, input_of="expert_input"),
         Term("expert gate_up outputs", k * 2 * w * i, "routed_experts", "intermediate"),
-        Term("expert activation and product", k * 2 * w * i, "routed_experts", "intermediate"),
+        # (the product is the down projection's input: half of this term)
+        Term("expert activation and product", k * 2 * w * i, "routed_experts", "intermediate", "expert_down_input",
+             input_share=0.5),
         Term("expert outputs (weighted by the router)", k * w * h, "routed_experts", "intermediate"),
     ]
     if moe.shared_intermediate_size:
         shared = MLP(moe.shared_intermediate_size, True, moe.activation)
-        terms += [Term(f"shared expert: {t.name}", t.bytes_per_token, "shared_expert") for t in _mlp_terms(shared, p)]
+        terms += [Term(f"shared expert: {t.name}", t.bytes_per_token, "shared_expert",
+                       input_of="shared_down_input" if t.module == "down_input" else "")
+                  for t in _mlp_terms(shared, p)]
     elif moe.shared_always_built and p.autocast:
         terms.append(Term("zero-width shared experts: their gate and up projections' input casts", 2 * p.compute * h))
     if moe.shared_expert_gate:
@@ -905,7 +922,7 @@ def _router_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
         return [Term("router softmax (fp32)", FP32 * e), Term("top-k indices (int64)", INDEX * k)] + norm
     # Under autocast F.linear casts the fp32 upcast back to half: that copy is one of the MLP input's casts.
     upcast = FP32 * h if p.compute != FP32 and not p.autocast else 0
-    terms = [Term("router input in fp32", upcast), Term("router sigmoid scores", scores * e),
+    terms = [Term("router input in fp32", upcast, input_of="router_input"), Term("router sigmoid scores", scores * e),
              Term("per-group top-2 indices, selected groups, group mask",
                   INDEX * 2 * moe.groups + INDEX * moe.top_groups + MASK * e),
              Term("top-k indices (int64)", INDEX * k)]
@@ -931,8 +948,6 @@ def _sequence_sharded(terms: list[Term], shards: int) -> list[Term]:
     keeps the shard and gathers it again in backward: docs/accuracy.md)."""
     if shards == 1:
         return terms
-    from dataclasses import replace
-
     return [replace(t, bytes_per_token=t.bytes_per_token / shards) for t in terms]
 
 
@@ -996,7 +1011,8 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         terms += norm_terms("post-attention norm", r, "post_attention_norm")
     if layer.parallel_residual and layer.num_norms == 1:
         if p.autocast:  # the shared fp32 norm output is cast again by each MLP Linear
-            terms += _linear_inputs(p, h, mlp_consumers, "input norm output (MLP input)", r)
+            terms += [replace(t, input_of="mlp_input")
+                      for t in _linear_inputs(p, h, mlp_consumers, "input norm output (MLP input)", r)]
     else:
         terms += _linear_inputs(p, h, mlp_consumers, "MLP norm output (MLP input)", r, "mlp_input")
     falcon_bias = spec.traits.bias_after_matmul and p.autocast and att.qkv_bias
@@ -1145,7 +1161,7 @@ def llama_style_layers(spec: ModelSpec) -> bool:
 
 
 def lora_layers_modelled(spec: ModelSpec) -> bool:
-    """Layers whose LoRA step is modelled: Llama-style, or the same with a plain two-Linear MLP (GPT-2, OPT without
+    """Layers shaped as Llama's or as the same with a plain two-Linear MLP (GPT-2, OPT without
     projected embeddings): attention (no MLA), a dense MLP, two norms, sequential residuals."""
     return bool(spec.layer_runs) and spec.traits.block == "standard" and not spec.projects_embeddings and not any(
         lay.attention.kind == "mla" or lay.moe or lay.mlp is None or lay.parallel_residual or lay.num_norms != 2

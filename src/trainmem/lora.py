@@ -338,26 +338,33 @@ def adapter_groups(spec: ModelSpec, options: LoraOptions):
                  for repeat, t in selected_weights(spec, options))
 
 
-SITE_CONSUMERS = {"qkv_input": ("q_proj", "k_proj", "v_proj", "qkv_proj"), "o_input": ("o_proj",),
-                  "mlp_input": ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj", "mlp.fc1"),
-                  "down_input": ("mlp.down_proj", "mlp.fc2"), "head_input": ("lm_head",)}
-"""The Linears reading each input activations.py tags (Term.module), for Llama-style layers."""
-_ATTENTION_SITES = ("input_norm", "qkv_input", "o_input")
+SITE_CONSUMERS = {
+    "qkv_input": ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "kv_a_proj_with_mqa"),
+    "q_b_input": ("q_b_proj",), "kv_b_input": ("kv_b_proj",), "o_input": ("o_proj",),
+    "mlp_input": ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj", "mlp.fc1", "mlp.gate",
+                  "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert_gate"),
+    "down_input": ("mlp.down_proj", "mlp.fc2"), "shared_down_input": ("mlp.shared_expert.down_proj",),
+    "router_input": ("mlp.gate",), "expert_input": ("mlp.experts.gate_up_proj",), "expert_down_input": ("mlp.experts.down_proj",),
+    "head_input": ("lm_head",)}
+"""The Linears (trainmem's names) reading each input the activation terms tag (Term.module for the "linear_input"
+and "shared_input" kinds, else Term.input_of), in every family: MLA's q_a_proj and kv_a_proj_with_mqa read the
+layer's norm output, the MoE router (``mlp.gate``) and shared experts the MLP's."""
+_ATTENTION_SITES = ("input_norm", "qkv_input", "o_input", "q_b_input", "kv_b_input")
+_EXPERT_SITES = ("expert_input", "expert_down_input")
+"""The routed experts' inputs. In bf16 a frozen expert weight keeps none (grouped_mm saves an operand for the other's
+gradient only); experts in fp32 (under autocast, or the fp32 recipe: transformers' grouped_mm_experts_forward casts
+to the weights' dtype) keep them as a full fine-tune does, and compute the weight gradient anyway (traced: Mixtral
+amp-bf16, the gathered tokens and the product kept in fp32; integrations/moe.py's fallback saves both operands)."""
+_PARALLEL_MLP_SITES = ("mlp_norm", "mlp_input")
+"""In a parallel-residual layer (GPT-NeoX, Falcon) the MLP reads the layer input too: in a first layer whose input
+takes no gradient, what its norm and first Linears would keep for their input's gradient is not kept."""
 
 
 def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune | None = None) -> str | None:
-    """Why the activations of this LoRA step are not modelled, or None when they are: Llama-style layers (q/k/v
-    separate or fused as Phi-3's) or GPT-2/OPT-style ones (activations.lora_layers_modelled), SDPA, no model
-    dropout, with or without autocast (checked against the trace, tests/test_lora.py)."""
-    from .activations import effective_kernel, lora_layers_modelled, runs_dropout
-
-    if not lora_layers_modelled(spec):
-        return (f"{spec.model_type}'s layers (LoRA activations are modelled for Llama-style layers and plain "
-                "two-Linear MLPs, sequential residuals)")
-    if effective_kernel(spec, settings.attention) != "sdpa":
-        return f"{settings.attention} attention (LoRA activations are modelled for SDPA)"
-    if runs_dropout(spec, settings):
-        return "dropout (LoRA activations are modelled without dropout)"
+    """Why the activations of this LoRA step are not modelled, or None when they are. Every family's layers, SDPA
+    or eager attention, with or without the model's dropout and autocast, are (lora_activations applies the frozen
+    base's rules to whatever terms the family's layer has; checked against the trace, tests/test_lora.py and
+    tests/test_lora_families.py). What is left is named here."""
     if settings.loss == "chunked":
         return "--loss chunked (Liger's fused loss is not modelled with LoRA)"
     if finetune is not None:
@@ -369,7 +376,8 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
             return "DoRA with dropout (peft then reruns the base Linear on the dropped-out input with an fp32 copy " \
                    "of its weight, which is not modelled)"
         chosen = adapted_names(spec, finetune.lora)
-        if not chosen & {"q_proj", "k_proj", "v_proj", "qkv_proj"}:
+        if not chosen & {"q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                         "kv_b_proj"}:
             return "targets without q, k or v (the first layer's attention then keeps nothing)"
         if "lm_head" in chosen:
             return "an adapter on the LM head"
@@ -380,79 +388,63 @@ _HEAD_NORM_OF = {"q_norm": "q_proj", "k_norm": "k_proj"}
 """Qwen3's and Gemma 3's per-head norms, and the projection whose output they read."""
 
 
-def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
-    """What a LoRA step keeps instead of a full fine-tune's (activations.py's terms, by their tags): a frozen
-    Linear keeps no input (its weight takes no gradient; the gradient of its input needs only the weight); each
-    adapter keeps its input, cast to the adapter's dtype when that differs (one copy per adapter, peft's
-    ``_cast_input_dtype``), and its A output (rank wide); a frozen norm weight keeps no normalised value; the frozen
-    embedding keeps nothing, and the first layer's input norm, whose input takes no gradient, nothing either
-    (except under checkpointing, where transformers makes the embedding's output take one)."""
-    from dataclasses import replace
+def parameter_wrapped(spec: ModelSpec, options: LoraOptions) -> frozenset[str]:
+    """The adapted weights peft adapts as parameters (``ParamWrapper``: the router and the 3-D experts of the types
+    in ``_PEFT_MOE_CONVERSION`` under all-linear): ``torch.nn.utils.parametrize`` gives the module ``W + delta``
+    (``_LoraParameterProxy``; the experts ``baddbmm(W, B, A)``, ``_LoraFactorsProxy``), a new tensor that takes a
+    gradient, so the matmul keeps its input as a full fine-tune does and that merged weight for its input's
+    gradient (peft/tuners/lora/layer.py, ``ParamWrapper._activate_lora``)."""
+    return frozenset(n for n in adapted_names(spec, options) if n in ("mlp.gate", "mlp.experts.gate_up_proj",
+                                                                      "mlp.experts.down_proj"))
 
-    from .activations import MASK, Term
+
+def _site_consumers(site: str, layer) -> tuple[str, ...]:
+    """SITE_CONSUMERS, and where Falcon-7B's MLP reads the attention's norm output (one norm, parallel residual)
+    its first Linear at the q/k/v input too."""
+    if site == "qkv_input" and layer.parallel_residual and layer.num_norms == 1:
+        return SITE_CONSUMERS["qkv_input"] + SITE_CONSUMERS["mlp_input"]
+    return SITE_CONSUMERS.get(site, ())
+
+
+def _term_site(t) -> str:
+    """The Linears' site a term is an input of ("" where it is none)."""
+    return t.input_of or (t.module if t.kind in ("linear_input", "shared_input") else "")
+
+
+def _mlp_branch_start(la) -> int:
+    """The index of a layer's first MLP term (its terms up to attention_bytes_per_token are the attention's)."""
+    total = 0.0
+    for index, t in enumerate(la.terms):
+        if total >= la.attention_bytes_per_token:
+            return index
+        total += t.bytes_per_token
+    return len(la.terms)
+
+
+def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
+    """What a LoRA step keeps instead of a full fine-tune's (activations.py's terms, by their tags), the same rules
+    for every family: a frozen Linear keeps no input (its weight takes no gradient; the gradient of its input needs
+    only the weight), whatever layer it sits in (a fused query_key_value, GPT-2's Conv1D, an MoE's router and
+    grouped experts); each adapter keeps its input, cast to the adapter's dtype when that differs (one copy per
+    adapter, peft's ``_cast_input_dtype``), and its A output (rank wide); a frozen norm weight keeps no normalised
+    value; the frozen embedding keeps nothing, and the first layer's input norm, whose input takes no gradient,
+    nothing either (nor, in a parallel-residual layer, its MLP norm, and with a frozen MLP its whole MLP branch),
+    except under checkpointing, where transformers makes the embedding's output take one. A weight adapted as a
+    parameter (parameter_wrapped) takes a gradient: its input is kept as a full fine-tune keeps it, and its merged
+    weight (constant bytes per layer)."""
+    from dataclasses import replace
 
     options = finetune.lora
     chosen = adapted_names(spec, options)
-    ab = adapter_bytes_per_value(options, p.compute)
-    out_features = {t.name.removesuffix(".weight"): t.shape[0] for _, t in selected_weights(spec, options)}
-    in_features = {t.name.removesuffix(".weight"): t.shape[1] for _, t in selected_weights(spec, options)}
+    wrapped = parameter_wrapped(spec, options)
     # A trained embedding keeps its indices and makes every layer's input take a gradient (no first layer apart);
     # a trained LM head keeps its input, the final norm's output.
-    embedding_trained, head_trained = "embedding" in options.trained_roles, "head" in options.trained_roles
+    embedding_trained = "embedding" in options.trained_roles
     # transformers' activation_checkpointing_enable makes the embedding's output take a gradient
     # (enable_input_require_grads, modeling_utils.py: "When using PEFT + gradient checkpointing"), so under
     # checkpointing the first layer keeps what the others keep (traced)
     inputs_take_gradient = embedding_trained or acts.checkpointing != "none"
-
-    def adapted_terms(terms, first_layer=False):
-        out, attention_delta = [], 0.0
-        for t in terms:
-            new: list = []
-            if t.kind == "normalised" or (t.kind == "input_ids" and not embedding_trained) or \
-                    (first_layer and t.module == "input_norm") or \
-                    (first_layer and t.module in _HEAD_NORM_OF and _HEAD_NORM_OF[t.module] not in chosen):
-                pass  # dropped (q_norm / k_norm of a frozen projection whose input takes no gradient: nothing)
-            elif t.kind in ("linear_input", "shared_input"):
-                adapted = [c for c in SITE_CONSUMERS.get(t.module, ()) if c in chosen]
-                width = in_features[adapted[0]] if adapted else 0
-                if t.kind == "shared_input" or (t.module == "head_input" and head_trained):
-                    new.append(t)  # kept by attention whatever the Linear does, or by the trained LM head
-                if adapted:
-                    if p.autocast:
-                        # under autocast lora_A casts its input to half itself, one copy per adapter (peft's
-                        # _cast_input_dtype finds it already in the adapter's fp32), and keeps it; with lora dropout
-                        # the dropout keeps its bool mask too where its input takes a gradient (traced)
-                        mask = (0 if first_layer and t.module == "qkv_input" else MASK) if options.dropout > 0 else 0
-                        new.append(Term(f"{t.name}: adapters' half input copies (autocast)"
-                                        f"{' and dropout masks' if mask else ''} x{len(adapted)}",
-                                        len(adapted) * (p.compute + mask) * width, t.module, "adapter_input"))
-                    elif options.dropout > 0:
-                        # each adapter keeps its dropped-out input, and the dropout its bool mask where its input
-                        # takes a gradient (not the first layer's q/k/v input: nothing before it trains)
-                        mask = 0 if first_layer and t.module == "qkv_input" else MASK
-                        new.append(Term(f"{t.name}: adapters' dropped-out inputs and masks x{len(adapted)}",
-                                        len(adapted) * (ab + mask) * width, t.module, "adapter_input"))
-                    elif ab != p.compute:
-                        # a compiled layer casts the shared input once (the graph's common subexpression; traced)
-                        copies = 1 if acts.compiled else len(adapted)
-                        new.append(Term(f"{t.name}: adapters' {ab * 8}-bit input copies x{copies}",
-                                        copies * ab * width, t.module, "adapter_input"))
-                    elif t.kind == "linear_input":
-                        new.append(t)  # the adapters read the tensor itself
-                    new.append(Term(f"LoRA A outputs x{len(adapted)}",
-                                    len(adapted) * (p.compute if p.autocast else ab) * options.rank, t.module,
-                                    "adapter_output"))
-                    if options.dora:
-                        # (magnitude / norm - 1) x base output and (magnitude / norm) x B output keep both outputs
-                        width_out = sum(out_features[c] for c in adapted)
-                        new.append(Term(f"DoRA's base and adapter outputs x{len(adapted)}",
-                                        (p.compute + ab) * width_out, t.module, "adapter_output"))
-            else:
-                new.append(t)
-            if t.module in _ATTENTION_SITES or (first_layer and t.module == "input_norm"):
-                attention_delta += sum(n.bytes_per_token for n in new) - t.bytes_per_token
-            out += new
-        return tuple(out), attention_delta
+    rules = _Rules(spec, p, finetune, chosen, wrapped, acts.compiled)
 
     layers = []
     for index, la in enumerate(acts.layers):
@@ -460,25 +452,160 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
                              else ((False, la.count),)):
             if count == 0:
                 continue
-            terms, delta = adapted_terms(la.terms, first)
-            constant = la.constant_bytes + adapter_half_copies(spec, la.layer, options, p)
+            terms, delta = rules.layer_terms(la, first)
+            constant = la.constant_bytes + adapter_half_copies(spec, la.layer, options, p) + \
+                _merged_weight_bytes(spec, la.layer, wrapped, p, options)
             if first and p.autocast:
                 # a frozen weight's half copy (autocast caches none: the weight takes no gradient) is kept by its
-                # matmul only for its input's gradient: the first layer's q, k, v inputs take none
+                # matmul only for its input's gradient: the first layer's q, k, v inputs take none, nor in a
+                # parallel-residual layer the MLP's input, nor, with the MLP frozen, anything in its branch
                 constant -= p.compute * sum(t.numel for t in layer_tensors(la.layer, spec.hidden_size,
                                                                             spec.norm_vectors)
-                                            if t.role == "attention_input" and _linear_weight(t))
+                                            if t.role in rules.first_inputs(la.layer) and _linear_weight(t))
             layers.append(replace(la, count=count, terms=terms, constant_bytes=constant,
                                   attention_bytes_per_token=la.attention_bytes_per_token + delta))
-    head, _ = adapted_terms(acts.head_terms)
-    embedding, _ = adapted_terms(acts.embedding_terms)
+    head, _ = rules.adapted_terms(acts.head_terms, None)
+    embedding, _ = rules.adapted_terms(acts.embedding_terms, None)
     if inputs_take_gradient and not embedding_trained and spec.traits.decoder_locals in ("token_and_position", "opt"):
+        from .activations import Term
+
         # The token embeddings made to take a gradient are a leaf, which autograd's AccumulateGrad node holds through
         # the step; where positions are added to them (GPT-2, OPT) that is a tensor apart from the first layer's
         # input (traced: OPT fp32, full checkpointing, -2.1% at the loss without it)
         embedding += (Term("token embeddings (a leaf taking a gradient under checkpointing: held by autograd)",
                            p.residual * spec.hidden_size, "embedding", "leaf"),)
     return replace(acts, layers=tuple(layers), head_terms=head, embedding_terms=embedding)
+
+
+def _merged_weight_bytes(spec: ModelSpec, layer, wrapped: frozenset[str], p, options: LoraOptions) -> int:
+    """Per layer, the merged weights parameter_wrapped's matmuls keep for their input's gradient, in the weights'
+    dtype (the parametrization's output: ``baddbmm(W, ...)``, ``W + delta``), and the experts' adapter factors cast
+    to that dtype where they are in another (``get_delta_factors``: ``lhs.to(param.dtype)``), which baddbmm keeps
+    for each other's gradient: experts x rank x (in + out), the fused gate_up at rank 2r (traced: Mixtral
+    all-linear, fp32 adapters on bf16, 335,872 bytes a layer)."""
+    if not wrapped:
+        return 0
+    rank, total = options.rank, 0
+    for t in layer_tensors(layer, spec.hidden_size, spec.norm_vectors):
+        if t.name.removesuffix(".weight") not in wrapped:
+            continue
+        total += p.residual * t.numel
+        if len(t.shape) == 3 and adapter_bytes_per_value(options, p.residual) != p.residual:
+            experts, rows, cols = t.shape
+            total += p.residual * experts * rank * (2 if t.role == "expert" else 1) * (rows + cols)
+    return total
+
+
+class _Rules:
+    """The frozen base's saving rules (lora_activations) for one model and adapter set-up."""
+
+    def __init__(self, spec: ModelSpec, p, finetune: FineTune, chosen, wrapped, compiled: bool):
+        options = finetune.lora
+        self.spec, self.p, self.options, self.chosen, self.wrapped, self.compiled = \
+            spec, p, options, chosen, wrapped, compiled
+        self.ab = adapter_bytes_per_value(options, p.compute)
+        weights = selected_weights(spec, options)
+        self.out_features = {t.name.removesuffix(".weight"): t.shape[0] for _, t in weights}
+        self.in_features = {t.name.removesuffix(".weight"): t.shape[1] for _, t in weights}
+        self.head_trained = "head" in options.trained_roles
+        self.embedding_trained = "embedding" in options.trained_roles
+
+    def mlp_frozen(self, layer) -> bool:
+        return not any(c in self.chosen for c in SITE_CONSUMERS["mlp_input"] + SITE_CONSUMERS["down_input"])
+
+    def first_inputs(self, layer) -> tuple[str, ...]:
+        """The roles of the Linears whose input takes no gradient in the first layer."""
+        if not layer.parallel_residual:
+            return ("attention_input",)
+        return ("attention_input", "mlp") + (("mlp_down",) if self.mlp_frozen(layer) else ())
+
+    def layer_terms(self, la, first: bool):
+        """A layer's terms under LoRA (``first``: the first layer, whose input takes no gradient)."""
+        layer = la.layer
+        no_gradient = ("input_norm", "qkv_input") + (_PARALLEL_MLP_SITES if layer.parallel_residual else ())
+        terms = la.terms
+        if first and layer.parallel_residual:
+            if self.mlp_frozen(layer):
+                # the MLP branch of the first layer reads the embedding through frozen Linears only: nothing in it
+                # takes a gradient, so it keeps nothing (traced: GPT-NeoX q,v)
+                terms = terms[:_mlp_branch_start(la)]
+        return self.adapted_terms(terms, layer, no_gradient if first else ())
+
+    def adapted_terms(self, terms, layer, no_gradient=()):
+        from dataclasses import replace
+
+        chosen = self.chosen
+        out, attention_delta = [], 0.0
+        # where two terms tag one site, the Linear reads the later one (flash's output is kept by the kernel, its
+        # contiguous copy is o_proj's input): the adapters' terms go with that one
+        read = {_term_site(t): index for index, t in enumerate(terms)}
+        for index, t in enumerate(terms):
+            new: list = []
+            site = _term_site(t)
+            if t.normalised_bytes:  # (MLA's latent norms: one term with their fp32 input and rsqrt)
+                t = replace(t, bytes_per_token=t.bytes_per_token - t.normalised_bytes, normalised_bytes=0.0)
+            if t.kind == "normalised" or (t.kind == "input_ids" and not self.embedding_trained) or \
+                    t.module in no_gradient and not site or \
+                    ("input_norm" in no_gradient and t.module in _HEAD_NORM_OF and _HEAD_NORM_OF[t.module] not in chosen):
+                pass  # dropped (q_norm / k_norm of a frozen projection whose input takes no gradient: nothing)
+            elif site:
+                consumers = _site_consumers(site, layer) if layer is not None else SITE_CONSUMERS.get(site, ())
+                adapted = [c for c in consumers if c in chosen and c not in self.wrapped]
+                width = self.in_features[adapted[0]] if adapted else 0
+                if t.kind == "shared_input" or (site == "head_input" and self.head_trained) or \
+                        any(c in self.wrapped for c in consumers) or (site in _EXPERT_SITES and self.p.experts == 4):
+                    # kept by another op whatever the Linear does, by the trained LM head, or by a Linear whose
+                    # weight takes a gradient (parameter_wrapped)
+                    new.append(t)
+                elif t.input_share < 1:  # the rest of the term is kept by another op
+                    new.append(replace(t, bytes_per_token=t.bytes_per_token * (1 - t.input_share)))
+                if adapted and read[site] == index:
+                    new += self._adapter_terms(t, site, adapted, width, site in no_gradient, new)
+            else:
+                new.append(t)
+            if t.module in _ATTENTION_SITES or site in _ATTENTION_SITES or \
+                    ("input_norm" in no_gradient and t.module == "input_norm"):
+                attention_delta += sum(n.bytes_per_token for n in new) - t.bytes_per_token
+            out += new
+        return tuple(out), attention_delta
+
+    def _adapter_terms(self, t, site: str, adapted: list, width: int, no_gradient: bool, kept: list) -> list:
+        """What the adapters on a site's Linears keep: their inputs (copies, dropped-out inputs, masks) and their A
+        outputs, and with DoRA both outputs."""
+        from .activations import MASK, Term
+
+        p, options, ab = self.p, self.options, self.ab
+        new: list = []
+        if p.autocast:
+            # under autocast lora_A casts its input to half itself, one copy per adapter (peft's _cast_input_dtype
+            # finds it already in the adapter's fp32), and keeps it; with lora dropout the dropout keeps its bool
+            # mask too where its input takes a gradient (traced)
+            mask = (0 if no_gradient else MASK) if options.dropout > 0 else 0
+            new.append(Term(f"{t.name}: adapters' half input copies (autocast)"
+                            f"{' and dropout masks' if mask else ''} x{len(adapted)}",
+                            len(adapted) * (p.compute + mask) * width, t.module, "adapter_input"))
+        elif options.dropout > 0:
+            # each adapter keeps its dropped-out input, and the dropout its bool mask where its input takes a
+            # gradient (not the first layer's q/k/v input: nothing before it trains)
+            mask = 0 if no_gradient else MASK
+            new.append(Term(f"{t.name}: adapters' dropped-out inputs and masks x{len(adapted)}",
+                            len(adapted) * (ab + mask) * width, t.module, "adapter_input"))
+        elif ab != p.compute:
+            # a compiled layer casts the shared input once (the graph's common subexpression; traced)
+            copies = 1 if self.compiled else len(adapted)
+            new.append(Term(f"{t.name}: adapters' {ab * 8}-bit input copies x{copies}",
+                            copies * ab * width, t.module, "adapter_input"))
+        elif not kept:
+            new.append(t)  # the adapters read the tensor itself
+        new.append(Term(f"LoRA A outputs x{len(adapted)}",
+                        len(adapted) * (p.compute if p.autocast else ab) * options.rank, t.module,
+                        "adapter_output"))
+        if options.dora:
+            # (magnitude / norm - 1) x base output and (magnitude / norm) x B output keep both outputs
+            width_out = sum(self.out_features[c] for c in adapted)
+            new.append(Term(f"DoRA's base and adapter outputs x{len(adapted)}",
+                            (p.compute + ab) * width_out, t.module, "adapter_output"))
+        return new
 
 
 def adapter_half_copies(spec: ModelSpec, layer, options: LoraOptions, p) -> int:

@@ -86,6 +86,10 @@ FAMILY_MODULE_PATHS = {
     "gpt2": {"qkv_proj": r"attn\.c_attn", "o_proj": r"attn\.c_proj", "mlp.fc1": r"mlp\.c_fc",
              "mlp.fc2": r"mlp\.c_proj"},
     "opt": {"o_proj": r"self_attn\.out_proj", "mlp.fc1": r"fc1", "mlp.fc2": r"fc2"},
+    # GPT-NeoX (attention.*), Falcon and BLOOM (self_attention.*): the fused query_key_value, dense, and the MLP's
+    # dense_h_to_4h, dense_4h_to_h (modeling_gpt_neox.py, modeling_falcon.py, modeling_bloom.py)
+    **{family: {"qkv_proj": r"query_key_value", "o_proj": r"(?:attention|self_attention)\.dense",
+                "mlp.fc1": r"dense_h_to_4h", "mlp.fc2": r"dense_4h_to_h"} for family in ("gpt_neox", "falcon", "bloom")},
 }
 """Where a family's modules differ from trainmem's names (lora.MODULE_NAMES read the other way): the path inside a
 decoder layer, for a peft target regex (GPT-2's c_proj names both attention's output and the MLP's)."""

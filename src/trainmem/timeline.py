@@ -111,14 +111,17 @@ def _term_bytes(terms, module: str, *kinds: str, exclude: tuple[str, ...] = ()) 
                and t.kind not in exclude)
 
 
-def _experts_transient(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Recipe, tokens: int) -> int:
+def _experts_transient(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Recipe, tokens: int,
+                       frozen: bool = False) -> int:
     """The routed experts' gate_up backward (transformers' grouped_mm experts, traced): d(gate_up output),
-    d(gathered input), the router weights' gradient and the gate_up weight gradient, beside the residual one."""
+    d(gathered input), the router weights' gradient and the gate_up weight gradient, beside the residual one; no
+    weight gradient where the experts are ``frozen`` (LoRA on attention only: grouped_mm's backward then computes
+    its input's gradient alone)."""
     moe = la.layer.moe
     if moe is None:
         return 0
     w, k, i, h = p.experts, moe.top_k, moe.expert_intermediate_size, spec.hidden_size
-    weight_grad = _param_bytes(moe.local_experts * 2 * i * h, _autograd_grad_bytes(recipe))
+    weight_grad = 0 if frozen else _param_bytes(moe.local_experts * 2 * i * h, _autograd_grad_bytes(recipe))
     return (k * (2 * w * i + w * h + FP32) + p.residual * h) * tokens + weight_grad
 
 
@@ -820,7 +823,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                                  _layer_casts(spec, la, p) if cached else (0, 0))
             + (_adapter_forward_transients(spec, la, p, tokens, finetune) if finetune is not None else ()),
             experts_freed=int(_term_bytes(la.terms, "routed_experts", "intermediate") * tokens),
-            experts_transient=_experts_transient(spec, la, p, gradients_of, tokens),
+            experts_transient=_experts_transient(spec, la, p, gradients_of, tokens, frozen=finetune is not None and
+                                                 "mlp.experts.gate_up_proj" not in adapted and p.experts != FP32),
             experts_weighting_transient=_experts_weighting_transient(spec, layer, p, tokens),
             experts_weighting_freed=_experts_weighting_freed(spec, la, p, tokens),
             experts_weighting_grads=(_param_bytes(_numel(tensors, "shared_expert"), gradients_of.gradient_bytes)

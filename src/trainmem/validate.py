@@ -277,7 +277,8 @@ def validate(quick: bool = False, progress=None, full_size: bool = False, jobs: 
 
 
 LORA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "opt")
-"""The families whose LoRA step is modelled (lora.activations_modelled)."""
+"""The families the LoRA matrix runs (every family's LoRA step is modelled: the others are traced in
+tests/test_lora_families.py and docs/accuracy.md, "LoRA in every family")."""
 LORA_SET_UPS = ((("q", "v"), 0.0, False), (("all-linear",), 0.0, False), (("q", "k", "v", "o"), 0.05, False),
                 (("all-linear",), 0.0, True))
 """(targets, lora_dropout, DoRA) per row."""
