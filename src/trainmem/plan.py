@@ -462,7 +462,7 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     from .engine_configs import writers
 
     node = min(gpus_per_node, gpus)
-    device = device or DeviceOptions()
+    device = search_ratio(spec, seq, recipes[0], checkpointing[0], device or DeviceOptions())
     host_memory = int(host_memory_gib * 2**30)
     started = time.perf_counter()
     deadline = None if time_budget_s is None else started + time_budget_s
@@ -513,6 +513,24 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
                     "some engines: engine_configs.writers and docs/method.md say which engine runs which recipe)",)
     return PlanSearch(spec, tuple(plans), counts[0], counts[1], len(plans), time.perf_counter() - started, gpu,
                       gpus, seq, global_batch, mfu, inter_node_gbps, host_memory, skipped, cut_short)
+
+
+_SEARCH_RATIOS: dict[tuple, float | None] = {}
+
+
+def search_ratio(spec: ModelSpec, seq: int, recipe: str, checkpointing: str, device: DeviceOptions) -> DeviceOptions:
+    """``device`` with the fragmentation ratio a search's fit checks apply: the replay (replay.py) of the model's
+    one-GPU step at micro-batch 1 in the first recipe and checkpointing searched, one replay per search (a replay
+    per layout would cost 50-500 ms each). The plans' own estimates replay their steps."""
+    from dataclasses import replace
+
+    if device.fragmentation is not None or device.reserved_ratio is not None or not spec.has_architecture:
+        return device
+    key = (spec, seq, recipe, checkpointing, device.alloc_config)
+    if key not in _SEARCH_RATIOS:
+        settings = make_settings(recipe=recipe, checkpointing=checkpointing, seq=seq, batch=1)
+        _SEARCH_RATIOS[key] = compile_step(spec, settings, device).replayed_ratio(1, seq)
+    return replace(device, reserved_ratio=_SEARCH_RATIOS[key])
 
 
 def _search_layout(spec, gpu, seq, device, mfu, inter_node_gbps, host_memory, node, gpus, per_rank, recipe, label,

@@ -30,7 +30,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from .allocator import DEFAULT_CONFIG, AllocationLog, AllocatorConfig, AllocEvent, ReplayReport, replay
+from .hardware import DEFAULT_FRAGMENTATION
 from .timeline import CATEGORIES, Phase, step_candidates
+from .units import format_bytes
 
 STEPS = 2
 """Two steps: the first creates the optimizer states, the second is the steady state the figures are taken from."""
@@ -61,6 +63,16 @@ def _split(total: int, weights: list[int]) -> list[int]:
     return out
 
 
+def _pieces(total: int, sizes: list[int]) -> list[int]:
+    """``total`` bytes as the tensors ``sizes`` in order while they fit, and what is left as one more."""
+    out, left = [], total
+    for size in sizes:
+        if 0 < size <= left:
+            out.append(size)
+            left -= size
+    return out + ([left] if left > 0 else [])
+
+
 def parameter_numels(spec) -> list[int]:
     """Every parameter tensor's element count, in the order the model registers them (embedding first)."""
     return [t.numel for g in spec.param_groups for _ in range(g.repeat) for t in g.tensors]
@@ -73,7 +85,10 @@ class _Walker:
         self.events: list[AllocEvent] = []
         self.live: dict[str, list[tuple[int, int]]] = {c: [] for c in CATEGORIES}
         self.queue: dict[str, deque[int]] = {c: deque() for c in CATEGORIES}
-        self.transients: list[tuple[int, int]] = []
+        self.transients: dict[str, list[tuple[int, int]]] = {c: [] for c in CATEGORIES}
+        self.held = dict.fromkeys(CATEGORIES, 0)
+        self.temp = dict.fromkeys(CATEGORIES, 0)
+        """The bytes of each category's live structural tensors and transients."""
         self.key = 0
         self.total = 0
         self.peak = 0
@@ -86,35 +101,43 @@ class _Walker:
         self.peak = max(self.peak, self.total)
         return self.key
 
-    def _free(self, key: int, size: int) -> None:
+    def _free(self, key: int, size: int, category: str, transient: bool = False) -> None:
         self.events.append(AllocEvent(key))
         self.total -= size
+        (self.temp if transient else self.held)[category] -= size
 
-    def held(self, category: str) -> int:
-        return sum(size for _, size in self.live[category])
-
-    def to(self, phase: Phase, splits: dict[str, list[int]] | None = None) -> None:
-        """Reach ``phase``'s bytes: transients of the last moment freed, each category freed down to or filled up
-        to its bytes, the rest of it a transient (or, per ``splits``, transients in those proportions)."""
+    def to(self, phase: Phase, splits: dict[str, list[int]] | None = None,
+           pieces: dict[str, list[int]] | None = None) -> None:
+        """Reach ``phase``'s bytes. First the frees: each category's structural tensors down to its bytes, then
+        its transients (last made first) down to what the structural tensors its queue can now add leave; then
+        the allocations: those structural tensors, and what is still missing as one transient (or, per
+        ``splits``, transients in those proportions; per ``pieces``, tensors of those sizes: _pieces). A transient that still fits is kept, as the tensor it
+        stands for (the logits, a recomputed layer) lives on from moment to moment."""
         self.moments += 1
-        for key, size in self.transients:
-            self._free(key, size)
-        self.transients = []
         targets = phase.by_category()
+        fills: dict[str, list[int]] = {}
         for c in CATEGORIES:
-            while self.live[c] and self.held(c) > targets[c]:
-                self._free(*self.live[c].pop())
+            live, temps, queue = self.live[c], self.transients[c], self.queue[c]
+            while live and self.held[c] > targets[c]:
+                self._free(*live.pop(), c)
+            held, fills[c] = self.held[c], []
+            while queue and held + queue[0] <= targets[c]:
+                fills[c].append(queue.popleft())
+                held += fills[c][-1]
+            keep = 0 if splits and c in splits else targets[c] - held
+            while temps and self.temp[c] > keep:
+                self._free(*temps.pop(), c, transient=True)
         label = f"{phase.name}: {phase.moment}"
         for c in CATEGORIES:
-            held, queue = self.held(c), self.queue[c]
-            while queue and held + queue[0] <= targets[c]:
-                size = queue.popleft()
+            for size in fills[c]:
                 self.live[c].append((self._alloc(size, f"{c} ({phase.name})"), size))
-                held += size
-            rest = targets[c] - held
-            parts = _split(rest, splits[c]) if splits and c in splits else ([rest] if rest > 0 else [])
+                self.held[c] += size
+            rest = targets[c] - self.held[c] - self.temp[c]
+            parts = (_split(rest, splits[c]) if splits and c in splits else
+                     _pieces(rest, pieces[c]) if pieces and c in pieces and rest > 0 else [rest] if rest > 0 else [])
             for size in parts:
-                self.transients.append((self._alloc(size, f"{c} at {label}"), size))
+                self.transients[c].append((self._alloc(size, f"{c} at {label}"), size))
+                self.temp[c] += size
 
 
 def _layer_terms(acts) -> list[list[int]]:
@@ -160,10 +183,26 @@ def _queues(step, acts) -> dict[str, list[int]]:
     for sizes in _layer_terms(acts):
         activations += sizes
     activations += [int(t.bytes_per_token * acts.tokens) for t in acts.head_terms]
-    return {"parameters": _split(static["weights"], numels) + _split(static["master_weights"], numels),
+    return {"parameters": _split(static["weights"], numels),
+            "masters": _split(static["master_weights"], numels),
             "gradients": _split(static["gradients"], numels[::-1]),
             "optimizer_states": states,
             "activations": [a for a in activations if a > 0]}
+
+
+def _patterns(step, acts) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """The tensors a moment's transients are made of (_pieces): in a layer's moments, a layer's saved tensors
+    (a recomputed layer, its gradients), largest first; at the loss (forward's last moment, backward's first),
+    the logits, their fp32 upcast, and the two V-wide fp32 gradients of log_softmax and nll_loss
+    (timeline.step_candidates)."""
+    from .activations import FP32
+
+    la = max(acts.layers, key=lambda la: la.bytes_per_token, default=None)
+    sizes = sorted((int(t.bytes_per_token * acts.tokens) for t in la.terms), reverse=True) if la else []
+    vocab = FP32 * step.spec.vocab_size * acts.tokens if step.spec.has_head else 0
+    head = [acts.logits_bytes, acts.loss_transient_bytes, vocab, vocab]
+    return ({"activations": sizes, "temporaries": sizes},
+            {"activations": head + sizes, "temporaries": head + sizes})
 
 
 def step_sequence(step, batch: int, seq: int) -> StepSequence | None:
@@ -181,20 +220,23 @@ def step_sequence(step, batch: int, seq: int) -> StepSequence | None:
     queues = _queues(step, acts)
     forward = tuple(_forward_moments(step, acts, layers, forward[-1])) + forward
     temps = {"temporaries": parameter_numels(step.spec)}  # (the foreach step's: one per parameter tensor)
+    layer, loss = _patterns(step, acts)
     w = _Walker()
     w.queue["parameters"].extend(queues["parameters"])
-    setup = Phase("load", "model built", load[0].parameters, load[0].gradients, 0, 0, 0)
-    w.to(setup)
-    w.queue["parameters"].clear()  # (the masters are allocated with the weights: what the load phase holds)
+    w.queue["optimizer_states"].extend(queues["masters"])
+    masters = step._static_bytes["master_weights"]
+    # (the fp32 masters are made with the optimizer, before the first step; its states in the first step)
+    w.to(Phase("load", "model built", load[0].parameters, load[0].gradients, masters, 0, 0))
     starts = []
     for first in (True, False):
         starts.append(len(w.events))
-        made = len(w.live["gradients"])
+        made = len(w.live["gradients"])  # (gradients that live across steps)
         w.queue["gradients"] = deque(queues["gradients"][made:])
         w.queue["activations"] = deque(queues["activations"])
-        for ph in forward + backward:
-            w.to(Phase(ph.name, ph.moment, ph.parameters, ph.gradients, 0 if first else ph.optimizer_states,
-                       ph.activations, ph.temporaries))
+        for index, ph in enumerate(forward + backward):
+            w.to(Phase(ph.name, ph.moment, ph.parameters, ph.gradients, masters if first else ph.optimizer_states,
+                       ph.activations, ph.temporaries), pieces=loss if index in (len(forward) - 1, len(forward))
+                 else layer)
         w.queue["optimizer_states"].extend(queues["optimizer_states"] if first else ())
         for ph in optimizer:
             w.to(ph, temps)
@@ -211,3 +253,73 @@ def replay_step(step, batch: int, seq: int, config: AllocatorConfig = DEFAULT_CO
     if sequence is None:
         return None
     return replay(sequence.log, config, capacity=capacity, steps=STEPS)
+
+
+def replayed_max_reserved(step, batch: int, seq: int, config: AllocatorConfig = DEFAULT_CONFIG) -> int | None:
+    """The replay's max_memory_reserved() alone (allocator.max_reserved: one pass), None without a sequence."""
+    from .allocator import max_reserved
+
+    sequence = step_sequence(step, batch, seq)
+    return None if sequence is None else max_reserved(sequence.log, config, STEPS)
+
+
+def reserved_basis(est) -> str:
+    """How an estimate's reserved line was found, in words (report.py prints it beside the figure)."""
+    dev, peak = est.device, est.peak
+    settings = (dev.alloc_config.describe() if dev.alloc_config is not None else "PyTorch's defaults")
+    if peak.reserved_from == "replay" and est.allocator is not None:
+        r = est.allocator
+        return (f"the step replayed through torch 2.13's CUDACachingAllocator ({settings}): max_memory_reserved(), "
+                f"{format_bytes(r.fragmentation, 'GiB')} fragmentation at the peak")
+    if peak.reserved_from == "ratio":
+        return (f"allocated + the replayed fragmentation ratio of this model's step ({settings}); "
+                "max_memory_reserved()")
+    if dev.fragmentation is not None:
+        return f"+ {dev.fragmentation:.0%} of the dynamic memory (--fragmentation); max_memory_reserved()"
+    return (f"+ {DEFAULT_FRAGMENTATION:.0%} of the dynamic memory (flat: no layer-by-layer step to replay); "
+            "max_memory_reserved()")
+
+
+def reserved_dict(est) -> dict:
+    """The JSON's peak keys on reserved memory (the schema's peak.reserved_from, alloc_conf, allocator)."""
+    dev = est.device
+    out = {"reserved_from": est.peak.reserved_from,
+           "alloc_conf": dev.alloc_config.settings if dev.alloc_config is not None else "",
+           "allocator": None}
+    if est.peak.reserved_from == "replay" and est.allocator is not None:
+        out["allocator"] = est.allocator.to_dict()
+    return out
+
+
+EXPLAIN_SEGMENTS = 12
+"""--explain-reserved lists the largest segments at the peak, then sums the rest."""
+EXPLAIN_POINTS = 16
+
+
+def explain_reserved_lines(est, unit: str) -> list[str]:
+    """--explain-reserved: the replay's figures, the segments at the peak (size, used, largest free block: a
+    split block the allocator cannot hand back) and allocated vs reserved through the two steps."""
+    from .allocator import render_lines
+
+    r = est.allocator
+    b = lambda n: format_bytes(n, unit)  # noqa: E731
+    lines = render_lines(r, None, unit)
+    segments = sorted(r.segments_at_peak, key=lambda s: -s.total_size)
+    lines.append(f"segments at the peak ({len(segments):,}; the largest {min(EXPLAIN_SEGMENTS, len(segments))}):")
+    lines.append(f"  {'size':>12} {'used':>12} {'largest free':>12}  pool")
+    for seg in segments[:EXPLAIN_SEGMENTS]:
+        free = max((size for size, allocated in seg.blocks if not allocated), default=0)
+        pool = "large" if seg.is_large else "small"
+        lines.append(f"  {b(seg.total_size):>12} {b(seg.allocated_size):>12} {b(free):>12}  {pool}"
+                     + (" (expandable)" if seg.is_expandable else ""))
+    rest = segments[EXPLAIN_SEGMENTS:]
+    if rest:
+        lines.append(f"  {b(sum(s.total_size for s in rest)):>12} {b(sum(s.allocated_size for s in rest)):>12} "
+                     f"{'':>12}  the other {len(rest):,} segments")
+    lines.append(f"allocated vs reserved through the replay ({r.steps} steps; the peak is event {r.peak_event:,}, "
+                 f"step {r.peak_step}):")
+    lines.append(f"  {'event':>8} {'allocated':>12} {'reserved':>12}")
+    stride = max(1, len(r.timeline) // EXPLAIN_POINTS)
+    for event, allocated, reserved in r.timeline[::stride]:
+        lines.append(f"  {event:>8,} {b(allocated):>12} {b(reserved):>12}")
+    return lines

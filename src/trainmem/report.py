@@ -12,7 +12,8 @@ from typing import Any
 
 from . import __version__
 from .estimate import NO_PEAK, Estimate
-from .hardware import GPUS, GPU
+from .hardware import DEFAULT_FRAGMENTATION, GPUS, GPU
+from .replay import reserved_basis, reserved_dict
 from .units import format_bytes, format_count
 
 SCHEMA_VERSION = 2
@@ -181,7 +182,9 @@ def verdict_line(est: Estimate, gpu: GPU, unit: str, verdict: dict[str, Any] | N
         answer = f"does not fit at batch {s.batch}, {format_bytes(-margin, unit)} short"
     if largest:
         answer += f"; largest micro-batch that fits: {largest:,} at seq {s.seq:,}"
-    allowances = (f"{dev.fragmentation:.0%} fragmentation and {format_bytes(dev.cuda_overhead_bytes, 'MiB', 0)} CUDA "
+    fragmentation = ("replayed allocator" if est.peak is not None and est.peak.reserved_from != "flat" else
+                     f"{dev.fragmentation if dev.fragmentation is not None else DEFAULT_FRAGMENTATION:.0%}")
+    allowances = (f"{fragmentation} fragmentation and {format_bytes(dev.cuda_overhead_bytes, 'MiB', 0)} CUDA "
                   "allowances")
     basis = (f"required = device total x {dev.headroom:g} headroom, on top of the {allowances}; --headroom 1 "
              "for the plain answer" if dev.headroom != 1 else
@@ -222,7 +225,7 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
             "phase": pk.phase, "moment": pk.moment, "allocated_bytes": pk.allocated_bytes,
             "reserved_bytes": pk.reserved_bytes, "device_bytes": pk.device_bytes, "required_bytes": pk.required_bytes,
             "headroom": est.device.headroom, "fragmentation": est.device.fragmentation,
-            "cuda_overhead_bytes": est.device.cuda_overhead_bytes,
+            "cuda_overhead_bytes": est.device.cuda_overhead_bytes, **reserved_dict(est),
         }
         doc["fits"] = est.fit_table()
         doc["fits_unknown_reason"] = None
@@ -434,8 +437,7 @@ def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
     lines.add_column("", justify="right")
     lines.add_column("", style="dim")
     lines.add_row("allocated", format_bytes(pk.allocated_bytes, unit), "compare with torch.cuda.max_memory_allocated()")
-    lines.add_row("reserved", format_bytes(pk.reserved_bytes, unit),
-                  f"+ {dev.fragmentation:.0%} of the dynamic memory for the caching allocator; max_memory_reserved()")
+    lines.add_row("reserved", format_bytes(pk.reserved_bytes, unit), reserved_basis(est))
     lines.add_row("device total", format_bytes(pk.device_bytes, unit),
                   f"+ {format_bytes(dev.cuda_overhead_bytes, 'MiB', 0)} CUDA context and workspaces; nvidia-smi")
     lines.add_row("required", format_bytes(pk.required_bytes, unit), f"x {dev.headroom:g} headroom", style="bold")

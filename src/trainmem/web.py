@@ -113,8 +113,9 @@ class EstimateInput(BaseModel):
         None, description="A GPU of this memory instead of (or with) a named one: text with a unit (\"48GiB\", "
         "\"80GB\") or a number of GiB.")
     headroom: float = Field(DEFAULT_HEADROOM, ge=1.0, le=10.0)
-    fragmentation: float = Field(DEFAULT_FRAGMENTATION, ge=0, lt=1, description="Caching-allocator overhead as a "
-                                 "fraction of the dynamic memory.")
+    fragmentation: float | None = Field(None, ge=0, lt=1, description="Caching-allocator overhead as a fraction "
+                                        "of the dynamic memory; unset: the step replayed through the allocator "
+                                        f"model (the flat {DEFAULT_FRAGMENTATION:.0%} where it cannot be).")
     cuda_overhead: float = Field(DEFAULT_CUDA_OVERHEAD_MIB, ge=0, le=MAX_CUDA_OVERHEAD_BYTES / 2**20,
                                  description="CUDA context and workspaces, MiB.")
     max_batch: bool = Field(False, description="Replace batch by the largest that fits gpu.")
