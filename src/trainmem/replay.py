@@ -179,7 +179,9 @@ def _queues(step, acts) -> dict[str, list[int]]:
     static = step._static_bytes
     state_parts = 2 if "adam" in step.optimizer.name else 1  # (exp_avg and exp_avg_sq: torch.optim.adamw)
     states = _split(static["optimizer_states"], [n for n in numels for _ in range(state_parts)])
-    activations = [int(t.bytes_per_token * acts.tokens) for t in acts.constant_terms + acts.embedding_terms]
+    # (the constants' "bytes per token" are bytes: rotary tables, the head's autocast copy; ActivationEstimate)
+    activations = [int(t.bytes_per_token) for t in acts.constant_terms]
+    activations += [int(t.bytes_per_token * acts.tokens) for t in acts.embedding_terms]
     for sizes in _layer_terms(acts):
         activations += sizes
     activations += [int(t.bytes_per_token * acts.tokens) for t in acts.head_terms]
@@ -276,8 +278,9 @@ def reserved_basis(est) -> str:
                 "max_memory_reserved()")
     if dev.fragmentation is not None:
         return f"+ {dev.fragmentation:.0%} of the dynamic memory (--fragmentation); max_memory_reserved()"
-    return (f"+ {DEFAULT_FRAGMENTATION:.0%} of the dynamic memory (flat: no layer-by-layer step to replay); "
-            "max_memory_reserved()")
+    why = ("a data-parallel rank's replay is not validated yet" if est.rank is not None else
+           "no layer-by-layer step to replay")
+    return f"+ {DEFAULT_FRAGMENTATION:.0%} of the dynamic memory (flat: {why}); max_memory_reserved()"
 
 
 def reserved_dict(est) -> dict:

@@ -13,6 +13,7 @@ from typing import Any
 from . import __version__
 from .estimate import NO_PEAK, Estimate
 from .hardware import DEFAULT_FRAGMENTATION, GPUS, GPU
+from .device_overhead import estimate_overhead_lines
 from .replay import reserved_basis, reserved_dict
 from .units import format_bytes, format_count
 
@@ -226,6 +227,7 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
             "reserved_bytes": pk.reserved_bytes, "device_bytes": pk.device_bytes, "required_bytes": pk.required_bytes,
             "headroom": est.device.headroom, "fragmentation": est.device.fragmentation,
             "cuda_overhead_bytes": est.device.cuda_overhead_bytes, **reserved_dict(est),
+            "device_lines": [line.to_dict() for line in estimate_overhead_lines(est, gpu)],
         }
         doc["fits"] = est.fit_table()
         doc["fits_unknown_reason"] = None
@@ -440,6 +442,8 @@ def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
     lines.add_row("reserved", format_bytes(pk.reserved_bytes, unit), reserved_basis(est))
     lines.add_row("device total", format_bytes(pk.device_bytes, unit),
                   f"+ {format_bytes(dev.cuda_overhead_bytes, 'MiB', 0)} CUDA context and workspaces; nvidia-smi")
+    for line in estimate_overhead_lines(est, gpu):
+        lines.add_row(f"  {line.label}", format_bytes(line.bytes, "MiB", 1), line.source, style="dim")
     lines.add_row("required", format_bytes(pk.required_bytes, unit), f"x {dev.headroom:g} headroom", style="bold")
     if est.paged_bytes:
         lines.add_row("paged optimizer states (not above)", format_bytes(est.paged_bytes, unit),
