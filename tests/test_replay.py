@@ -139,3 +139,22 @@ def test_the_replayed_estimate_is_near_the_replayed_trace():
     traced = replay(trace_step(_SMALL, s, spec, record_allocations=True).allocations)
     estimated = replay(step_sequence(compile_step(spec, s), 2, 256).log)
     assert abs(estimated.max_reserved / traced.max_reserved - 1) < 0.05
+
+
+def test_the_device_lines_sum_to_the_cuda_overhead_and_read_cublas_workspace_config():
+    """CublasHandlePool.cpp parseChosenWorkspaceSize: ``:SIZE_KIB:COUNT`` entries summed as SIZE x COUNT KiB;
+    unset, 32 MiB on Hopper and 8 MiB + 128 KiB before; two workspaces (forward's and backward's threads)."""
+    from trainmem.device_overhead import overhead_lines
+    from trainmem.hardware import get_gpu
+
+    mib = 1 << 20
+    hopper = overhead_lines(768 * mib, get_gpu("H100-80GB"))
+    assert [line.kind for line in hopper] == ["cublas_workspaces", "cuda_context"]
+    assert hopper[0].bytes == 2 * 32 * mib and sum(line.bytes for line in hopper) == 768 * mib
+    ampere = overhead_lines(768 * mib, get_gpu("A100-80GB"))
+    assert ampere[0].bytes == 2 * (8 * mib + 128 * 1024)
+    configured = overhead_lines(768 * mib, get_gpu("A100-80GB"), environ={"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"})
+    assert configured[0].bytes == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)
+    several = overhead_lines(768 * mib, get_gpu("H100-80GB"), gpus=8)
+    assert several[-1].kind == "nccl_buffers" and not several[-1].in_total
+    assert sum(line.bytes for line in several if line.in_total) == 768 * mib

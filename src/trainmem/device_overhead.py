@@ -60,7 +60,9 @@ def cublas_workspace_bytes(hopper: bool, environ: Mapping[str, str] | None = Non
 
 
 def _hopper(gpu) -> bool:
-    return gpu is not None and gpu.name.split("-")[0] in ("H100", "H200", "GH200", "H20", "H800")
+    """Hopper's larger default; without a named card too (the larger of the two, and the tables of an estimate
+    without --gpu stay those of one on an H100)."""
+    return gpu is None or gpu.name.split("-")[0] in ("H100", "H200", "GH200", "H20", "H800")
 
 
 def estimate_overhead_lines(est, gpu=None) -> tuple[OverheadLine, ...]:
@@ -75,7 +77,7 @@ def overhead_lines(cuda_overhead_bytes: int, gpu=None, gpus: int = 1,
     workspace = cublas_workspace_bytes(_hopper(gpu), environ)
     cublas = min(CUBLAS_THREADS * workspace, cuda_overhead_bytes)
     config = (os.environ if environ is None else environ).get("CUBLAS_WORKSPACE_CONFIG")
-    arch = "Hopper (sm90)" if _hopper(gpu) else "before Hopper or unnamed card"
+    arch = "Hopper (sm90)" if _hopper(gpu) else "cards before Hopper"
     why = (f"CUBLAS_WORKSPACE_CONFIG={config}" if config else
            f"torch's default for {arch}, CublasHandlePool.cpp parseChosenWorkspaceSize")
     lines = [OverheadLine("cublas_workspaces", "cuBLAS workspaces", cublas,
