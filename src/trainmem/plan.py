@@ -462,7 +462,9 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     from .engine_configs import writers
 
     node = min(gpus_per_node, gpus)
-    device = search_ratio(spec, seq, recipes[0], checkpointing[0], device or DeviceOptions())
+    device = device or DeviceOptions()
+    if gpus == 1:  # (on several GPUs the data-parallel ranks keep the flat factor, the others replay their stages)
+        device = search_ratio(spec, seq, recipes[0], checkpointing[0], device)
     host_memory = int(host_memory_gib * 2**30)
     started = time.perf_counter()
     deadline = None if time_budget_s is None else started + time_budget_s

@@ -283,6 +283,20 @@ def reserved_basis(est) -> str:
     return f"+ {DEFAULT_FRAGMENTATION:.0%} of the dynamic memory (flat: {why}); max_memory_reserved()"
 
 
+def plan_reserved_note(device) -> str:
+    """The line under a plan's table: how its "needed" column counts reserved memory (plan.search_ratio)."""
+    settings = device.alloc_config.describe() if device.alloc_config is not None else "PyTorch's defaults"
+    if device.fragmentation is not None:
+        return f"reserved = allocated + {device.fragmentation:.0%} of the dynamic memory (--fragmentation)"
+    if device.reserved_ratio is None:
+        return (f"reserved: layouts with data parallelism allocated + {DEFAULT_FRAGMENTATION:.0%} of the dynamic "
+                "memory (a rank's replay is not validated yet); the others allocated + the replayed fragmentation "
+                f"ratio of their step ({settings})")
+    return (f"reserved = allocated + {device.reserved_ratio:.0%} of the dynamic memory: the fragmentation of the "
+            f"model's one-GPU step replayed through the caching allocator ({settings}); `trainmem estimate` "
+            "replays a layout's own step")
+
+
 def reserved_dict(est) -> dict:
     """The JSON's peak keys on reserved memory (the schema's peak.reserved_from, alloc_conf, allocator)."""
     dev = est.device

@@ -14,7 +14,7 @@ from . import __version__
 from .estimate import NO_PEAK, Estimate
 from .hardware import DEFAULT_FRAGMENTATION, GPUS, GPU
 from .device_overhead import estimate_overhead_lines
-from .replay import reserved_basis, reserved_dict
+from .replay import plan_reserved_note, reserved_basis, reserved_dict
 from .units import format_bytes, format_count
 
 SCHEMA_VERSION = 2
@@ -637,6 +637,7 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
                       f"{t.seconds:.2f}", f"{t.as_dict()['tokens_per_second_per_gpu']:,.0f}",
                       f"{t.communication_seconds / t.compute_seconds:.2f}")
     console.print(table)
+    console.print(f"[dim]{plan_reserved_note(found.plans[0].step.device)}[/dim]", highlight=False)
     if found.cut_short:
         console.print(short)
     if marked:

@@ -272,6 +272,8 @@ class StepModel:
         """The replay's fragmentation over the dynamic memory at its peak (max_memory_reserved() less the
         allocated peak, over estimate.dynamic_bytes): the search's (DeviceOptions.reserved_ratio, one replay per
         plan search: plan.search_ratio), else this step's at the first (batch, seq) asked."""
+        if self.rank is not None:  # (a data-parallel rank keeps the flat factor, as its estimate does: replay)
+            return None
         if self.device.reserved_ratio is not None:
             return self.device.reserved_ratio
         if self._ratio is None:
