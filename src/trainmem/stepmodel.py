@@ -164,7 +164,8 @@ class StepModel:
                               f"{spec.source or spec.name} has none (give a model name or config.json)")
         self._replays: dict[tuple[int, int], object] = {}
         self._reserved: dict[tuple[int, int], int | None] = {}
-        self._ratio: tuple[float | None] | None = None
+        self._ratio: dict[int, float | None] = {}
+        """replayed_ratio's answers per sequence length."""
         self._forms: dict[int, tuple[_PhaseForm, ...] | str | int] = {}
         """Per sequence length: its compiled phases, or _DIRECT, or the number of times it was asked for."""
 
@@ -271,18 +272,19 @@ class StepModel:
     def replayed_ratio(self, batch: int, seq: int) -> float | None:
         """The replay's fragmentation over the dynamic memory at its peak (max_memory_reserved() less the
         allocated peak, over estimate.dynamic_bytes): the search's (DeviceOptions.reserved_ratio, one replay per
-        plan search: plan.search_ratio), else this step's at the first (batch, seq) asked."""
+        plan search: plan.search_ratio), else this step's at micro-batch 1 and ``seq`` (so that a search and an
+        estimate of the same layout, whatever batch each asks first, apply the same ratio)."""
         if self.rank is not None:  # (a data-parallel rank keeps the flat factor, as its estimate does: replay)
             return None
         if self.device.reserved_ratio is not None:
             return self.device.reserved_ratio
-        if self._ratio is None:
-            reserved = self.replayed_reserved(batch, seq)
-            top = max(self.phases(batch, seq), key=lambda ph: ph.allocated_bytes)
+        if seq not in self._ratio:
+            reserved = self.replayed_reserved(1, seq)
+            top = max(self.phases(1, seq), key=lambda ph: ph.allocated_bytes)
             dynamic = dynamic_bytes(top)
-            self._ratio = (None if reserved is None or dynamic <= 0 else
-                           max(0, reserved - top.allocated_bytes) / dynamic,)
-        return self._ratio[0]
+            self._ratio[seq] = (None if reserved is None or dynamic <= 0 else
+                                max(0, reserved - top.allocated_bytes) / dynamic)
+        return self._ratio[seq]
 
     def estimate(self, batch: int, seq: int) -> Estimate:
         """The full estimate at (batch, seq), activations and notes included."""
@@ -540,6 +542,8 @@ def evaluate(step: StepModel, batch: int, seq: int) -> Evaluation:
     if not step.spec.has_architecture:
         return Evaluation((), None)
     phases = step.phases(batch, seq)
-    reserved = step.replayed_reserved(batch, seq) if step.device.fragmentation is None else None
+    # (a model-parallel step's stages apply their ratios: its fitting_peak; evaluate gives the flat factor there)
+    replayed = getattr(step, "replayed_reserved", None)
+    reserved = replayed(batch, seq) if replayed is not None and step.device.fragmentation is None else None
     return Evaluation(phases, peak_of_phases(phases, step.device, reserved))
 
