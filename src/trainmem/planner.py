@@ -15,7 +15,7 @@ from .hardware import GPU
 from .models import ModelSpec
 from .settings import TrainingSettings
 from .sharding import Parallel
-from .stepmodel import compile_step, evaluate
+from .stepmodel import compile_step
 
 MAX_SEARCH = 1 << 24
 
