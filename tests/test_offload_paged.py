@@ -51,7 +51,14 @@ def test_paged_states_leave_allocated_by_exactly_their_bytes(settings):
         assert a.allocated_bytes - b.allocated_bytes == paged.paged_bytes
         assert a.optimizer_states - b.optimizer_states == paged.paged_bytes
     assert plain.peak.allocated_bytes - paged.peak.allocated_bytes == paged.paged_bytes
-    assert plain.peak.reserved_bytes - paged.peak.reserved_bytes == paged.paged_bytes
+    # replayed reserved memory drops by about their bytes (the segments' slack moves with them); the flat factor
+    # (--fragmentation), which counts only the dynamic memory, by exactly their bytes
+    assert abs(plain.peak.reserved_bytes - paged.peak.reserved_bytes - paged.paged_bytes) < 0.05 * paged.paged_bytes
+    from trainmem.estimate import DeviceOptions, peak_of_phases
+
+    flat = DeviceOptions(fragmentation=0.1)
+    assert (peak_of_phases(plain.phases, flat).reserved_bytes - peak_of_phases(paged.phases, flat).reserved_bytes
+            == paged.paged_bytes)
     assert paged.static_bytes == plain.static_bytes - paged.paged_bytes
 
 

@@ -69,7 +69,7 @@ SAME_INPUTS = [
 ]
 
 NOT_IN_THE_API = {"model", "ds_config", "accelerate_config", "torchtitan_config", "hub", "units", "explain", "plot",
-                  "as_json"}
+                  "as_json", "explain_reserved"}
 """estimate's flags the web API does not take: paths the server would read (--ds-config and the other engines'
 files; `model` is a catalog name or the uploaded config), the network (--hub), and ways of printing (--units,
 --explain, --plot, --json)."""

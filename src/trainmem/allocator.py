@@ -1060,6 +1060,11 @@ def replay(log: AllocationLog, config: AllocatorConfig = DEFAULT_CONFIG, capacit
         reserved=allocator.reserved_bytes, timeline=timeline)
 
 
+def max_reserved(log: AllocationLog, config: AllocatorConfig = DEFAULT_CONFIG, steps: int = 2) -> int:
+    """``replay(log, config, steps=steps).max_reserved`` in one pass (a search's fit checks need nothing else)."""
+    return _run(log.for_steps(steps), config, None, None)[0].max_reserved_bytes
+
+
 def log_from_sizes(sequence: Iterable[tuple[str, int, int]], step_starts: tuple[int, ...] = (0,)) -> AllocationLog:
     """An AllocationLog from ("alloc", key, nbytes) / ("free", key, 0) triples (tests, hand-written programs)."""
     events = []

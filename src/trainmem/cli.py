@@ -151,6 +151,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
         req = make_request(options["model"], params=options["params"], gpu=options["gpu"],
                            gpu_memory=options.get("gpu_memory"),
                            headroom=options["headroom"], fragmentation=options["fragmentation"],
+                           alloc_conf=options.get("alloc_conf"),
                            cuda_overhead=options["cuda_overhead"], hub=options["hub"], need_config=need_config,
                            gpus=gpus, gpus_per_node=options["gpus_per_node"], zero=zero, fsdp=options["fsdp"],
                            offload=options["offload"], ddp_bucket_view=options["ddp_bucket_view"],
@@ -245,8 +246,10 @@ def _workload_options(f):
         click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True,
                      help="Safety factor multiplying the device total, on top of the fragmentation and CUDA "
                           "allowances: required = device total x headroom; 1 gives the plain answer."),
-        click.option("--fragmentation", type=float, default=DEFAULT_FRAGMENTATION, show_default=True,
-                     help="Caching-allocator overhead as a fraction of the dynamic memory."),
+        click.option("--fragmentation", type=float, default=None,
+                     help="Caching-allocator overhead as a fraction of the dynamic memory, instead of replaying the "
+                          "step through the allocator model (where there is no replay: "
+                          f"{DEFAULT_FRAGMENTATION:g})."),
         click.option("--cuda-overhead", type=float, default=DEFAULT_CUDA_OVERHEAD_MIB, show_default=True,
                      help="CUDA context and workspaces, MiB."),
         click.option("--units", default=DEFAULT_UNIT, show_default=True, help="GiB, GB, MiB, ..."),
@@ -321,8 +324,14 @@ def _workload_options(f):
               "limit unless RoPE scaling extends it (none: says so; exit code 0).")
 @click.option("--explain", is_flag=True, help="List every saved tensor of a layer.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: each phase's bytes by category, with "
-              "the bytes needed and GPU capacities as lines.")
-def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
+              "the bytes needed and GPU capacities as lines (with --explain-reserved, also NAME-reserved.png: "
+              "allocated vs reserved through the replay).")
+@click.option("--alloc-conf", default=None, metavar="TEXT",
+              help="PYTORCH_CUDA_ALLOC_CONF options the allocator replay assumes, e.g. expandable_segments:True "
+                   "(default: the environment's PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, else torch's).")
+@click.option("--explain-reserved", is_flag=True, help="The allocator replay behind the reserved line: the segments "
+              "at the peak and allocated vs reserved through two steps.")
+def estimate(batch, seq, max_batch, max_seq, explain, plot, explain_reserved, **options) -> None:
     """Estimate the memory of training MODEL: a catalog name (trainmem models), a Hub repo id, or a path to a
     config.json or its folder.
 
@@ -344,7 +353,12 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
         plot_path = check_output_file(plot, "--plot", ".png")
     w = _workload(options, batch, seq)
     unit, target, as_json = w.unit, w.gpu, options["as_json"]
+    if explain_reserved and w.device.fragmentation is not None:
+        raise ConfigError("--explain-reserved shows the allocator replay, which --fragmentation replaces: give one")
     est, extra = estimate_searched(w.spec, w.settings, w.device, target, w.parallel, w.finetune, max_batch, max_seq)
+    if explain_reserved and est.allocator is None:
+        raise ConfigError("--explain-reserved: this estimate has no allocator replay (it needs a layer-by-layer step: "
+                          "a model config, no --activation-k, one GPU or a data-parallel engine)")
     if plot is not None:
         from .outputs import replacing
 
@@ -352,6 +366,12 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
 
         with replacing(plot_path) as temporary:
             plot_estimate(est, temporary, unit, target)
+        if explain_reserved:
+            from .plots import plot_reserved
+
+            reserved_path = plot_path.with_name(f"{plot_path.stem}-reserved.png")
+            with replacing(reserved_path) as temporary:
+                plot_reserved(est.allocator, temporary, unit, f"{est.model.name}: caching allocator replay")
     if as_json:
         _emit_json(to_dict(est, target, extra))
     else:
@@ -372,8 +392,15 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, **options) -> None:
                 console.print(f"[bold]largest {what} that fits {target.name}: {value:,}[/bold] (shown below)")
         verdict = gpu_verdict(est, target) if target is not None else None
         render_estimate(est, unit, console, target, explain, verdict)
+        if explain_reserved:
+            from .replay import explain_reserved_lines
+
+            for line in explain_reserved_lines(est, unit):
+                console.print(line, highlight=False, soft_wrap=True)
         if plot:
             console.print(f"plot written to {plot}")
+            if explain_reserved:
+                console.print(f"allocator timeline written to {plot_path.with_name(plot_path.stem + '-reserved.png')}")
 
 
 @app.command()

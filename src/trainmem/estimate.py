@@ -45,13 +45,21 @@ class DeviceOptions:
     """How allocated bytes become what the GPU must hold. Checked here, so the API refuses what the CLI refuses."""
 
     headroom: float = DEFAULT_HEADROOM
-    fragmentation: float = DEFAULT_FRAGMENTATION
+    fragmentation: float | None = None
+    """An explicit caching-allocator overhead, a fraction of the dynamic memory (--fragmentation); None: replay the
+    step through the allocator model (replay.py) and take its max_memory_reserved()."""
     cuda_overhead_bytes: int = DEFAULT_CUDA_OVERHEAD_MIB * MIB
+    alloc_config: Any = None
+    """allocator.AllocatorConfig the replay assumes (--alloc-conf or PYTORCH_CUDA_ALLOC_CONF); None: torch's
+    defaults."""
+    reserved_ratio: float | None = None
+    """Set by a plan search: the replayed fragmentation ratio its fit checks apply (plan.search_ratio)."""
 
     def __post_init__(self):
         if not isinstance(self.headroom, (int, float)) or not 1.0 <= self.headroom <= MAX_HEADROOM:
             raise ConfigError(f"headroom must be a number from 1.0 to {MAX_HEADROOM:g}, got {self.headroom!r}")
-        if not isinstance(self.fragmentation, (int, float)) or not 0.0 <= self.fragmentation < 1.0:
+        if self.fragmentation is not None and (not isinstance(self.fragmentation, (int, float))
+                                               or not 0.0 <= self.fragmentation < 1.0):
             raise ConfigError(f"fragmentation must be in [0, 1), got {self.fragmentation!r}")
         if (isinstance(self.cuda_overhead_bytes, bool) or not isinstance(self.cuda_overhead_bytes, int)
                 or not 0 <= self.cuda_overhead_bytes <= MAX_CUDA_OVERHEAD_BYTES):
@@ -66,11 +74,16 @@ class Peak:
     allocated_bytes: int
     """Comparable to torch.cuda.max_memory_allocated()."""
     reserved_bytes: int
-    """Comparable to torch.cuda.max_memory_reserved(): allocated + the caching allocator's fragmentation."""
+    """Comparable to torch.cuda.max_memory_reserved(): the allocator replay's (replay.py), or allocated + the flat
+    fragmentation factor where it is given (--fragmentation) or there is no replay (``reserved_from``)."""
     device_bytes: int
     """Comparable to nvidia-smi: reserved + CUDA context and library workspaces."""
     required_bytes: int
     """device_bytes x headroom: what to look for in a GPU."""
+    reserved_from: str = "flat"
+    """How reserved_bytes was found: "replay" (the estimate's allocations through the allocator model), "ratio"
+    (the replayed fragmentation of a reference step, applied in a search), "flat" (a fraction of the dynamic
+    memory)."""
 
     def fits(self, gpu: GPU) -> bool:
         return self.required_bytes <= gpu.memory_bytes
@@ -107,6 +120,8 @@ class Estimate:
     """Activations of the other micro-batches a pipeline stage keeps while it computes one."""
     traced: Any = None
     """recorded.Recorded when the traced path answered (a model_type without a hand-written description)."""
+    allocator: Any = None
+    """allocator.ReplayReport of the step's replay (replay.py), where reserved memory was replayed."""
     paged_bytes: int = 0
     """Optimizer states in CUDA unified memory (bitsandbytes' paged optimizers: cudaMallocManaged), per GPU. Not in
     ``static``, the phases or the peak: torch.cuda.max_memory_allocated() does not count them and the driver can
@@ -193,14 +208,28 @@ def paged_state_bytes(model: ModelSpec, settings: TrainingSettings) -> int:
     return optimizer.paged_bytes(model.param_groups, get_recipe(settings.recipe).state_bytes_for(optimizer.name))
 
 
-def peak_of_phases(phases: tuple[Phase, ...], device: DeviceOptions) -> Peak:
-    """The step's peak: its largest phase (the earliest on a tie), and what the GPU must hold for it."""
+def dynamic_bytes(top: Phase) -> int:
+    """What the step allocates and frees at its peak phase (the flat factor's base)."""
+    return top.activations + top.temporaries + (top.gradients if top.name == "backward" else 0)
+
+
+def peak_of_phases(phases: tuple[Phase, ...], device: DeviceOptions, reserved: int | None = None,
+                   ratio: float | None = None) -> Peak:
+    """The step's peak: its largest phase (the earliest on a tie), and what the GPU must hold for it. Reserved
+    memory: --fragmentation where given, else the replay's ``reserved`` (replay.py), else allocated + ``ratio`` of
+    the dynamic memory (a replayed ratio), else the flat DEFAULT_FRAGMENTATION (no replay: no architecture)."""
     top = max(phases, key=lambda ph: ph.allocated_bytes)
-    dynamic = top.activations + top.temporaries + (top.gradients if top.name == "backward" else 0)
-    reserved = top.allocated_bytes + int(device.fragmentation * dynamic)
-    device_bytes = reserved + device.cuda_overhead_bytes
-    return Peak(top.name, top.moment, top.allocated_bytes, reserved, device_bytes,
-                int(device_bytes * device.headroom))
+    dynamic = dynamic_bytes(top)
+    if device.fragmentation is not None or (reserved is None and ratio is None):
+        source, fraction = "flat", DEFAULT_FRAGMENTATION if device.fragmentation is None else device.fragmentation
+        total = top.allocated_bytes + int(fraction * dynamic)
+    elif reserved is not None:
+        source, total = "replay", max(reserved, top.allocated_bytes)
+    else:
+        source, total = "ratio", top.allocated_bytes + int(ratio * dynamic)
+    device_bytes = total + device.cuda_overhead_bytes
+    return Peak(top.name, top.moment, top.allocated_bytes, total, device_bytes, int(device_bytes * device.headroom),
+                source)
 
 
 def position_warning(model: ModelSpec, seq: int) -> str | None:

@@ -319,10 +319,10 @@ class LayoutStep:
         k = max((layer.moe.top_k for layer, _ in s.layer_runs if layer.moe), default=0)
         return 2 * k * batch * seq * s.hidden_size * self._precision.compute
 
-    def fitting_peak(self, batch: int, seq: int, gpu) -> Peak | None:
+    def fitting_peak(self, batch: int, seq: int, gpu, exact: bool = False) -> Peak | None:
         """The layout's peak at (batch, seq) (that of :meth:`phases`) if every stage's fits ``gpu``, else None.
         A search asks this: it stops at the first stage that does not fit, trying first the one that last did
-        not."""
+        not. Reserved memory is each stage's replayed ratio whether or not ``exact`` (as in :meth:`estimate`)."""
         order = list(range(len(self._stages)))
         order.insert(0, order.pop(self._tightest))
         top = None
@@ -335,14 +335,19 @@ class LayoutStep:
                 self._tightest = i
                 return None
             phases = self._stage_phases(stage, batch, seq, extras)
-            if not peak_of_phases(phases, self.device).fits(gpu):
+            if not peak_of_phases(phases, self.device, ratio=self._ratio(stage, batch, local)).fits(gpu):
                 self._tightest = i
                 return None
             load = max(ph.allocated_bytes for ph in phases)
             # (the most loaded stage as phases() picks it: the first of the largest, in stage order)
             if top is None or (load, -i) > (top[0], -top[1]):
                 top = (load, i, phases)
-        return peak_of_phases(top[2], self.device)
+        return peak_of_phases(top[2], self.device, ratio=self._ratio(self._stages[top[1]], batch, local))
+
+    def _ratio(self, stage, batch: int, local: int) -> float | None:
+        """The stage's replayed fragmentation ratio (StepModel.replayed_ratio): its in-flight micro-batches and
+        receive buffers are not in its replayed step, so the ratio, not the replay, carries over."""
+        return stage.step.replayed_ratio(batch, local) if self.device.fragmentation is None else None
 
     def phases(self, batch: int, seq: int) -> tuple[Phase, ...]:
         """The phases of the most loaded stage."""
@@ -372,7 +377,8 @@ class LayoutStep:
             received_note = (f"{name}: {received / 2**30:.2f} GiB of pipeline receive buffers (one per micro-batch "
                              "for the activations and gradients it receives, allocated at the first step by "
                              "torch.distributed.pipelining and kept), in temporaries") if received else ""
-            e = replace(base, settings=settings, phases=phases, peak=peak_of_phases(phases, self.device),
+            e = replace(base, settings=settings, phases=phases,
+                        peak=peak_of_phases(phases, self.device, ratio=self._ratio(stage, batch, local)),
                         in_flight_bytes=held, parallel=self.parallel, rank_model=stage.spec,
                         notes=base.notes + tuple(n for n in (acts_note, received_note) if n))
             roles.append(RankRole(name, stages if name != "middle stages" else (stage.index,), in_flight, e))

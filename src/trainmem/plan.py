@@ -474,6 +474,8 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
 
     node = min(gpus_per_node, gpus)
     device = device or DeviceOptions()
+    if gpus == 1:  # (on several GPUs the data-parallel ranks keep the flat factor, the others replay their stages)
+        device = search_ratio(spec, seq, recipes[0], checkpointing[0], device, gpu)
     host_memory = int(host_memory_gib * 2**30)
     started = time.perf_counter()
     deadline = None if time_budget_s is None else started + time_budget_s
@@ -530,6 +532,29 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
                     "some engines: engine_configs.writers and docs/method.md say which engine runs which recipe)",)
     return PlanSearch(spec, tuple(plans), counts[0], counts[1], len(plans), time.perf_counter() - started, gpu,
                       gpus, seq, global_batch, mfu, inter_node_gbps, host_memory, skipped, cut_short, finetune)
+
+
+_SEARCH_RATIOS: dict[tuple, float | None] = {}
+
+
+def search_ratio(spec: ModelSpec, seq: int, recipe: str, checkpointing: str, device: DeviceOptions,
+                 gpu: GPU | None = None) -> DeviceOptions:
+    """``device`` with the fragmentation ratio a search's fit checks apply: the replay (replay.py) of the model's
+    one-GPU step at micro-batch 1 in the first recipe and checkpointing searched, one replay per search (a replay
+    per layout would cost 50-500 ms each). The plans' own estimates replay their steps."""
+    from dataclasses import replace
+
+    if device.fragmentation is not None or device.reserved_ratio is not None or not spec.has_architecture:
+        return device
+    key = (spec, seq, recipe, checkpointing, device.alloc_config)
+    if key not in _SEARCH_RATIOS:
+        settings = make_settings(recipe=recipe, checkpointing=checkpointing, seq=seq, batch=1)
+        step = compile_step(spec, settings, device)
+        floor = (sum(c.bytes for c in step.static) + device.cuda_overhead_bytes) * device.headroom
+        if gpu is not None and floor > gpu.memory_bytes:  # (its model states alone do not fit: nothing to replay)
+            return device
+        _SEARCH_RATIOS[key] = step.replayed_ratio(1, seq)
+    return replace(device, reserved_ratio=_SEARCH_RATIOS[key])
 
 
 def _search_layout(spec, gpu, seq, device, mfu, inter_node_gbps, host_memory, node, gpus, per_rank, recipe, label,

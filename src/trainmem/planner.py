@@ -15,7 +15,7 @@ from .hardware import GPU
 from .models import ModelSpec
 from .settings import TrainingSettings
 from .sharding import Parallel
-from .stepmodel import compile_step, evaluate
+from .stepmodel import compile_step
 
 MAX_SEARCH = 1 << 24
 
@@ -45,7 +45,7 @@ def max_batch(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: De
               parallel: Parallel | None = None, finetune=None) -> int:
     _require_architecture(model)
     step = compile_step(model, settings, device, parallel, finetune)
-    return _largest(lambda b: evaluate(step, b, settings.seq).peak.fits(gpu))
+    return _largest(lambda b: step.fitting_peak(b, settings.seq, gpu, exact=True) is not None)
 
 
 def estimate_searched(model: ModelSpec, settings: TrainingSettings, device: DeviceOptions, gpu: GPU | None,
@@ -89,7 +89,7 @@ def max_seq(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: Devi
     """The longest sequence that fits, capped at :func:`seq_limit` (a longer one would fit memory, not the model)."""
     _require_architecture(model)
     step = compile_step(model, settings, device, parallel, finetune)
-    return _largest(lambda s: evaluate(step, settings.batch, s).peak.fits(gpu), seq_limit(model))
+    return _largest(lambda s: step.fitting_peak(settings.batch, s, gpu, exact=True) is not None, seq_limit(model))
 
 
 def sweep(model: ModelSpec, settings: TrainingSettings, batches: list[int], seqs: list[int],

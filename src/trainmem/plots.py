@@ -205,3 +205,27 @@ def _save(fig, target: Path, plt) -> None:
         raise
     finally:
         plt.close(fig)
+
+
+def plot_reserved(report, path: str | os.PathLike, unit: str = "GiB", title: str = "") -> dict:
+    """allocated and reserved memory through a caching allocator replay (allocator.ReplayReport.timeline), the
+    peak marked. Returns what was drawn, in bytes."""
+    target = check_plot_path(path)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    events = [e for e, _, _ in report.timeline]
+    allocated = [to_unit(a, unit) for _, a, _ in report.timeline]
+    reserved = [to_unit(r, unit) for _, _, r in report.timeline]
+    ax.fill_between(events, reserved, step="post", color="#e9c46a", alpha=0.5, label="reserved (segments)")
+    ax.step(events, allocated, where="post", color="#264653", linewidth=1.0, label="allocated (tensors)")
+    ax.axvline(report.peak_event, color="black", linestyle="--", linewidth=1.0)
+    ax.text(report.peak_event, to_unit(report.max_reserved, unit),
+            f" peak: {format_bytes(report.max_allocated, unit)} allocated, "
+            f"{format_bytes(report.max_reserved, unit)} reserved", fontsize=8, va="bottom")
+    ax.set_xlabel(f"allocation or free ({report.steps} steps, {report.settings})")
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_ylim(0, max(reserved, default=1) * 1.15)
+    ax.set_title(_wrapped(title or "caching allocator replay"), fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    _save(fig, target, plt)
+    return {"events": len(events), "max_allocated": report.max_allocated, "max_reserved": report.max_reserved}

@@ -12,8 +12,10 @@ from typing import Any
 
 from . import __version__
 from .estimate import NO_PEAK, Estimate
-from .hardware import GPUS, GPU
+from .device_overhead import estimate_overhead_lines
+from .hardware import DEFAULT_FRAGMENTATION, GPUS, GPU
 from .plaintext import table_class
+from .replay import plan_reserved_note, reserved_basis, reserved_dict
 from .units import format_bytes, format_count
 
 SCHEMA_VERSION = 2
@@ -182,7 +184,9 @@ def verdict_line(est: Estimate, gpu: GPU, unit: str, verdict: dict[str, Any] | N
         answer = f"does not fit at batch {s.batch}, {format_bytes(-margin, unit)} short"
     if largest:
         answer += f"; largest micro-batch that fits: {largest:,} at seq {s.seq:,}"
-    allowances = (f"{dev.fragmentation:.0%} fragmentation and {format_bytes(dev.cuda_overhead_bytes, 'MiB', 0)} CUDA "
+    fragmentation = ("replayed allocator" if est.peak is not None and est.peak.reserved_from != "flat" else
+                     f"{dev.fragmentation if dev.fragmentation is not None else DEFAULT_FRAGMENTATION:.0%}")
+    allowances = (f"{fragmentation} fragmentation and {format_bytes(dev.cuda_overhead_bytes, 'MiB', 0)} CUDA "
                   "allowances")
     basis = (f"required = device total x {dev.headroom:g} headroom, on top of the {allowances}; --headroom 1 "
              "for the plain answer" if dev.headroom != 1 else
@@ -235,7 +239,8 @@ def to_dict(est: Estimate, gpu: GPU | None = None, extra: dict[str, Any] | None 
             "phase": pk.phase, "moment": pk.moment, "allocated_bytes": pk.allocated_bytes,
             "reserved_bytes": pk.reserved_bytes, "device_bytes": pk.device_bytes, "required_bytes": pk.required_bytes,
             "headroom": est.device.headroom, "fragmentation": est.device.fragmentation,
-            "cuda_overhead_bytes": est.device.cuda_overhead_bytes,
+            "cuda_overhead_bytes": est.device.cuda_overhead_bytes, **reserved_dict(est),
+            "device_lines": [line.to_dict() for line in estimate_overhead_lines(est, gpu)],
         }
         doc["fits"] = est.fit_table()
         doc["fits_unknown_reason"] = None
@@ -447,10 +452,11 @@ def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
     lines.add_column("", justify="right")
     lines.add_column("", style="dim")
     lines.add_row("allocated", format_bytes(pk.allocated_bytes, unit), "compare with torch.cuda.max_memory_allocated()")
-    lines.add_row("reserved", format_bytes(pk.reserved_bytes, unit),
-                  f"+ {dev.fragmentation:.0%} of the dynamic memory for the caching allocator; max_memory_reserved()")
+    lines.add_row("reserved", format_bytes(pk.reserved_bytes, unit), reserved_basis(est))
     lines.add_row("device total", format_bytes(pk.device_bytes, unit),
                   f"+ {format_bytes(dev.cuda_overhead_bytes, 'MiB', 0)} CUDA context and workspaces; nvidia-smi")
+    for line in estimate_overhead_lines(est, gpu):
+        lines.add_row(f"  {line.label}", format_bytes(line.bytes, "MiB", 1), line.source, style="dim")
     lines.add_row("required", format_bytes(pk.required_bytes, unit), f"x {dev.headroom:g} headroom", style="bold")
     if est.paged_bytes:
         lines.add_row("paged optimizer states (not above)", format_bytes(est.paged_bytes, unit),
@@ -646,6 +652,7 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
                       f"{t.seconds:.2f}", f"{t.as_dict()['tokens_per_second_per_gpu']:,.0f}",
                       f"{t.communication_seconds / t.compute_seconds:.2f}")
     console.print(table)
+    console.print(f"[dim]{plan_reserved_note(found.plans[0].step.device)}[/dim]", highlight=False)
     if found.cut_short:
         console.print(short)
     if marked:

@@ -68,9 +68,17 @@ def _number(name: str, value: Any) -> float:
     return value
 
 
+def _alloc_config(alloc_conf: str | None):
+    """The allocator settings the replay assumes: ``alloc_conf`` (--alloc-conf), else PYTORCH_CUDA_ALLOC_CONF (or
+    torch's other names for it) from the environment, as torch reads them."""
+    from .allocator import config_from_environment, parse_alloc_conf
+
+    return parse_alloc_conf(alloc_conf) if alloc_conf is not None else config_from_environment()
+
+
 def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: Any = None,
                  gpu: str | GPU | None = None, gpu_memory: str | int | None = None,
-                 headroom: float = DEFAULT_HEADROOM, fragmentation: float = DEFAULT_FRAGMENTATION,
+                 headroom: float = DEFAULT_HEADROOM, fragmentation: float | None = None, alloc_conf: str | None = None,
                  cuda_overhead: float = DEFAULT_CUDA_OVERHEAD_MIB, hub: bool = False, need_config: str = "",
                  gpus: int = 1, gpus_per_node: int = 0, zero: int | None = None, fsdp: str | None = None,
                  offload: str = "none", ddp_bucket_view: bool = False, ds_config: str | os.PathLike | None = None,
@@ -117,8 +125,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     if not 0 <= overhead <= MAX_CUDA_OVERHEAD_BYTES / MIB:
         raise ConfigError(f"cuda-overhead must be from 0 to {MAX_CUDA_OVERHEAD_BYTES // MIB:,} MiB, got {overhead:g}")
     device = DeviceOptions(headroom=_number("headroom", headroom),
-                           fragmentation=_number("fragmentation", fragmentation),
-                           cuda_overhead_bytes=int(overhead * MIB))
+                           fragmentation=None if fragmentation is None else _number("fragmentation", fragmentation),
+                           cuda_overhead_bytes=int(overhead * MIB), alloc_config=_alloc_config(alloc_conf))
     if isinstance(gpu, str) and not gpu.strip():
         raise ConfigError("gpu is empty; give a GPU name (trainmem estimate --help lists them)")
     if gpu is not None and not isinstance(gpu, (str, GPU)):

@@ -27,8 +27,9 @@ from dataclasses import dataclass, fields, is_dataclass, replace
 
 from .activations import ActivationEstimate, estimate_activations
 from .errors import ConfigError
-from .estimate import (NO_PEAK, DeviceOptions, Estimate, Peak, StaticComponent, paged_state_bytes, peak_of_phases,
-                       position_warning, static_components, validation_notes)
+from .allocator import DEFAULT_CONFIG as DEFAULT_ALLOC
+from .estimate import (NO_PEAK, DeviceOptions, Estimate, Peak, StaticComponent, dynamic_bytes, paged_state_bytes,
+                       peak_of_phases, position_warning, static_components, validation_notes)
 from .models import ModelSpec
 from .optimizers import get_optimizer
 from .recipes import get_recipe
@@ -172,6 +173,10 @@ class StepModel:
         if settings.activation_k is not None and not spec.has_architecture:
             raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
                               f"{spec.source or spec.name} has none (give a model name or config.json)")
+        self._replays: dict[tuple[int, int], object] = {}
+        self._reserved: dict[tuple[int, int], int | None] = {}
+        self._ratio: dict[int, float | None] = {}
+        """replayed_ratio's answers per sequence length."""
         self._forms: dict[int, tuple[_PhaseForm, ...] | str | int] = {}
         """Per sequence length: its compiled phases, or _DIRECT, or the number of times it was asked for."""
 
@@ -229,12 +234,68 @@ class StepModel:
             return 0  # (a compiled form answers in less time than the bound takes)
         return forward_floor(self._static_bytes, self.activations(settings), self.recipe, settings, self.rank)
 
-    def fitting_peak(self, batch: int, seq: int, gpu) -> Peak | None:
-        """The peak at (batch, seq) if it fits ``gpu``, else None (what a search asks)."""
+    def fitting_peak(self, batch: int, seq: int, gpu, exact: bool = False) -> Peak | None:
+        """The peak at (batch, seq) if it fits ``gpu``, else None (what a search asks). Reserved memory: with
+        ``exact`` (--max-batch, --max-seq: a few probes) the step's own replay, as its estimate has it; else (plan:
+        thousands of probes, a replay costs 50-200 ms) the allocated peak plus the replayed fragmentation ratio of a
+        reference step (replayed_ratio). A step whose allocated bytes alone do not fit is not replayed."""
         if not fits_at_least(self.floor(batch, seq), self.device, gpu):
             return None
-        peak = peak_of_phases(self.phases(batch, seq), self.device)
+        phases = self.phases(batch, seq)
+        if self.device.fragmentation is not None:
+            peak = peak_of_phases(phases, self.device)
+        elif not peak_of_phases(phases, self.device, reserved=0).fits(gpu):
+            return None
+        elif exact:
+            peak = peak_of_phases(phases, self.device, reserved=self.replayed_reserved(batch, seq))
+        else:
+            peak = peak_of_phases(phases, self.device, ratio=self.replayed_ratio(batch, seq))
         return peak if peak.fits(gpu) else None
+
+    def replayed_reserved(self, batch: int, seq: int) -> int | None:
+        """The replay's max_memory_reserved() at (batch, seq) (replay.replayed_max_reserved; memoised)."""
+        from .replay import replayed_max_reserved
+
+        key = (batch, seq)
+        if self.rank is not None:
+            return None
+        if key in self._replays:
+            report = self._replays[key]
+            return None if report is None else report.max_reserved
+        if key not in self._reserved:
+            self._reserved[key] = replayed_max_reserved(self, batch, seq, self.device.alloc_config or DEFAULT_ALLOC)
+        return self._reserved[key]
+
+    def replay(self, batch: int, seq: int):
+        """The caching allocator's replay of this step at (batch, seq) (replay.py; memoised), None without one.
+        None too on a rank of a data-parallel engine: its sequence is built (tests/test_replay.py) but trace
+        --allocator runs one GPU, so nothing has checked it yet, and on FSDP2 it replays to 30-50% above the
+        allocated peak, which no published figure supports: such a rank keeps the flat factor."""
+        from .replay import replay_step
+
+        key = (batch, seq)
+        if self.rank is not None:  # (replay_sharded: not yet validated)
+            return None
+        if key not in self._replays:
+            self._replays[key] = replay_step(self, batch, seq, self.device.alloc_config or DEFAULT_ALLOC)
+        return self._replays[key]
+
+    def replayed_ratio(self, batch: int, seq: int) -> float | None:
+        """The replay's fragmentation over the dynamic memory at its peak (max_memory_reserved() less the
+        allocated peak, over estimate.dynamic_bytes): the search's (DeviceOptions.reserved_ratio, one replay per
+        plan search: plan.search_ratio), else this step's at micro-batch 1 and ``seq`` (so that a search and an
+        estimate of the same layout, whatever batch each asks first, apply the same ratio)."""
+        if self.rank is not None:  # (a data-parallel rank keeps the flat factor, as its estimate does: replay)
+            return None
+        if self.device.reserved_ratio is not None:
+            return self.device.reserved_ratio
+        if seq not in self._ratio:
+            reserved = self.replayed_reserved(1, seq)
+            top = max(self.phases(1, seq), key=lambda ph: ph.allocated_bytes)
+            dynamic = dynamic_bytes(top)
+            self._ratio[seq] = (None if reserved is None or dynamic <= 0 else
+                                max(0, reserved - top.allocated_bytes) / dynamic)
+        return self._ratio[seq]
 
     def estimate(self, batch: int, seq: int) -> Estimate:
         """The full estimate at (batch, seq), activations and notes included."""
@@ -286,10 +347,12 @@ class StepModel:
             notes.append(PAGED_NOTE)
         elif self.optimizer.paged:
             notes.append(self._paged_note)
+        replayed = self.replay(batch, seq) if self.device.fragmentation is None else None
         return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, finetune=self.finetune,
                         activations=acts, phases=phases,
-                        peak=peak_of_phases(phases, self.device), device=self.device, notes=tuple(notes),
-                        warnings=warnings, paged_bytes=self.paged_bytes)
+                        peak=peak_of_phases(phases, self.device, replayed.max_reserved if replayed else None),
+                        device=self.device, notes=tuple(notes), warnings=warnings, paged_bytes=self.paged_bytes,
+                        allocator=replayed)
 
 
 _ACTIVATIONS: OrderedDict[tuple, list] = OrderedDict()
@@ -488,7 +551,10 @@ def evaluate(step: StepModel, batch: int, seq: int) -> Evaluation:
     if not step.spec.has_architecture:
         return Evaluation((), None)
     phases = step.phases(batch, seq)
-    return Evaluation(phases, peak_of_phases(phases, step.device))
+    # (a model-parallel step's stages apply their ratios: its fitting_peak; evaluate gives the flat factor there)
+    replayed = getattr(step, "replayed_reserved", None)
+    reserved = replayed(batch, seq) if replayed is not None and step.device.fragmentation is None else None
+    return Evaluation(phases, peak_of_phases(phases, step.device, reserved))
 
 
 def estimate_model(model: ModelSpec, settings: TrainingSettings | None = None,

@@ -114,8 +114,11 @@ class EstimateInput(BaseModel):
         None, description="A GPU of this memory instead of (or with) a named one: text with a unit (\"48GiB\", "
         "\"80GB\") or a number of GiB.")
     headroom: float = Field(DEFAULT_HEADROOM, ge=1.0, le=10.0)
-    fragmentation: float = Field(DEFAULT_FRAGMENTATION, ge=0, lt=1, description="Caching-allocator overhead as a "
-                                 "fraction of the dynamic memory.")
+    fragmentation: float | None = Field(None, ge=0, lt=1, description="Caching-allocator overhead as a fraction "
+                                        "of the dynamic memory; unset: the step replayed through the allocator "
+                                        f"model (the flat {DEFAULT_FRAGMENTATION:.0%} where it cannot be).")
+    alloc_conf: str | None = Field(None, max_length=500, description="PYTORCH_CUDA_ALLOC_CONF options the allocator "
+                                   "replay assumes, e.g. expandable_segments:True (unset: the server's environment).")
     cuda_overhead: float = Field(DEFAULT_CUDA_OVERHEAD_MIB, ge=0, le=MAX_CUDA_OVERHEAD_BYTES / 2**20,
                                  description="CUDA context and workspaces, MiB.")
     max_batch: bool = Field(False, description="Replace batch by the largest that fits gpu.")
@@ -149,8 +152,8 @@ SETTINGS_FIELDS = ("recipe", "optimizer", "optimizer_impl", "batch", "seq", "gra
                    "offload_activations")
 REQUEST_FIELDS = ("params", "gpus", "gpus_per_node", "zero", "fsdp", "offload", "ddp_bucket_view", "lora",
                   "lora_alpha", "lora_dropout", "lora_targets", "dora", "train_modules", "adapter_dtype", "qlora",
-                  "base_quant", "double_quant", "gpu", "headroom", "fragmentation", "cuda_overhead", "tp", "sp",
-                  "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep", "pp_layers")
+                  "base_quant", "double_quant", "gpu", "headroom", "fragmentation", "alloc_conf", "cuda_overhead",
+                  "tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep", "pp_layers")
 
 
 MAX_BUILT_LAYERS = 512
