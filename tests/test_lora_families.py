@@ -6,7 +6,7 @@ import pytest
 
 from tiny_configs import TINY_CONFIGS
 
-from trainmem.estimate import estimate_model
+from trainmem.stepmodel import estimate_model
 from trainmem.lora import FineTune, LoraOptions
 from trainmem.models import spec_from_config
 from trainmem.settings import make_settings
