@@ -571,6 +571,10 @@ TYPES_BEFORE_OLMO2 = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen
 the cases recorded then (tests/test_random_models.py's regressions)."""
 
 
+TYPES_BEFORE_PHI = TYPES_BEFORE_OLMO2 + ("olmo2", "cohere")
+"""The model types the random draw chose from before Phi (the OLMo-2 and Cohere regression cases)."""
+
+
 def random_case(pick, model_types: tuple[str, ...] | None = None) -> tuple[dict, dict]:
     """One random small model of a supported type and one random training set-up: ``(config, settings)``.
 
@@ -637,6 +641,11 @@ def random_case(pick, model_types: tuple[str, ...] | None = None) -> tuple[dict,
         cfg["attention_bias"] = bias
         if model_type == "cohere":
             cfg.update(use_qk_norm=pick("qk_norm", (False, True)), logit_scale=pick("logit_scale", (0.0625, 1.0)))
+    elif model_type == "phi":
+        # (no explicit head_dim: PhiAttention's q/k LayerNorms are hidden_size // heads wide whatever head_dim says;
+        # a rotary width int(head_dim * factor) that is odd breaks transformers' rotary tables, so no 0.4 here)
+        cfg.update(llama_like, resid_pdrop=dropout, embd_pdrop=dropout,
+                   partial_rotary_factor=pick("partial_rotary", (0.5, 1.0)), qk_layernorm=pick("qk_norm", (False, True)))
     elif model_type == "phi3":
         cfg.update(resid_pdrop=dropout, embd_pdrop=dropout, sliding_window=window,
                    partial_rotary_factor=pick("partial_rotary", (1.0, 0.5)))
