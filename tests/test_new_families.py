@@ -113,3 +113,15 @@ def test_exact_parameter_counts_of_the_real_checkpoints(name):
 
     assert hf_num_parameters(catalog_config(name)) == EXACT_COUNTS[name]
     assert catalog_spec(name).num_parameters == EXACT_COUNTS[name]
+
+
+def test_a_trained_copy_of_phis_tied_head_is_the_embedding_and_the_bias():
+    """peft's modules_to_save deep-copies the whole lm_head Linear: tied, its weight (the embedding) and Phi's bias."""
+    from tiny_configs import TINY_CONFIGS
+
+    from trainmem.lora import LoraOptions, copy_groups
+    from trainmem.models import spec_from_config
+
+    spec = spec_from_config(TINY_CONFIGS["phi-gqa-qk-norm-tied"])
+    (group,) = copy_groups(spec, LoraOptions(rank=8, train_modules=("lm_head",)))
+    assert sorted(t.shape for t in group.tensors) == [(211,), (211, 64)]
