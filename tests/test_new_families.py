@@ -97,11 +97,30 @@ def test_phi_within_one_percent_of_the_trace(extra, recipe, checkpointing, atten
            4, 1024, dropout)
 
 
+# Granite (modeling_granite.py): Llama's modules; its four multipliers are products with Python scalars (nothing
+# saved), the logits division a transient under the loss's. Long sequences and a large vocabulary, with dropout.
+GRANITE = dict(num_key_value_heads=2, embedding_multiplier=12.0, residual_multiplier=0.22,
+               attention_multiplier=0.0078125, logits_scaling=16.0)
+GRANITE_CASES = [
+    (dict(vocab_size=1031), "fp32", "none", "sdpa", 4, 1024, 0.0),
+    (dict(vocab_size=1031), "amp-bf16", "full", "eager", 4, 1024, 0.0),
+    (dict(vocab_size=32003, attention_dropout=0.1), "amp-bf16", "none", "eager", 2, 256, 0.1),
+    (dict(vocab_size=32003, attention_bias=True, mlp_bias=True), "pure-bf16", "full", "sdpa", 2, 256, 0.0),
+]
+
+
+@slow
+@pytest.mark.parametrize("extra, recipe, checkpointing, attention, batch, seq, dropout", GRANITE_CASES)
+def test_granite_within_one_percent_of_the_trace(extra, recipe, checkpointing, attention, batch, seq, dropout):
+    _check("granite", dict(GRANITE, **extra), recipe, checkpointing, attention, batch, seq, dropout)
+
+
 # transformers' count of each checkpoint's parameters (sum of numel over a meta-device PhiForCausalLM built from the
 # catalog's config.json), written out so that the test fails if either side moves.
 EXACT_COUNTS = {
     "phi-2": 2_779_683_840,
     "phi-1_5": 1_418_270_720,
+    "granite-3-8b-instruct": 8_170_864_640,
 }
 
 

@@ -71,6 +71,7 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "phi3": {**_LLAMA_FAMILY, "max_position_embeddings": 4096, "sliding_window": None, "resid_pdrop": 0.0,
              "embd_pdrop": 0.0, "partial_rotary_factor": 1.0},
+    "granite": {**_LLAMA_FAMILY, "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 2048},
     "olmo2": {**_LLAMA_FAMILY, "attention_bias": False, "max_position_embeddings": 2048},
     "cohere": {**_LLAMA_FAMILY, "attention_bias": False, "tie_word_embeddings": True, "max_position_embeddings": 8192,
                "use_qk_norm": False, "logit_scale": 0.0625},

@@ -839,6 +839,14 @@ def _parse_cohere(c: _Config) -> dict[str, Any]:
     return spec
 
 
+def _parse_granite(c: _Config) -> dict[str, Any]:
+    """modeling_granite.py: Llama's modules; its multipliers (embedding_multiplier, residual_multiplier,
+    attention_multiplier as the softmax scale, logits_scaling) are products with Python scalars, which save
+    nothing for backward (a scalar needs no gradient)."""
+    bias = bool(c.get("attention_bias"))
+    return _llama_like(c, qkv_bias=bias, o_bias=bias, mlp_bias=bool(c.get("mlp_bias")))
+
+
 def _moe_fields(c: _Config, *, experts_keys: tuple[str, ...]) -> tuple[int, int]:
     """(routed experts, experts per token), validated."""
     experts = c.req(*experts_keys)
@@ -1100,6 +1108,7 @@ PARSERS: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "olmo2": _parse_olmo2,
     "cohere": _parse_cohere,
     "phi": _parse_phi,
+    "granite": _parse_granite,
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(PARSERS)
 

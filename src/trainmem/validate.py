@@ -572,7 +572,7 @@ the cases recorded then (tests/test_random_models.py's regressions)."""
 
 
 TYPES_BEFORE_PHI = TYPES_BEFORE_OLMO2 + ("olmo2", "cohere")
-"""The model types the random draw chose from before Phi (the OLMo-2 and Cohere regression cases)."""
+"""The model types the random draw chose from before Phi and Granite (the OLMo-2 and Cohere regression cases)."""
 
 
 def random_case(pick, model_types: tuple[str, ...] | None = None) -> tuple[dict, dict]:
@@ -641,6 +641,12 @@ def random_case(pick, model_types: tuple[str, ...] | None = None) -> tuple[dict,
         cfg["attention_bias"] = bias
         if model_type == "cohere":
             cfg.update(use_qk_norm=pick("qk_norm", (False, True)), logit_scale=pick("logit_scale", (0.0625, 1.0)))
+    elif model_type == "granite":
+        cfg.update(llama_like, attention_bias=bias, mlp_bias=pick("mlp_bias", (False, True)),
+                   embedding_multiplier=pick("embedding_multiplier", (1.0, 12.0)),
+                   residual_multiplier=pick("residual_multiplier", (1.0, 0.22)),
+                   attention_multiplier=pick("attention_multiplier", (1.0, 0.0078125)),
+                   logits_scaling=pick("logits_scaling", (1.0, 16.0)))
     elif model_type == "phi":
         # (no explicit head_dim: PhiAttention's q/k LayerNorms are hidden_size // heads wide whatever head_dim says;
         # a rotary width int(head_dim * factor) that is odd breaks transformers' rotary tables, so no 0.4 here)
