@@ -74,6 +74,8 @@ PUBLISHED_ROUNDED = {
     "falcon-7b": (6.92e9, None), "opt-1.3b": (1.32e9, None), "bloom-560m": (0.559e9, None),
     "pythia-6.9b": (6.86e9, None), "deepseek-v3": (671e9, 37e9),
     "olmo-2-1124-7b": (7.30e9, None), "c4ai-command-r-v01": (35.0e9, None), "c4ai-command-r-plus": (104e9, None),
+    # (the Hub model pages' safetensors counts: Phi-2 2.78B, Phi-1.5 1.42B)
+    "phi-2": (2.78e9, None), "phi-1_5": (1.42e9, None),
 }
 
 

@@ -285,7 +285,7 @@ def test_a_phi_2_upload_is_answered_and_says_what_answered(server, browser, tmp_
     _settled(page, ready)
     assert page.text_content("#error") == ""
     assert "2,779,683,840 parameters" in page.text_content("#summary")
-    assert "counted by transformers for phi" in page.text_content("#path")
+    assert "hand-written description of phi" in page.text_content("#path")  # (models.py's phi parser)
 
 
 def test_a_custom_gpu_memory_is_answered_for(server, browser):

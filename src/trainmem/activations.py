@@ -285,6 +285,10 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         # OLMo-2's normalise the whole projection output (one rsqrt per token) and keep the fp32 normalised value.
         normed = FP32 if spec.traits.rms_norm_fp32_plus_one or spec.traits.rms_norm_fp32_product else c
         for name, heads in (("q_norm", a), ("k_norm", kv)):
+            if att.qk_layer_norm:  # Phi's q/k LayerNorms: their input (an fp32 copy under autocast) and mean, rstd
+                terms += [Term(f"{name}: input", (FP32 if p.autocast else c) * heads * d, name, "input"),
+                          Term(f"{name}: mean, rstd", 2 * FP32 * heads, name, "stats")]
+                continue
             rows = 1 if att.qk_norm_width == "projection" else heads
             terms += [Term(f"{name}: input in fp32", FP32 * heads * d, name, "input_fp32"),
                       Term(f"{name}: rsqrt", FP32 * rows, name, "rsqrt"),
@@ -430,6 +434,13 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         inputs += c * kv * dv
     if repeat_copies:  # (k repeated in its own dtype: fp32 after rotary under autocast)
         inputs += qk_bytes * a * d + c * a * dv
+    if spec.traits.rotary_split_locals:
+        # (PhiAttention: query_rot/key_rot and the q_proj/k_proj outputs the passed views hold, alive to its end)
+        # (the passed views are of the q/k LayerNorms' outputs where there are some: fp32 under autocast)
+        passed = FP32 if att.qk_norm and att.qk_layer_norm and p.autocast else c
+        split_locals = passed * (a * d + kv * d) + qk_bytes * att.rotary_dim * (a + kv)
+        inputs += split_locals
+        softmax_extra += split_locals if softmax_extra else 0.0
     forward = bloom_forward
     rotary_forward = 0.0
     if rotary and not att.fused_qkv and att.rotary_dim == d:  # modeling_llama.py apply_rotary_pos_emb and kin

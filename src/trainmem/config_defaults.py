@@ -71,6 +71,7 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "phi3": {**_LLAMA_FAMILY, "max_position_embeddings": 4096, "sliding_window": None, "resid_pdrop": 0.0,
              "embd_pdrop": 0.0, "partial_rotary_factor": 1.0},
+    "granite": {**_LLAMA_FAMILY, "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 2048},
     "olmo2": {**_LLAMA_FAMILY, "attention_bias": False, "max_position_embeddings": 2048},
     "cohere": {**_LLAMA_FAMILY, "attention_bias": False, "tie_word_embeddings": True, "max_position_embeddings": 8192,
                "use_qk_norm": False, "logit_scale": 0.0625},
@@ -92,6 +93,10 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
             "max_position_embeddings": 2048, "enable_bias": True, "layer_norm_elementwise_affine": True,
             "word_embed_proj_dim": HIDDEN, "do_layer_norm_before": True, "_remove_final_layer_norm": False},
     "bloom": {"tie_word_embeddings": True, "attention_dropout": 0.0, "hidden_dropout": 0.0},
+    # configuration_phi.py (PhiConfig; rope_parameters' partial_rotary_factor defaults to 0.5 there)
+    "phi": {"num_key_value_heads": HEADS, "head_dim": HEAD_DIM, "hidden_act": "gelu_new", "tie_word_embeddings": False,
+            "max_position_embeddings": 2048, "attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+            "partial_rotary_factor": 0.5, "qk_layernorm": False},
 }
 """model_type -> {config key: the value transformers assumes when the key is missing (or a :class:`Derived`)}."""
 

@@ -207,8 +207,10 @@ def copy_groups(spec: ModelSpec, options: LoraOptions):
     if token_embedding is None:
         raise ConfigError(f"--train-modules: {spec.name} has no token embedding")
     head = tuple(t for g in spec.param_groups for t in g.tensors if t.role == "head")
-    return tuple(ParamGroup(f"{role} (trained copy)", 1, (token_embedding,) if role == "embedding" or not head
-                            else head) for role in sorted(options.trained_roles))
+    if not any(len(t.shape) == 2 for t in head):  # tied: the head's weight is the embedding (Phi keeps its bias)
+        head = (token_embedding, *head)
+    return tuple(ParamGroup(f"{role} (trained copy)", 1, (token_embedding,) if role == "embedding" else head)
+                 for role in sorted(options.trained_roles))
 
 
 def trained_copies(spec: ModelSpec, options: LoraOptions) -> dict[str, int]:

@@ -53,6 +53,9 @@ class Attention:
     """What q_norm and k_norm normalise: each head with one head_dim-wide weight (Qwen3, Gemma 3), the whole q and
     k projection outputs (OLMo-2's Olmo2Attention: ``q_norm = Olmo2RMSNorm(num_heads * head_dim)``), or each head
     with a weight per head (Cohere's ``CohereLayerNorm(hidden_size=(num_heads, head_dim))``)."""
+    qk_layer_norm: bool = False
+    """q_norm and k_norm are LayerNorms (a weight and a bias over head_dim) rather than RMSNorms (Phi's
+    ``q_layernorm = nn.LayerNorm(hidden_size // num_attention_heads)`` with ``qk_layernorm``)."""
     rotary_dim: int = 0
     """Head dims rotated by RoPE (0: no rotary embedding; less than head_dim: partial rotary, GPT-NeoX/Phi-3)."""
     kv_broadcast: bool = False
@@ -236,6 +239,10 @@ class FamilyTraits:
     """apply_rotary_pos_emb casts the rotated q and k back to q's dtype (OLMo-2: ``q_embed.to(q_type)``; Cohere
     rotates in fp32 and casts back), so under autocast they are half, not fp32 as Llama's (whose tables follow
     the fp32 hidden states)."""
+    rotary_split_locals: bool = False
+    """Partial rotary on separate q and k projections whose attention forward keeps, as locals until it returns,
+    the rotated parts (``query_rot, key_rot = apply_rotary_pos_emb(...)``) and the passed parts, views that hold
+    the whole q_proj and k_proj outputs, beside q and k joined by ``torch.cat`` (PhiAttention, StableLmAttention)."""
     norm_centred_twice: bool = False
     """CohereLayerNorm computes ``hidden_states - mean`` twice (once for the variance, once to normalise), and
     ``pow`` and the product with the rsqrt each keep theirs: one more fp32 input-wide tensor than an RMSNorm."""
@@ -270,6 +277,9 @@ class ModelSpec:
     embedding_norm: bool = False
     """A LayerNorm right after the embedding (BLOOM)."""
     final_norm: bool = True
+    head_bias: bool = False
+    """The LM head has a bias (Phi's ``lm_head = nn.Linear(hidden_size, vocab_size, bias=True)``), kept when the
+    weight is tied."""
     final_logit_softcap: float | None = None
     """Gemma 2/3's ``final_logit_softcapping`` on the LM head's output (one more tanh output kept, V wide)."""
     dropout: Dropout = field(default_factory=Dropout)
@@ -417,7 +427,8 @@ def _attention_tensors(att: Attention, hidden: int) -> list[ParamTensor]:
     elif att.qk_norm and att.qk_norm_width == "head_weights":
         out += [ParamTensor("q_norm.weight", (a, d), "norm"), ParamTensor("k_norm.weight", (kv, d), "norm")]
     elif att.qk_norm:
-        out += _norm("q_norm", d, 1) + _norm("k_norm", d, 1)
+        vectors = 2 if att.qk_layer_norm else 1
+        out += _norm("q_norm", d, vectors) + _norm("k_norm", d, vectors)
     return out
 
 
@@ -487,8 +498,11 @@ def parameter_groups(spec: ModelSpec) -> tuple[ParamGroup, ...]:
         return tuple(groups)
     if spec.final_norm and spec.norm_vectors:
         groups.append(ParamGroup("final_norm", 1, tuple(_norm("norm", h, spec.norm_vectors))))
+    head = [ParamTensor("lm_head.bias", (spec.vocab_size,), "head")] if spec.head_bias else []
     if not spec.tied_embeddings or not spec.has_embedding:  # (a last pipeline stage holds its own copy)
-        groups.append(ParamGroup("lm_head", 1, (ParamTensor("lm_head.weight", (spec.vocab_size, emb_dim), "head"),)))
+        head.insert(0, ParamTensor("lm_head.weight", (spec.vocab_size, emb_dim), "head"))
+    if head:
+        groups.append(ParamGroup("lm_head", 1, tuple(head)))
     return tuple(groups)
 
 
@@ -828,6 +842,14 @@ def _parse_cohere(c: _Config) -> dict[str, Any]:
     return spec
 
 
+def _parse_granite(c: _Config) -> dict[str, Any]:
+    """modeling_granite.py: Llama's modules; its multipliers (embedding_multiplier, residual_multiplier,
+    attention_multiplier as the softmax scale, logits_scaling) are products with Python scalars, which save
+    nothing for backward (a scalar needs no gradient)."""
+    bias = bool(c.get("attention_bias"))
+    return _llama_like(c, qkv_bias=bias, o_bias=bias, mlp_bias=bool(c.get("mlp_bias")))
+
+
 def _moe_fields(c: _Config, *, experts_keys: tuple[str, ...]) -> tuple[int, int]:
     """(routed experts, experts per token), validated."""
     experts = c.req(*experts_keys)
@@ -1014,6 +1036,23 @@ def _parse_falcon(c: _Config) -> dict[str, Any]:
     )
 
 
+def _parse_phi(c: _Config) -> dict[str, Any]:
+    """modeling_phi.py: PhiDecoderLayer runs attention and the MLP in parallel on one LayerNorm's output and adds
+    both to the residual (each through ``resid_dropout``); PhiAttention has q/k/v and ``dense`` with biases,
+    partial rotary (the rotated and passed parts joined by ``torch.cat``) and optional per-head LayerNorms on q and
+    k (``qk_layernorm``); PhiMLP is fc1 -> act -> fc2 with biases; ``embed_dropout`` on the embeddings; the LM head
+    has a bias."""
+    hidden, heads, kv, d = _heads(c)
+    att = Attention("mha", heads, kv, d, d, True, True, qk_norm=bool(c.get("qk_layernorm")), qk_layer_norm=True,
+                    rotary_dim=int(d * _rotary_fraction(c)))
+    layer = Layer(att, MLP(c.req("intermediate_size"), False, _act(c), bias=True), None, 1, parallel_residual=True)
+    return dict(
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("num_hidden_layers")),),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings")), head_bias=True,
+        dropout=Dropout(c.get("attention_dropout"), c.get("resid_pdrop"), c.get("embd_pdrop")), **_positions(c),
+    )
+
+
 def _parse_opt(c: _Config) -> dict[str, Any]:
     hidden = c.req("hidden_size")
     heads = c.req("num_attention_heads")
@@ -1071,6 +1110,8 @@ PARSERS: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "deepseek_v3": _parse_deepseek_v3,
     "olmo2": _parse_olmo2,
     "cohere": _parse_cohere,
+    "phi": _parse_phi,
+    "granite": _parse_granite,
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(PARSERS)
 
@@ -1099,6 +1140,8 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "olmo2": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True),
     # (CohereForCausalLM's ``logits * logit_scale`` saves nothing and its transient is under the traced peaks)
     "cohere": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True),
+    "phi": FamilyTraits(q_built_by_cat=True, hidden_dropout="per_block", embedding_dropout=True,
+                        rotary_split_locals=True),
 }
 """Each family's traits; a family not listed has Llama's. Gemma 2/3 and Qwen2-MoE build the full and the sliding
 eager mask whatever their layers use, Qwen2/Qwen3 the full one always; the others (Mistral, Mixtral, Phi-3,

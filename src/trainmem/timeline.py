@@ -183,6 +183,19 @@ def _shares_one_norm(spec: ModelSpec, layer) -> bool:
     return layer.parallel_residual and layer.num_norms == 1 and spec.traits.block == "standard"
 
 
+def _down_projection_locals(spec: ModelSpec, la: LayerActivations, p: Precision) -> int:
+    """Bytes per token alive beside the saved tensors while the down projection writes its output, none of them
+    saved: the attention output a parallel block holds through its MLP (PhiDecoderLayer's ``attn_outputs``), and
+    under autocast gelu_new's fp32 output, which fc2 reads and casts (the cast is what it saves; traced: Phi
+    amp-bf16, the forward's peak at the last fc2)."""
+    layer = la.layer
+    held = p.compute * spec.hidden_size if _shares_one_norm(spec, layer) else 0
+    mlp = layer.mlp
+    if p.autocast and mlp is not None and not mlp.gated and mlp.activation == "gelu_new":
+        held += FP32 * mlp.intermediate_size
+    return held
+
+
 def _has_output_norm(la: LayerActivations) -> bool:
     return any(t.module == "post_feedforward_norm" for t in la.terms)
 
@@ -1182,7 +1195,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         returned = int(acts.layers[-1].returned_extra * tokens)
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
-                                   + p.compute * h * tokens, 0))
+                                   + (p.compute * h + _down_projection_locals(spec, last, p)) * tokens, 0))
         # DoRA: each adapted Linear's weight norm and output products in the last layer, beside everything saved
         # before it and its input (_dora_site)
         before_last = layers_saved - layers[-1].kept + p.residual * h * tokens + acts.kv_cache_bytes + acts.mask_bytes

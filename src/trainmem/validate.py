@@ -572,6 +572,10 @@ TYPES_BEFORE_OLMO2 = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen
 the cases recorded then (tests/test_random_models.py's regressions)."""
 
 
+TYPES_BEFORE_PHI = TYPES_BEFORE_OLMO2 + ("olmo2", "cohere")
+"""The model types the random draw chose from before Phi and Granite (the OLMo-2 and Cohere regression cases)."""
+
+
 def random_case(pick, model_types: tuple[str, ...] | None = None) -> tuple[dict, dict]:
     """One random small model of a supported type and one random training set-up: ``(config, settings)``.
 
@@ -638,6 +642,17 @@ def random_case(pick, model_types: tuple[str, ...] | None = None) -> tuple[dict,
         cfg["attention_bias"] = bias
         if model_type == "cohere":
             cfg.update(use_qk_norm=pick("qk_norm", (False, True)), logit_scale=pick("logit_scale", (0.0625, 1.0)))
+    elif model_type == "granite":
+        cfg.update(llama_like, attention_bias=bias, mlp_bias=pick("mlp_bias", (False, True)),
+                   embedding_multiplier=pick("embedding_multiplier", (1.0, 12.0)),
+                   residual_multiplier=pick("residual_multiplier", (1.0, 0.22)),
+                   attention_multiplier=pick("attention_multiplier", (1.0, 0.0078125)),
+                   logits_scaling=pick("logits_scaling", (1.0, 16.0)))
+    elif model_type == "phi":
+        # (no explicit head_dim: PhiAttention's q/k LayerNorms are hidden_size // heads wide whatever head_dim says;
+        # a rotary width int(head_dim * factor) that is odd breaks transformers' rotary tables, so no 0.4 here)
+        cfg.update(llama_like, resid_pdrop=dropout, embd_pdrop=dropout,
+                   partial_rotary_factor=pick("partial_rotary", (0.5, 1.0)), qk_layernorm=pick("qk_norm", (False, True)))
     elif model_type == "phi3":
         cfg.update(resid_pdrop=dropout, embd_pdrop=dropout, sliding_window=window,
                    partial_rotary_factor=pick("partial_rotary", (1.0, 0.5)))
