@@ -132,6 +132,11 @@ def test_an_uploaded_config_is_estimated_as_the_cli_estimates_its_file(client, r
     # the CLI names the model by its file; everything else is the same document
     assert (api["model"].pop("name"), api["model"].pop("source")) == ("uploaded config", "upload")
     assert cli["model"].pop("source") == str(path) and cli["model"].pop("name")
+    assert api["activation_source"] == cli["activation_source"] == "traced"  # the API says which path answered
+    assert not api["traced"].pop("from_cache") and cli["traced"].pop("from_cache")  # the CLI read what the API kept
+    for doc in (api, cli):  # (when and how long it was recorded)
+        doc["traced"].pop("seconds")
+        doc["notes"] = [n for n in doc["notes"] if not n.startswith("traced path")]
     assert api == cli
 
 
@@ -424,6 +429,7 @@ PHI_2 = {"architectures": ["PhiForCausalLM"], "model_type": "phi", "hidden_size"
 """microsoft/phi-2's config.json (model_type phi)."""
 
 
+@pytest.mark.slow  # (the traced path records phi-2's step: two traces)
 def test_an_uploaded_config_of_any_model_type_the_cli_takes_is_taken(client, run_cli, tmp_path):
     pytest.importorskip("transformers", reason="counting a model type without a description needs transformers")
     path = tmp_path / "config.json"
@@ -434,6 +440,11 @@ def test_an_uploaded_config_of_any_model_type_the_cli_takes_is_taken(client, run
     api, cli = response.json(), json.loads(out)
     assert (api["model"].pop("name"), api["model"].pop("source")) == ("uploaded config", "upload")
     assert cli["model"].pop("source") == str(path) and cli["model"].pop("name")
+    assert api["activation_source"] == cli["activation_source"] == "traced"  # the API says which path answered
+    assert not api["traced"].pop("from_cache") and cli["traced"].pop("from_cache")  # the CLI read what the API kept
+    for doc in (api, cli):  # (when and how long it was recorded)
+        doc["traced"].pop("seconds")
+        doc["notes"] = [n for n in doc["notes"] if not n.startswith("traced path")]
     assert api == cli
     assert api["model"]["parameters"] == 2_779_683_840  # phi-2's published count
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from .timeline import CATEGORIES, Phase
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 """Bumped when what the cache holds, or how it is recorded, changes: older entries are then never read."""
 CACHE_ENV = "TRAINMEM_CACHE_DIR"
 TRACE_EXTRA = "pip install 'trainmem[trace]'"
@@ -288,15 +288,65 @@ def record(config: dict[str, Any], settings, spec=None, progress: bool = True) -
     from .trace import trace_step
 
     plan, key, full = layer_plan(config, SELECTIVE_EVERY if settings.checkpointing == "selective" else 1)
-    traced = []
+    traced, peaks = [], []
     with Progress(f"tracing {' and '.join(map(str, plan.counts))} of {plan.layers} layers", total=len(plan.counts),
                   force=None if progress else False) as bar:
         for count in plan.counts:
-            traced.append(trace_step(reduced_config(config, full, key, plan.layers, count), settings, spec).phases)
+            result = trace_step(reduced_config(config, full, key, plan.layers, count), settings, spec,
+                                module_peaks=len(plan.counts) == 2)
+            traced.append(result.phases)
+            peaks.append(result.module_peaks)
             bar.advance()
     if len(traced) == 1:
         return traced[0], plan
-    return extrapolate(traced[0], traced[1], plan.periods_added), plan
+    phases = extrapolate(traced[0], traced[1], plan.periods_added)
+    return _with_module_moments(phases, peaks, plan), plan
+
+
+def _anchored(peaks: dict, count: int) -> dict[tuple, tuple]:
+    """Module peaks keyed so that the same moment has the same key at every layer count: a module outside the layers
+    by its name; one inside layer i both from the bottom (i) and from the top (count - 1 - i)."""
+    out: dict[tuple, tuple] = {}
+    for name, pair in peaks.items():
+        parts = name.split(".")
+        at = next((j for j, part in enumerate(parts) if part.isdigit()), None)
+        if at is None:
+            out[("module", name)] = pair
+            continue
+        path, index, rest = ".".join(parts[:at]), int(parts[at]), ".".join(parts[at + 1:])
+        out[("bottom", path, index, rest)] = pair
+        out[("top", path, count - 1 - index, rest)] = pair
+    return out
+
+
+def _with_module_moments(phases: tuple[Phase, ...], peaks: list, plan: LayerPlan) -> tuple[Phase, ...]:
+    """Forward's and backward's peaks as the largest of every module's extrapolated peak and the phase's own.
+
+    Why: a phase's peak is the largest of many moments, each a line in the number of periods (the backward of the
+    top layer holds every layer's activations, that of the bottom layer every layer's gradients), and which line is
+    largest can change between the traced counts and the real one (OLMo-7B at 2,048 tokens: the top at 1 and 2
+    layers, the bottom at 32). Each module's peak at the same place from the top or the bottom is one moment, so
+    it extrapolates; the real peak is the largest of them."""
+    first, second = _anchored(peaks[0], plan.counts[0]), _anchored(peaks[1], plan.counts[1])
+    out = []
+    for index, phase in enumerate(phases):
+        if phase.name not in ("forward", "backward"):
+            out.append(phase)
+            continue
+        which = 0 if phase.name == "forward" else 1
+        best = phase
+        for key, pair in first.items():
+            a, b = pair[which], second.get(key, (None, None))[which]
+            if a is None or b is None:
+                continue
+            try:
+                (moment,) = extrapolate((a,), (b,), plan.periods_added)
+            except ValueError:
+                continue  # (a moment that shrinks with the layers is not one that repeats)
+            if moment.allocated_bytes > best.allocated_bytes:
+                best = Phase(phase.name, phase.moment, *(getattr(moment, c) for c in CATEGORIES))
+        out.append(best)
+    return tuple(out)
 
 
 def _phase_doc(phase: Phase) -> dict[str, Any]:

@@ -49,6 +49,9 @@ class TraceResult:
     """--offload-activations: the most bytes the offload hook held in host memory at once."""
     allocations: Any = None
     """``trace_step(record_allocations=True)``: the step's allocations and frees (an allocator.AllocationLog)."""
+    module_peaks: Any = None
+    """``trace_step(module_peaks=True)``: {module name: (its forward peak, its backward peak)} as Phases, the
+    moments the traced path (recorded.py) extrapolates beside each phase's own peak."""
 
     @property
     def peak(self) -> Phase:
@@ -302,7 +305,7 @@ def _gradient_sum(tracker, temporary, func, args) -> bool:
 
 def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,
                round_to_cuda: bool = True, emulate: str = "cuda", fake: bool = True, finetune=None,
-               record_allocations: bool = False) -> TraceResult:
+               record_allocations: bool = False, module_peaks: bool = False) -> TraceResult:
     """Trace one steady-state training step; returns the peak of each phase by category.
 
     ``record_allocations=True`` also records the order of the allocations and frees of the first step (the
@@ -354,6 +357,7 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
         stats = tracker.memory_tracking[run.model].snapshots
         forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
         backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
+        peaks = _module_peaks(tracker, mem_tracker, run.model) if module_peaks else None
 
         step_tracker = mem_tracker.MemTracker()
         _track(step_tracker, mem_tracker, run)
@@ -377,7 +381,23 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
         _phase("between_steps", "after zero_grad", between),
     )
     return TraceResult(phases, time.perf_counter() - started, round_to_cuda, run.offloaded_peak_bytes,
-                       recorder.log() if recorder is not None else None)
+                       recorder.log() if recorder is not None else None, peaks)
+
+
+def _module_peaks(tracker, mem_tracker, model) -> dict[str, tuple[Phase | None, Phase | None]]:
+    """Each module's forward and backward peak snapshots (the largest where it ran more than once)."""
+    out = {}
+    for name, module in model.named_modules():
+        info = tracker.memory_tracking.get(module)
+        if info is None:
+            continue
+        pair = []
+        for state, phase in ((mem_tracker._ModState.PEAK_FW, "forward"), (mem_tracker._ModState.PEAK_BW, "backward")):
+            snaps = [_phase(phase, f"peak in {name or 'the model'}", _device_snapshot(s))
+                     for s in info.snapshots.get(state, ())]
+            pair.append(max(snaps, key=lambda ph: ph.allocated_bytes) if snaps else None)
+        out[name] = (pair[0], pair[1])
+    return out
 
 
 def _recorded_micro_batch(mem_tracker, run) -> None:
@@ -697,6 +717,7 @@ def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel, 
             stats = tracker.memory_tracking[step_module].snapshots
             forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
             backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
+        peaks = _module_peaks(tracker, mem_tracker, run.model) if module_peaks else None
         step_tracker = _tp_tracker(mem_tracker, propagating)
         step_tracker.track_external(model, optimizer)
         before, peak, after = _tracked_optimizer_step(step_tracker, optimizer)
