@@ -226,6 +226,7 @@ def peak_of_phases(phases: tuple[Phase, ...], device: DeviceOptions, reserved: i
     elif reserved is not None:
         source, total = "replay", max(reserved, top.allocated_bytes)
     else:
+        assert ratio is not None
         source, total = "ratio", top.allocated_bytes + int(ratio * dynamic)
     device_bytes = total + device.cuda_overhead_bytes
     return Peak(top.name, top.moment, top.allocated_bytes, total, device_bytes, int(device_bytes * device.headroom),

@@ -183,9 +183,9 @@ def check_transformers_config(config: dict[str, Any], origin: str = "config") ->
 
 def spec_by_building(config: dict[str, Any], name: str, source: str, reason: str = "") -> ModelSpec:
     """A spec without architecture whose parameter tensors are exactly those of the transformers model. The count
-    is kept on disk (recorded.py's cache, keyed by the config and the library versions), so the next estimate of
+    is kept on disk (diskcache.py, keyed by the config and the library versions), so the next estimate of
     the same config imports neither torch nor transformers."""
-    from .recorded import cache_path, canonical_config, read_cached, write_cached
+    from .diskcache import cache_path, canonical_config, read_cached, write_cached
 
     check_buildable(config, source or name or "config")
     path = cache_path("params", {"config": canonical_config(config)})

@@ -48,7 +48,7 @@ def decoder_layers(model) -> list:
     layers = getattr(config, "num_hidden_layers", None) if config is not None else None
     matching = [m for m in lists if len(m) == layers] or lists
     if matching:
-        return list(max(matching, key=len))
+        return list(max(matching, key=lambda m: len(list(m))))
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 

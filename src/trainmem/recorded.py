@@ -30,7 +30,6 @@ and one line naming the extra.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -39,79 +38,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .diskcache import cache_dir, cache_path, canonical_config, read_cached, write_cached
 from .timeline import CATEGORIES, Phase
 
-CACHE_FORMAT = 2
-"""Bumped when what the cache holds, or how it is recorded, changes: older entries are then never read."""
-CACHE_ENV = "TRAINMEM_CACHE_DIR"
 TRACE_EXTRA = "pip install 'trainmem[trace]'"
 _NOT_PER_LAYER = re.compile(r"rope|section|token_id|limit|multiplier")
 """Config lists whose length can equal the layer count without being per layer (mrope_section, time_step_limit)."""
 _LAYER_INDEX = frozenset({"layer_idx", "layer_id", "layer_number", "layer_index", "idx", "block_idx"})
 """Module attributes that number the layers: different in every layer by design, not part of its kind."""
-
-
-# -- the cache -----------------------------------------------------------------------------------------------------
-
-def cache_dir() -> Path:
-    """Where recorded steps and counted parameters are kept."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "trainmem"
-
-
-def library_versions() -> dict[str, str] | None:
-    """The versions that change a trace, read from the installed metadata (no import); None if torch or
-    transformers is not installed."""
-    from importlib import metadata
-
-    from . import __version__
-
-    try:
-        return {"torch": metadata.version("torch"), "transformers": metadata.version("transformers"),
-                "trainmem": __version__, "format": str(CACHE_FORMAT)}
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def canonical_config(config: dict[str, Any]) -> str:
-    return json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def cache_path(kind: str, payload: dict[str, Any]) -> Path | None:
-    """The file that holds ``kind`` ("phases", "params") for ``payload``, or None without torch/transformers."""
-    versions = library_versions()
-    if versions is None:
-        return None
-    text = json.dumps({"kind": kind, "versions": versions, **payload}, sort_keys=True, default=str)
-    return cache_dir() / kind / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
-
-
-def read_cached(path: Path | None) -> dict[str, Any] | None:
-    """A cached document, or None when absent or unreadable (a torn or edited file is recomputed, not trusted)."""
-    if path is None:
-        return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def write_cached(path: Path | None, doc: dict[str, Any]) -> str:
-    """Keep ``doc`` at ``path`` (written whole, then renamed, so a reader never sees half a file); returns "" or
-    why it was not kept (a read-only home is no reason to fail the estimate)."""
-    if path is None:
-        return "torch or transformers not installed"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, path)
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc.strerror or exc}"
-    return ""
 
 
 # -- the layer pattern ---------------------------------------------------------------------------------------------
@@ -206,6 +140,7 @@ def layer_plan(config: dict[str, Any], checkpoint_every: int = 1) -> tuple[Layer
     found = None if nested or not isinstance(layers, int) else _decoder_layers(model, layers)
     if found is None:  # no layer list to reduce: trace the model as it is
         return LayerPlan(int(layers or 0), 0, 1, (int(layers or 0),)), key, full
+    assert isinstance(layers, int)
     per_layer, indices = per_layer_lists(full, layers)
     for name, values in indices.items():
         per_layer[name] = [i in values for i in range(layers)]

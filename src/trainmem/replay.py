@@ -210,12 +210,10 @@ def _patterns(step, acts) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
 def step_sequence(step, batch: int, seq: int) -> StepSequence | None:
     """The allocation log of two steps of ``step`` (a stepmodel.StepModel) at (batch, seq); None where the estimate
     has no layer-by-layer timeline (no architecture, the seed's activation rule)."""
-    from .stepmodel import _activations_at
-
     settings = step.settings_at(batch, seq)
     if not step.spec.has_architecture or settings.activation_k is not None:
         return None
-    acts, layers = _activations_at(step.spec, step.recipe, settings, step.finetune)
+    acts, layers = step.activations_and_layers(settings)
     load, forward, backward, optimizer, between = step_candidates(
         step.spec, step._static_bytes, acts, step.recipe, step.optimizer, settings, step.rank, step.finetune,
         every_layer=True, layers=layers)
@@ -244,7 +242,8 @@ def step_sequence(step, batch: int, seq: int) -> StepSequence | None:
             w.to(ph, temps)
         for ph in between:
             w.to(ph)
-    w.to(Phase("end", "steps done", *(getattr(between[-1], c) for c in CATEGORIES[:3]), 0, 0))
+    last = between[-1]
+    w.to(Phase("end", "steps done", last.parameters, last.gradients, last.optimizer_states, 0, 0))
     return StepSequence(AllocationLog(tuple(w.events), tuple(starts)), w.peak, w.moments)
 
 

@@ -201,6 +201,10 @@ class StepModel:
         """The activations at ``settings`` (this step's, at some batch and seq)."""
         return _activations_at(self.spec, self.recipe, settings, self.finetune, layers=False)[0]
 
+    def activations_and_layers(self, settings: TrainingSettings) -> tuple[ActivationEstimate, tuple | None]:
+        """The activations at ``settings`` and the timeline's per-layer bytes made from them (what replay.py walks)."""
+        return _activations_at(self.spec, self.recipe, settings, self.finetune)
+
     # -- compiled forms ----------------------------------------------------------------------------------------
 
     def form(self, batch: int, seq: int, count: bool = True) -> tuple[_PhaseForm, ...] | None:
