@@ -486,3 +486,18 @@ def test_with_max_split_size_an_oom_first_frees_cached_oversize_blocks():
     b.free(b.malloc(50 * MIB))
     b.malloc(60 * MIB)
     assert b.reserved_bytes == 60 * MIB and b.num_device_free == 1 and b.num_alloc_retries == 1
+
+
+def test_a_step_runs_on_less_than_its_unlimited_max_reserved():
+    """DeviceCachingAllocator::malloc: when a block cannot be allocated, release_available_cached_blocks and then
+    release_cached_blocks free the cached segments and the allocation is retried before OutOfMemoryError. A freed
+    16 MiB segment (a 15 MiB request rounded to 2 MiB) and a later 30 MiB request reserve 46 MiB without a limit,
+    yet run in 32 MiB; not in 29 MiB, where the 30 MiB request alone does not fit."""
+    from trainmem.allocator import least_capacity, max_reserved, runs_within
+
+    mib = 1 << 20
+    log = log_from_sizes([("alloc", 1, 15 * mib), ("free", 1, 0), ("alloc", 2, 30 * mib), ("free", 2, 0)])
+    assert max_reserved(log, steps=1) == 46 * mib
+    assert runs_within(log, 32 * mib, steps=1)
+    assert not runs_within(log, 29 * mib, steps=1)
+    assert 30 * mib <= least_capacity(log, steps=1, resolution=mib) <= 31 * mib

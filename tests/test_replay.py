@@ -158,3 +158,21 @@ def test_the_device_lines_sum_to_the_cuda_overhead_and_read_cublas_workspace_con
     several = overhead_lines(768 * mib, get_gpu("H100-80GB"), gpus=8)
     assert several[-1].kind == "nccl_buffers" and not several[-1].in_total
     assert sum(line.bytes for line in several if line.in_total) == 768 * mib
+
+
+def test_a_step_fits_a_card_its_unlimited_replay_outgrows():
+    """On a card, the allocator frees its cache before an allocation fails (allocator.runs_within): Llama-2-7B,
+    pure-bf16, full checkpointing, batch 34 x 2,048 reserves more than an H200 without a limit, but its replay runs
+    in the H200's memory / headroom less the CUDA context, so it fits, with a margin over the least memory it runs
+    in, and --max-batch answers at least 34."""
+    import trainmem
+    from trainmem.hardware import GPUS
+    from trainmem.report import gpu_verdict
+
+    est = trainmem.estimate("llama-2-7b", batch=34, seq=2048, recipe="pure-bf16", checkpointing="full", gpu="H200")
+    gpu = GPUS["H200"]
+    assert est.peak.reserved_from == "replay" and est.peak.required_bytes > gpu.memory_bytes
+    assert est.fits(gpu)
+    verdict = gpu_verdict(est, gpu, search_batch=False)
+    assert verdict["fits"] and 0 <= verdict["margin_bytes"] < gpu.memory_bytes - est.peak.allocated_bytes
+    assert trainmem.max_batch("llama-2-7b", "H200", seq=2048, recipe="pure-bf16", checkpointing="full") >= 34

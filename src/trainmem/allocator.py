@@ -1065,6 +1065,31 @@ def max_reserved(log: AllocationLog, config: AllocatorConfig = DEFAULT_CONFIG, s
     return _run(log.for_steps(steps), config, None, None)[0].max_reserved_bytes
 
 
+def runs_within(log: AllocationLog, capacity: int, config: AllocatorConfig = DEFAULT_CONFIG, steps: int = 2) -> bool:
+    """Whether ``steps`` steps of ``log`` run on a device where the allocator can get ``capacity`` bytes: no
+    allocation fails. Not ``max_reserved(log) <= capacity``: before it raises OutOfMemoryError, the allocator frees
+    its cached blocks and retries (CUDACachingAllocator.cpp, malloc: release_available_cached_blocks, then
+    release_cached_blocks), so a step whose unlimited replay reserves more than the card can still run there."""
+    return _run(log.for_steps(steps), config, capacity, None)[3] is None
+
+
+def least_capacity(log: AllocationLog, config: AllocatorConfig = DEFAULT_CONFIG, steps: int = 2,
+                   resolution: int = 64 << 20) -> int:
+    """The smallest capacity (to ``resolution`` bytes) on which ``log`` runs (``runs_within``), found by bisection
+    between the largest allocated bytes (nothing smaller can run) and the unlimited replay's max_memory_reserved()
+    (which always runs)."""
+    log = log.for_steps(steps)
+    unlimited = _run(log, config, None, None)[0]
+    lo, hi = unlimited.max_allocated_bytes, unlimited.max_reserved_bytes
+    while hi - lo > resolution:
+        mid = (lo + hi) // 2
+        if _run(log, config, mid, None)[3] is None:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def log_from_sizes(sequence: Iterable[tuple[str, int, int]], step_starts: tuple[int, ...] = (0,)) -> AllocationLog:
     """An AllocationLog from ("alloc", key, nbytes) / ("free", key, 0) triples (tests, hand-written programs)."""
     events = []

@@ -122,6 +122,8 @@ class Estimate:
     """recorded.Recorded when the traced path answered (a model_type without a hand-written description)."""
     allocator: Any = None
     """allocator.ReplayReport of the step's replay (replay.py), where reserved memory was replayed."""
+    allocation_log: Any = None
+    """allocator.AllocationLog the replay ran (replay.step_sequence), for fit checks on a card (``fits``)."""
     paged_bytes: int = 0
     """Optimizer states in CUDA unified memory (bitsandbytes' paged optimizers: cudaMallocManaged), per GPU. Not in
     ``static``, the phases or the peak: torch.cuda.max_memory_allocated() does not count them and the driver can
@@ -158,7 +160,21 @@ class Estimate:
             raise ConfigError("fits() needs a GPU: pass one, or ask estimate(..., gpu=NAME)")
         if self.peak is None:
             return None
-        return self.peak.fits(gpu)
+        return self.peak.fits(gpu) or self.capacity_on(gpu) is not None
+
+    def capacity_on(self, gpu: GPU) -> int | None:
+        """Where the replayed step needs more than ``gpu`` by its unlimited max_memory_reserved() but its allocated
+        bytes fit: the card's memory / headroom less the CUDA context if the replay runs there (the allocator frees
+        its cache before it fails: allocator.runs_within), else None."""
+        peak, log = self.peak, self.allocation_log
+        if peak is None or log is None or peak.reserved_from != "replay":
+            return None
+        from .allocator import DEFAULT_CONFIG, runs_within
+
+        capacity = int(gpu.memory_bytes / self.device.headroom) - self.device.cuda_overhead_bytes
+        if capacity < peak.allocated_bytes:
+            return None
+        return capacity if runs_within(log, capacity, self.device.alloc_config or DEFAULT_CONFIG) else None
 
     def fit_table(self) -> dict[str, bool | None]:
         return {name: self.fits(gpu) for name, gpu in GPUS.items()}

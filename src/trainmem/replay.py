@@ -248,9 +248,10 @@ def step_sequence(step, batch: int, seq: int) -> StepSequence | None:
 
 
 def replay_step(step, batch: int, seq: int, config: AllocatorConfig = DEFAULT_CONFIG,
-                capacity: int | None = None) -> ReplayReport | None:
-    """The caching allocator's figures for the estimate's sequence (``step_sequence``), None where it has none."""
-    sequence = step_sequence(step, batch, seq)
+                capacity: int | None = None, sequence: StepSequence | None = None) -> ReplayReport | None:
+    """The caching allocator's figures for the estimate's sequence (``step_sequence``, or the one given), None
+    where it has none."""
+    sequence = sequence or step_sequence(step, batch, seq)
     if sequence is None:
         return None
     return replay(sequence.log, config, capacity=capacity, steps=STEPS)

@@ -160,6 +160,11 @@ def gpu_verdict(est: Estimate, gpu: GPU, search_batch: bool = True) -> dict[str,
     top of those allowances (estimate.peak_of_phases), and headroom 1 is the plain answer."""
     fits = est.fits(gpu)
     margin = None if est.peak is None else gpu.memory_bytes - est.peak.required_bytes
+    if fits and margin is not None and margin < 0:  # (it runs because the allocator frees its cache: the margin
+        from .allocator import DEFAULT_CONFIG, least_capacity  # is over the least memory it runs in)
+
+        least = least_capacity(est.allocation_log, est.device.alloc_config or DEFAULT_CONFIG)
+        margin = gpu.memory_bytes - int((least + est.device.cuda_overhead_bytes) * est.device.headroom)
     largest = None
     if search_batch and est.peak is not None and est.model.has_architecture:
         from .planner import max_batch

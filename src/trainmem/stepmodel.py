@@ -174,6 +174,7 @@ class StepModel:
             raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
                               f"{spec.source or spec.name} has none (give a model name or config.json)")
         self._replays: dict[tuple[int, int], object] = {}
+        self._sequences: dict[tuple[int, int], object] = {}
         self._reserved: dict[tuple[int, int], int | None] = {}
         self._ratio: dict[int, float | None] = {}
         """replayed_ratio's answers per sequence length."""
@@ -252,13 +253,22 @@ class StepModel:
             return None
         elif exact:
             peak = peak_of_phases(phases, self.device, reserved=self.replayed_reserved(batch, seq))
+            if not peak.fits(gpu) and peak.reserved_from == "replay":
+                from .allocator import runs_within
+
+                capacity = int(gpu.memory_bytes / self.device.headroom) - self.device.cuda_overhead_bytes
+                sequence = self.sequence(batch, seq)
+                runs = (sequence is not None and capacity >= peak.allocated_bytes
+                        and runs_within(sequence.log, capacity, self.device.alloc_config or DEFAULT_ALLOC))
+                return peak if runs else None  # (the allocator frees its cache before an allocation fails)
         else:
             peak = peak_of_phases(phases, self.device, ratio=self.replayed_ratio(batch, seq))
         return peak if peak.fits(gpu) else None
 
     def replayed_reserved(self, batch: int, seq: int) -> int | None:
-        """The replay's max_memory_reserved() at (batch, seq) (replay.replayed_max_reserved; memoised)."""
-        from .replay import replayed_max_reserved
+        """The replay's max_memory_reserved() at (batch, seq) (allocator.max_reserved of ``sequence``; memoised)."""
+        from .allocator import max_reserved
+        from .replay import STEPS
 
         key = (batch, seq)
         if self.rank is not None:
@@ -267,7 +277,9 @@ class StepModel:
             report = self._replays[key]
             return None if report is None else report.max_reserved
         if key not in self._reserved:
-            self._reserved[key] = replayed_max_reserved(self, batch, seq, self.device.alloc_config or DEFAULT_ALLOC)
+            sequence = self.sequence(batch, seq)
+            self._reserved[key] = (None if sequence is None else
+                                   max_reserved(sequence.log, self.device.alloc_config or DEFAULT_ALLOC, STEPS))
         return self._reserved[key]
 
     def replay(self, batch: int, seq: int):
@@ -281,8 +293,21 @@ class StepModel:
         if self.rank is not None:  # (replay_sharded: not yet validated)
             return None
         if key not in self._replays:
-            self._replays[key] = replay_step(self, batch, seq, self.device.alloc_config or DEFAULT_ALLOC)
+            self._replays[key] = replay_step(self, batch, seq, self.device.alloc_config or DEFAULT_ALLOC,
+                                             sequence=self.sequence(batch, seq))
         return self._replays[key]
+
+    def sequence(self, batch: int, seq: int):
+        """replay.step_sequence at (batch, seq) (memoised: a fit check on a card replays it again), None on a
+        rank of a data-parallel engine (see ``replay``)."""
+        from .replay import step_sequence
+
+        key = (batch, seq)
+        if self.rank is not None:
+            return None
+        if key not in self._sequences:
+            self._sequences[key] = step_sequence(self, batch, seq)
+        return self._sequences[key]
 
     def replayed_ratio(self, batch: int, seq: int) -> float | None:
         """The replay's fragmentation over the dynamic memory at its peak (max_memory_reserved() less the
@@ -356,7 +381,7 @@ class StepModel:
                         activations=acts, phases=phases,
                         peak=peak_of_phases(phases, self.device, replayed.max_reserved if replayed else None),
                         device=self.device, notes=tuple(notes), warnings=warnings, paged_bytes=self.paged_bytes,
-                        allocator=replayed)
+                        allocator=replayed, allocation_log=replayed and self.sequence(batch, seq).log)
 
 
 _ACTIVATIONS: OrderedDict[tuple, list] = OrderedDict()
