@@ -4,12 +4,10 @@ import itertools
 from dataclasses import replace
 
 import pytest
-
-from trainmem.estimate import DeviceOptions
 from hypothesis import given, settings as hsettings, strategies as st
 
 from trainmem.catalog import catalog_spec
-from trainmem.estimate import estimate_model
+from trainmem.estimate import DeviceOptions, estimate_model
 from trainmem.hardware import GPUS
 from trainmem.planner import max_batch
 from trainmem.settings import make_settings
@@ -53,7 +51,7 @@ def test_evaluate_equals_the_direct_estimate_at_every_batch(name):
 def test_evaluate_equals_direct_for_random_batches(name, setup, seq, batches):
     spec = catalog_spec(name)
     settings = make_settings(**setup)
-    step = compile_step(spec, settings)
+    step = compile_step(spec, settings, FLAT)
     for batch in batches:
         got = evaluate(step, batch, seq)
         assert (got.phases, got.peak) == _direct(spec, settings, batch, seq)
