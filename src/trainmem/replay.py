@@ -34,6 +34,9 @@ from .hardware import DEFAULT_FRAGMENTATION
 from .timeline import CATEGORIES, Phase, step_candidates
 from .units import format_bytes
 
+MAX_TENSORS = 4096
+"""Models with more parameter tensors than this (DeepSeek-V3: 47,000, one per expert matrix) are not replayed: the
+Python allocator model handles about 50,000 events a second, and their estimate keeps the flat factor."""
 STEPS = 2
 """Two steps: the first creates the optimizer states, the second is the steady state the figures are taken from."""
 
@@ -207,11 +210,16 @@ def _patterns(step, acts) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
             {"activations": head + sizes, "temporaries": head + sizes})
 
 
+def too_many_tensors(spec) -> bool:
+    """Whether ``spec`` has more parameter tensors than a replay takes (MAX_TENSORS)."""
+    return sum(g.repeat * len(g.tensors) for g in spec.param_groups) > MAX_TENSORS
+
+
 def step_sequence(step, batch: int, seq: int) -> StepSequence | None:
     """The allocation log of two steps of ``step`` (a stepmodel.StepModel) at (batch, seq); None where the estimate
     has no layer-by-layer timeline (no architecture, the seed's activation rule)."""
     settings = step.settings_at(batch, seq)
-    if not step.spec.has_architecture or settings.activation_k is not None:
+    if not step.spec.has_architecture or settings.activation_k is not None or too_many_tensors(step.spec):
         return None
     acts, layers = step.activations_and_layers(settings)
     load, forward, backward, optimizer, between = step_candidates(
@@ -279,6 +287,7 @@ def reserved_basis(est) -> str:
     if dev.fragmentation is not None:
         return f"+ {dev.fragmentation:.0%} of the dynamic memory (--fragmentation); max_memory_reserved()"
     why = ("a data-parallel rank's replay is not validated yet" if est.rank is not None else
+           f"over {MAX_TENSORS:,} parameter tensors to replay" if too_many_tensors(est.model) else
            "no layer-by-layer step to replay")
     return f"+ {DEFAULT_FRAGMENTATION:.0%} of the dynamic memory (flat: {why}); max_memory_reserved()"
 
