@@ -126,6 +126,17 @@ RANDOM_MISSES = {
         # (seed 4242 case 28: +6.78% at the forward peak; one layer, which slides, so Gemma3TextModel builds one
         # pair of rotary tables, not one for local and one for global layers)
     ),
+    "qwen3-efficient-mask-copies": (
+        {"model_type": "qwen3", "vocab_size": 1024, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
+         "num_hidden_layers": 3, "intermediate_size": 336, "max_position_embeddings": 4096,
+         "attention_dropout": 0.0, "head_dim": 64, "use_sliding_window": True, "sliding_window": 500,
+         "max_window_layers": 0, "attention_bias": True},
+        {"recipe": "fp32", "optimizer": "adam", "batch": 1, "seq": 1000, "attention": "sdpa",
+         "checkpointing": "full", "dropout": 0.0, "grad_accum": 1},
+        # (seed 6262 case 6: -1.57% at the forward peak; inside a checkpointed layer the memory-efficient kernel's
+        # float mask and its padded copy are alive at once)
+    ),
 }
 
 
