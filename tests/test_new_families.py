@@ -68,9 +68,9 @@ def test_long_sequences_within_one_percent(model_type, extra, recipe, checkpoint
 def test_the_random_cohere_case_that_once_missed_the_attention_gradient():
     """validate --random seed 5, case 69: Cohere under autocast, eager, checkpointed, dropout; the attention
     output's half gradient waits through the MLP's backward."""
-    from trainmem.validate import TYPES_BEFORE_PHI, random_case_for, run_random_case
+    from trainmem.validate import DRAW_BEFORE_2026_12_02, TYPES_BEFORE_2026_12_02, random_case_for, run_random_case
 
-    config, training = random_case_for(5, 69, TYPES_BEFORE_PHI)  # (drawn before Phi was a type)
+    config, training = random_case_for(5, 69, TYPES_BEFORE_2026_12_02, DRAW_BEFORE_2026_12_02)  # (as recorded)
     assert config["model_type"] == "cohere"
     result = run_random_case(config, training, 69)
     assert result.ok, result.describe()

@@ -449,6 +449,14 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     if kernel == MATH:
         forward = inputs + math_forward_per_token(c, a, kv_passed, d, dv, s, batch, has_mask=mask,
                                                   enable_gqa=kv_passed < a, dropout=dropout)
+    elif kernel == EFFICIENT and mask and not forward:
+        # The memory-efficient kernel converts the boolean mask to a float (b, 1, s, s) one and pads its columns
+        # to a multiple of 16 (F.pad, a copy, where s is not one): both are alive at once, before the output
+        # exists, beside q, k and v (traced: a checkpointed Qwen3 layer with a sliding window, 1 x 1,000, was
+        # -1.57% at the forward peak without them); the padded one stays through the kernel.
+        padded = c * efficient_mask_width(s)
+        unpadded = c * s if efficient_mask_width(s) != s else 0
+        forward = inputs + padded + max(c * a * dv + efficient_lse_per_token(a, s), unpadded)
     return AttentionTerms(tuple(terms), kernel, cache_extra, returned, released, backward, forward=forward,
                           forward_inputs=inputs, softmax_extra=softmax_extra, after_softmax=after_softmax,
                           returned_to_model=returned_to_model, held_by_layer=held_by_layer,

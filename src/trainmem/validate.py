@@ -572,16 +572,36 @@ TYPES_BEFORE_OLMO2 = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen
 the cases recorded then (tests/test_random_models.py's regressions)."""
 
 
-TYPES_BEFORE_PHI = TYPES_BEFORE_OLMO2 + ("olmo2", "cohere")
-"""The model types the random draw chose from before Phi and Granite (the OLMo-2 and Cohere regression cases)."""
+@dataclass(frozen=True)
+class DrawSpace:
+    """The options the random draw picks from where they grew: a recorded case is reproduced only by the space
+    it was drawn from (each pick's options decide what the seed's next picks are)."""
+
+    vocab_ratios: tuple[int, ...]
+    """Vocabulary size over the width."""
+    selective: bool
+    """Whether set-ups without autocast also draw ``--checkpointing selective``."""
 
 
-def random_case(pick, model_types: tuple[str, ...] | None = None) -> tuple[dict, dict]:
+DRAW_BEFORE_2026_12_02 = DrawSpace(vocab_ratios=(8, 16, 64), selective=False)
+"""The space of the draws recorded before 2026-12-02 (tests/test_random_models.py's regressions)."""
+DRAW = DrawSpace(vocab_ratios=(8, 16, 64, 100), selective=True)
+"""Today's: vocabularies up to 100x the width (Gemma's 256,000 over 2,560 is 100x), and layer-selective
+checkpointing where it is modelled (not under autocast, settings.TrainingSettings)."""
+
+
+TYPES_BEFORE_2026_12_02 = (*TYPES_BEFORE_OLMO2, "olmo2", "cohere")
+"""The model types the random draw chose from until 2026-12-02 (with DRAW_BEFORE_2026_12_02, the cases recorded
+then)."""
+
+
+def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpace = DRAW) -> tuple[dict, dict]:
     """One random small model of a supported type and one random training set-up: ``(config, settings)``.
 
     ``pick(label, options)`` returns one of ``options``: ``random.Random(seed).choice`` for ``trainmem validate
     --random``, a hypothesis draw in tests/test_random_models.py, so both explore the same space."""
     from .models import SUPPORTED_MODEL_TYPES
+    from .recipes import get_recipe
 
     # Proportions of real models (fake tensors cost the same at any size): head dims that are and are not
     # multiples of 8, grouped-query and multi-query attention, MLPs 2-4x wide, vocabularies 8-64x the width.
@@ -594,7 +614,7 @@ def random_case(pick, model_types: tuple[str, ...] | None = None) -> tuple[dict,
     heads = kv * group
     hidden = heads * head_dim
     layers = pick("layers", (1, 2, 3))
-    vocab = hidden * pick("vocab_ratio", (8, 16, 64)) + pick("vocab_odd", (0, 7))
+    vocab = hidden * pick("vocab_ratio", space.vocab_ratios) + pick("vocab_odd", (0, 7))
     inter = int(hidden * pick("mlp_ratio", (2.0, 2.6875, 4.0))) // 16 * 16
     seq = pick("seq", (128, 256, 512, 1000))
     window = pick("sliding_window", (None, seq // 2, seq, 4 * seq))
@@ -705,9 +725,10 @@ def random_case(pick, model_types: tuple[str, ...] | None = None) -> tuple[dict,
                    qk_rope_head_dim=rope, v_head_dim=pick("v_dim", (32, 64, 96)),
                    max_position_embeddings=4096, attention_dropout=dropout, attention_bias=bias)
     recipe = pick("recipe", RECIPES)
+    checkpointing = ("none", "full") + (("selective",) if space.selective and not get_recipe(recipe).autocast else ())
     settings = dict(
         recipe=recipe, optimizer=pick("optimizer", RANDOM_OPTIMIZERS), batch=pick("batch", (1, 2, 4)), seq=seq,
-        attention=pick("attention", ("sdpa", "eager")), checkpointing=pick("checkpointing", ("none", "full")),
+        attention=pick("attention", ("sdpa", "eager")), checkpointing=pick("checkpointing", checkpointing),
         dropout=pick("dropout", (None, 0.0, 0.1)), grad_accum=pick("grad_accum", (1, 1, 2)))
     return cfg, settings
 
@@ -741,10 +762,11 @@ class RandomResult:
                 f"  reproduce: save the config as config.json, then {self.command()}")
 
 
-def random_case_for(seed: int, index: int, model_types: tuple[str, ...] | None = None) -> tuple[dict, dict]:
+def random_case_for(seed: int, index: int, model_types: tuple[str, ...] | None = None,
+                    space: DrawSpace = DRAW) -> tuple[dict, dict]:
     """Case ``index`` of the random run ``seed``: the same draw whatever ran before it."""
     rng = random.Random(f"{seed}:{index}")
-    return random_case(lambda label, options: rng.choice(list(options)), model_types)
+    return random_case(lambda label, options: rng.choice(list(options)), model_types, space)
 
 
 def run_random_case(config: dict, settings: dict, index: int = 0) -> RandomResult:
