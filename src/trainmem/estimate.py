@@ -7,6 +7,7 @@ stepmodel.estimate_model, which compiles the step model and evaluates it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,10 +121,9 @@ class Estimate:
     """Activations of the other micro-batches a pipeline stage keeps while it computes one."""
     traced: Any = None
     """recorded.Recorded when the traced path answered (a model_type without a hand-written description)."""
-    allocator: Any = None
-    """allocator.ReplayReport of the step's replay (replay.py), where reserved memory was replayed."""
     allocation_log: Any = None
-    """allocator.AllocationLog the replay ran (replay.step_sequence), for fit checks on a card (``fits``)."""
+    """allocator.AllocationLog the replay ran (replay.step_sequence), where reserved memory was replayed: the
+    report (``allocator``) and the fit checks on a card (``fits``) replay it."""
     paged_bytes: int = 0
     """Optimizer states in CUDA unified memory (bitsandbytes' paged optimizers: cudaMallocManaged), per GPU. Not in
     ``static``, the phases or the peak: torch.cuda.max_memory_allocated() does not count them and the driver can
@@ -151,6 +151,17 @@ class Estimate:
         if self.activations is None:
             return None
         return self.activations.saved_bytes + self.activations.logits_bytes + self.in_flight_bytes
+
+    @functools.cached_property
+    def allocator(self) -> Any:
+        """allocator.ReplayReport of the step's replay (replay.py) where reserved memory was replayed, else None.
+        Made on first use (the JSON, --explain-reserved): the peak's reserved bytes come from a one-pass replay
+        (allocator.max_reserved), and the report's segments at the peak take two more passes."""
+        if self.allocation_log is None or self.peak is None or self.peak.reserved_from != "replay":
+            return None
+        from .allocator import DEFAULT_CONFIG, replay
+
+        return replay(self.allocation_log, self.device.alloc_config or DEFAULT_CONFIG, steps=2)
 
     def fits(self, gpu: GPU | None = None) -> bool | None:
         """Whether the step's required memory fits ``gpu`` (default: the one asked about); None when no peak could

@@ -376,12 +376,12 @@ class StepModel:
             notes.append(PAGED_NOTE)
         elif self.optimizer.paged:
             notes.append(self._paged_note)
-        replayed = self.replay(batch, seq) if self.device.fragmentation is None else None
+        reserved = self.replayed_reserved(batch, seq) if self.device.fragmentation is None else None
         return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, finetune=self.finetune,
                         activations=acts, phases=phases,
-                        peak=peak_of_phases(phases, self.device, replayed.max_reserved if replayed else None),
+                        peak=peak_of_phases(phases, self.device, reserved),
                         device=self.device, notes=tuple(notes), warnings=warnings, paged_bytes=self.paged_bytes,
-                        allocator=replayed, allocation_log=replayed and self.sequence(batch, seq).log)
+                        allocation_log=None if reserved is None else self.sequence(batch, seq).log)
 
 
 _ACTIVATIONS: OrderedDict[tuple, list] = OrderedDict()
