@@ -431,3 +431,14 @@ def test_lora_dropout_under_autocast_keeps_its_masks(checkpointing):
 
     row = validate._run_lora(("llama", "amp-bf16", checkpointing, ("q", "k", "v", "o"), 0.05, False))
     assert row.within_tolerance, (row.worst_phase, row.estimate, row.trace)
+
+
+def test_lora_on_a_traced_path_type_says_what_is_not_modelled(run_cli, tmp_path):
+    """A model_type without a hand-written description (counted by transformers, its full fine-tuning traced) under
+    --lora: one line saying LoRA is not modelled for it and which types it is, not the --params message."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}))
+    code, _, err = run_cli("estimate", str(config), "--lora", "8")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "LoRA on model_type 'bert' is not modelled yet" in err and "--params" not in err and "llama" in err

@@ -150,8 +150,14 @@ def _moe_weights(spec: ModelSpec, weights: list[tuple[int, ParamTensor]]) -> lis
 
 def selected_weights(spec: ModelSpec, options: LoraOptions) -> list[tuple[int, ParamTensor]]:
     """The Linear weights peft would put an adapter on, with how many times each occurs."""
-    if not spec.has_architecture:
+    if spec.is_nominal:
         raise ConfigError("LoRA needs the model's layers: give a model config, not --params")
+    if not spec.has_architecture:
+        from .models import SUPPORTED_MODEL_TYPES
+
+        raise ConfigError(f"LoRA on model_type {spec.model_type!r} is not modelled yet: it has no hand-written layer "
+                          "description (its full fine-tuning is estimated on the traced path); LoRA is modelled for "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     weights = _linear_weights(spec)
     if spec.is_moe:
         outside = [t for t in options.targets if t not in _MOE_TARGETS]
