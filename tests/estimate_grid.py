@@ -57,14 +57,16 @@ def to_schema_2(doc: dict) -> dict:
 def documents():
     """(key, estimate document) for every catalog model and every setting in the grid, in order."""
     from trainmem.catalog import catalog_names, catalog_spec
+    from trainmem.estimate import DeviceOptions
     from trainmem.stepmodel import estimate_model
     from trainmem.report import to_dict
     from trainmem.settings import make_settings
 
+    flat = DeviceOptions(fragmentation=0.1)  # (the recording's reserved memory: the flat 10%, not the replay)
     for name in catalog_names():
         spec = catalog_spec(name)
         for values in SETTINGS:
-            yield case_key(name, values), to_dict(estimate_model(spec, make_settings(**values)))
+            yield case_key(name, values), to_dict(estimate_model(spec, make_settings(**values), flat))
 
 
 ADDED_PER_LAYER_KEYS = ("checkpointed", "kept_bytes_per_token")
@@ -79,12 +81,17 @@ ADDED_GPUS = ("A40", "H100-PCIe", "H100-NVL", "Gaudi-2", "L40", "MI250X", "RTX-A
 
 
 ADDED_TOP_KEYS = ("activation_source", "traced")
+ADDED_PEAK_KEYS = ("reserved_from", "alloc_conf", "allocator", "device_lines")
+"""Keys the peak gained with the replayed reserved memory (how reserved was found, the allocator settings, the
+device total's labelled lines): the figures they describe are the peak's own, still compared."""
 """Top-level keys added after the recording: which model answered (activation_source) and, for the traced path,
 what it recorded. Neither is a figure of the step."""
 
 
 def without_additions(doc: dict) -> dict:
     doc = {k: v for k, v in doc.items() if k not in ADDED_TOP_KEYS}
+    if isinstance(doc.get("peak"), dict):
+        doc["peak"] = {k: v for k, v in doc["peak"].items() if k not in ADDED_PEAK_KEYS}
     if isinstance(doc.get("fits"), dict):
         doc = dict(doc, fits={gpu: fits for gpu, fits in doc["fits"].items() if gpu not in ADDED_GPUS})
     activations = doc.get("activations") or {}
