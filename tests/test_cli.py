@@ -285,7 +285,10 @@ def test_the_verdict_margin_and_largest_batch_agree_with_plain_estimates(run_cli
     at_n = _doc(run_cli, *args, "--batch", str(n))
     above = _doc(run_cli, *args, "--batch", str(n + 1))
     assert at_n["gpu"]["fits"] is True and above["gpu"]["fits"] is False
-    assert at_n["gpu"]["margin_bytes"] == 40 * 2**30 - at_n["peak"]["required_bytes"] >= 0
+    peak, margin = at_n["peak"], at_n["gpu"]["margin_bytes"]
+    assert 0 <= margin <= 40 * 2**30 - int((peak["allocated_bytes"] + peak["cuda_overhead_bytes"]) * 1.25)
+    if peak["required_bytes"] <= 40 * 2**30:  # (else it fits because the allocator frees its cache on the card,
+        assert margin == 40 * 2**30 - peak["required_bytes"]  # and the margin is over the least memory it runs in)
     assert above["gpu"]["margin_bytes"] < 0 and above["gpu"]["max_micro_batch"] == n
 
 
