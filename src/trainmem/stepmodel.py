@@ -467,6 +467,10 @@ def _is_whole(value) -> bool:
     return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
 
 
+_FRACTIONS = frozenset({"input_share"})
+"""Term fields that are fractions of its bytes, not bytes per token (activations.Term.input_share)."""
+
+
 def _per_token_values(acts: ActivationEstimate):
     """Every per-token number in the activations (terms and layer fields), recursively."""
 
@@ -478,7 +482,8 @@ def _per_token_values(acts: ActivationEstimate):
                 yield from walk(item)
         elif is_dataclass(obj):
             for f in fields(obj):
-                yield from walk(getattr(obj, f.name))
+                if f.name not in _FRACTIONS:
+                    yield from walk(getattr(obj, f.name))
 
     for group in (acts.layers, acts.embedding_terms, acts.head_terms, acts.constant_terms):
         yield from walk(group)
