@@ -717,7 +717,6 @@ def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel, 
             stats = tracker.memory_tracking[step_module].snapshots
             forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
             backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
-        peaks = _module_peaks(tracker, mem_tracker, run.model) if module_peaks else None
         step_tracker = _tp_tracker(mem_tracker, propagating)
         step_tracker.track_external(model, optimizer)
         before, peak, after = _tracked_optimizer_step(step_tracker, optimizer)
