@@ -9,9 +9,9 @@ from trainmem import recorded
 from trainmem.recorded import LayerPlan, extrapolate, find_period, per_layer_lists, plan_layers, reduced_config
 from trainmem.timeline import Phase
 
-PHI = {"model_type": "phi", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
-       "num_attention_heads": 4, "vocab_size": 211, "max_position_embeddings": 64}
-"""A dense model_type without a hand-written description (period 1)."""
+DENSE = {"model_type": "starcoder2", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "vocab_size": 211, "max_position_embeddings": 64}
+"""A dense model_type without a hand-written description (period 1; phi had none until it got one)."""
 OLMO3 = {"model_type": "olmo3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 211, "max_position_embeddings": 64,
          "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 3, "pad_token_id": 0}
@@ -80,7 +80,7 @@ def _spec(config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, counts", [(PHI, (1, 2)), (OLMO3, (2, 4))], ids=["phi", "olmo3-hybrid"])
+@pytest.mark.parametrize("config, counts", [(DENSE, (1, 2)), (OLMO3, (2, 4))], ids=["starcoder2", "olmo3-hybrid"])
 def test_the_extrapolated_step_equals_a_full_trace(config, counts):
     """Two reduced traces and the full one: the full is a third point, on the line the two make, in every phase
     and every category, byte for byte (and the parameter count is the full model's)."""
@@ -101,8 +101,8 @@ def test_a_cache_hit_gives_the_same_bytes_without_tracing_or_building(monkeypatc
     from trainmem import meta_count
 
     monkeypatch.setenv("TRAINMEM_CACHE_DIR", str(tmp_path))
-    spec, settings = _spec(PHI), _settings(checkpointing="full")
-    first = recorded.recorded_phases(PHI, settings, spec, progress=False)
+    spec, settings = _spec(DENSE), _settings(checkpointing="full")
+    first = recorded.recorded_phases(DENSE, settings, spec, progress=False)
     assert not first.from_cache and first.cache.startswith(str(tmp_path))
 
     def fail(*args, **kwargs):
@@ -110,11 +110,11 @@ def test_a_cache_hit_gives_the_same_bytes_without_tracing_or_building(monkeypatc
 
     monkeypatch.setattr(recorded, "record", fail)
     monkeypatch.setattr(meta_count, "_count_by_building", fail)
-    again = recorded.recorded_phases(PHI, settings, _spec(PHI), progress=False)
+    again = recorded.recorded_phases(DENSE, settings, _spec(DENSE), progress=False)
     assert again.from_cache and again.phases == first.phases and again.cache == first.cache
-    assert _spec(PHI) == spec
+    assert _spec(DENSE) == spec
     with pytest.raises(AssertionError, match="traced or built again"):  # another setting is another entry
-        recorded.recorded_phases(PHI, _settings(), spec, progress=False)
+        recorded.recorded_phases(DENSE, _settings(), spec, progress=False)
 
 
 @pytest.mark.slow
@@ -124,7 +124,7 @@ def test_estimate_answers_a_peak_on_the_traced_path_and_says_so(run_cli, tmp_pat
     from trainmem.report import json_schema
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(PHI))
+    path.write_text(json.dumps(DENSE))
     code, out, err = run_cli("estimate", str(path), "--batch", "1", "--seq", "32", "--json")
     assert code == 0, err
     doc = json.loads(out)
@@ -145,7 +145,7 @@ def test_without_torch_the_estimate_is_static_memory_and_one_line_naming_the_ext
     from trainmem.estimate import NO_PEAK
     from trainmem.stepmodel import estimate_model
 
-    spec = _spec(PHI)
+    spec = _spec(DENSE)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     est = estimate_model(spec, _settings())
