@@ -51,9 +51,10 @@ def test_paged_states_leave_allocated_by_exactly_their_bytes(settings):
         assert a.allocated_bytes - b.allocated_bytes == paged.paged_bytes
         assert a.optimizer_states - b.optimizer_states == paged.paged_bytes
     assert plain.peak.allocated_bytes - paged.peak.allocated_bytes == paged.paged_bytes
-    # replayed reserved memory drops by about their bytes (the segments' slack moves with them); the flat factor
-    # (--fragmentation), which counts only the dynamic memory, by exactly their bytes
-    assert abs(plain.peak.reserved_bytes - paged.peak.reserved_bytes - paged.paged_bytes) < 0.05 * paged.paged_bytes
+    # replayed reserved memory drops by about their bytes (the segments' slack moves with them: without the states
+    # the other tensors pack into other segments, 10% of the states' bytes here with full checkpointing); the flat
+    # factor (--fragmentation), which counts only the dynamic memory, by exactly their bytes
+    assert abs(plain.peak.reserved_bytes - paged.peak.reserved_bytes - paged.paged_bytes) < 0.15 * paged.paged_bytes
     from trainmem.estimate import DeviceOptions, peak_of_phases
 
     flat = DeviceOptions(fragmentation=0.1)
