@@ -425,9 +425,10 @@ PHI_2 = {"architectures": ["PhiForCausalLM"], "model_type": "phi", "hidden_size"
 """microsoft/phi-2's config.json (model_type phi)."""
 
 
-STARCODER2_SMALL = {"model_type": "starcoder2", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+STARCODER2_SMALL = {"model_type": "starcoder2", "hidden_size": 64, "intermediate_size": 88, "num_hidden_layers": 4,
                     "num_attention_heads": 4, "vocab_size": 211, "max_position_embeddings": 64}
-"""A model_type without a hand-written description, small enough to trace in seconds."""
+"""A model_type without a hand-written description, small enough to trace in seconds (widths of its own: the
+session shares one cache, and test_recorded.py records a StarCoder2 too)."""
 
 
 def test_phi_2_uploaded_is_counted_exactly_by_its_description(client):
