@@ -36,7 +36,8 @@ from .models import ModelSpec
 from .optimizers import Optimizer
 from .quantization import stored_bytes
 from .recipes import Recipe
-from .sharding import ALL_PHASES, Buffer, Parallel, RankLayout, _zero_partition
+from .sharding import (ALL_PHASES, Buffer, Parallel, RankLayout, _zero_partition, grad_partition_buffer,
+                       reduce_bucket_buffers)
 
 
 @dataclass(frozen=True)
@@ -175,14 +176,9 @@ def _zero_layout(spec: ModelSpec, recipe: Recipe, t, groups: tuple[HeldGroup, ..
             host += weights - persistent
             weights = persistent
     elif t.masters and g != 4:
-        buffers.append(Buffer("fp32 gradient partition at step()", 4 * min(part, ds.sub_group_size), "temporaries",
-                              ("optimizer",), "single_grad_partition / _prepare_fp32_grad_for_sub_group"))
-    if ds.contiguous_gradients or stage == 3:
-        count = 2 if ds.overlap(stage) and stage < 3 else 1
-        buffers.append(Buffer("gradient reduce bucket" + (" x2 (overlap_comm)" if count == 2 else ""),
-                              count * ds.reduce_bucket_size * g, "temporaries", ("backward",),
-                              f"reduce_bucket_size = {ds.reduce_bucket_size:,} elements, allocated whole "
-                              "(stage_1_and_2.py: torch.empty(int(self.reduce_bucket_size)))"))
+        buffers.append(grad_partition_buffer(ds, part))
+    buffers += reduce_bucket_buffers(ds, stage, g, ", allocated whole (stage_1_and_2.py: "
+                                     "torch.empty(int(self.reduce_bucket_size)))")
     if stage == 3:
         layers = [gr for gr in groups if gr.is_layer] or list(groups)
         layer = max(gr.bytes() for gr in layers)

@@ -445,6 +445,22 @@ def rank_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_fu
     return _fsdp_layout(spec, recipe, optimizer, states_full, parallel)
 
 
+def grad_partition_buffer(ds, part: int) -> Buffer:
+    """The fp32 copy of a rank's gradient partition that ZeRO's step makes where gradients are not fp32."""
+    return Buffer("fp32 gradient partition at step()", 4 * min(part, ds.sub_group_size), "temporaries",
+                  ("optimizer",), "single_grad_partition / _prepare_fp32_grad_for_sub_group")
+
+
+def reduce_bucket_buffers(ds, stage: int, grad_bytes: int, source_note: str = "") -> list[Buffer]:
+    """ZeRO's gradient reduce bucket(s), two under overlap_comm at stages 1-2, where DeepSpeed allocates them."""
+    if not (ds.contiguous_gradients or stage == 3):
+        return []
+    count = 2 if ds.overlap(stage) and stage < 3 else 1
+    return [Buffer("gradient reduce bucket" + (" x2 (overlap_comm)" if count == 2 else ""),
+                   count * ds.reduce_bucket_size * grad_bytes, "temporaries", ("backward",),
+                   f"reduce_bucket_size = {ds.reduce_bucket_size:,} elements{source_note}")]
+
+
 def _zero_layout(spec: ModelSpec, recipe: Recipe, states_full: int, parallel: Parallel) -> RankLayout:
     n, world, stage, ds = spec.num_parameters, parallel.gpus, parallel.zero, parallel.deepspeed
     w, g, m = recipe.weight_bytes, recipe.gradient_bytes, recipe.master_bytes
@@ -477,13 +493,8 @@ def _zero_layout(spec: ModelSpec, recipe: Recipe, states_full: int, parallel: Pa
             host += weights - w * persistent
             weights = w * persistent
     elif m and g != 4:
-        buffers.append(Buffer("fp32 gradient partition at step()", 4 * min(part, ds.sub_group_size), "temporaries",
-                              ("optimizer",), "single_grad_partition / _prepare_fp32_grad_for_sub_group"))
-    if ds.contiguous_gradients or stage == 3:
-        count = 2 if ds.overlap(stage) and stage < 3 else 1
-        buffers.append(Buffer("gradient reduce bucket" + (" x2 (overlap_comm)" if count == 2 else ""),
-                              count * ds.reduce_bucket_size * g, "temporaries", ("backward",),
-                              f"reduce_bucket_size = {ds.reduce_bucket_size:,} elements"))
+        buffers.append(grad_partition_buffer(ds, part))
+    buffers += reduce_bucket_buffers(ds, stage, g)
     if stage == 3:
         layer = _largest_layer(spec)
         gathered = min(ds.stage3_max_live_parameters, layer + ds.stage3_prefetch_bucket_size)
