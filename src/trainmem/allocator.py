@@ -26,7 +26,8 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import Any, Callable
 
 from .errors import ConfigError
 
@@ -82,6 +83,11 @@ class AllocatorConfig:
     throw_on_cudamalloc_oom: bool = False
     settings: str = ""
     """The option string these came from ("" for the defaults)."""
+
+    @cached_property
+    def rounds_power2(self) -> bool:
+        """Whether any roundup_power2_divisions entry is set (else round_size is the 512-byte rounding alone)."""
+        return any(self.roundup_power2_divisions)
 
     def divisions(self, size: int) -> int:
         """AcceleratorAllocatorConfig::roundup_power2_divisions(size): the entry of the power-of-two interval
@@ -279,7 +285,7 @@ def round_size(size: int, config: AllocatorConfig = DEFAULT_CONFIG) -> int:
     the next of the ``divisions`` equal steps between two powers of two (roundup_power2_next_division)."""
     if size < K_MIN_BLOCK_SIZE:
         return K_MIN_BLOCK_SIZE
-    divisions = config.divisions(size)
+    divisions = config.divisions(size) if config.rounds_power2 else 0
     if divisions > 1 and size > K_MIN_BLOCK_SIZE * divisions:
         if size & (size - 1) == 0:
             return size
@@ -331,28 +337,49 @@ class _Block:
         self.next = after
 
 
-def _size_key(block: _Block) -> tuple[int, int]:
+_COUNTER_BITS = 40
+"""A block's place in its pool as one integer, ``size << _COUNTER_BITS | counter``: ordered as the pair (size,
+registration counter), and compared without a key function (a replay makes far fewer than 2**40 blocks)."""
+
+
+def _size_key(block: _Block) -> int:
     """BlockComparatorRegistrationCounter: by size, then by creation order (one stream)."""
-    return (block.size, block.counter)
+    return block.size << _COUNTER_BITS | block.counter
 
 
 class _Pool:
-    """struct BlockPool: the free mapped blocks by (size, registration counter), the unmapped ones by address."""
+    """struct BlockPool: the free mapped blocks by (size, registration counter), the unmapped ones by address.
+    ``keys`` holds each block's ``_size_key``, in the order of ``blocks``, for the bisections."""
+
+    __slots__ = ("small", "blocks", "keys", "unmapped", "gc_calls")
 
     def __init__(self, small: bool):
         self.small = small
         self.blocks: list[_Block] = []
+        self.keys: list[int] = []
         self.unmapped: list[_Block] = []
         self.gc_calls = 0  # get_free_blocks_call_count
 
     def insert(self, block: _Block) -> None:  # insert_into_blocks
         block.gc_base = self.gc_calls
-        bisect.insort(self.blocks, block, key=_size_key)
+        key = _size_key(block)
+        i = bisect.bisect_right(self.keys, key)
+        self.keys.insert(i, key)
+        self.blocks.insert(i, block)
 
     def erase(self, block: _Block) -> None:
-        i = bisect.bisect_left(self.blocks, _size_key(block), key=_size_key)
+        i = bisect.bisect_left(self.keys, _size_key(block))
         assert self.blocks[i] is block
-        del self.blocks[i]
+        del self.keys[i], self.blocks[i]
+
+    def pop(self, i: int) -> _Block:
+        """Take out the block at index ``i`` (get_free_block's ``pool.blocks.erase(it)``)."""
+        del self.keys[i]
+        return self.blocks.pop(i)
+
+    def first_at_least(self, size: int) -> int:
+        """The index of the smallest block of at least ``size`` bytes (the oldest of that size): lower_bound."""
+        return bisect.bisect_left(self.keys, size << _COUNTER_BITS)
 
     def insert_unmapped(self, block: _Block) -> None:
         bisect.insort(self.unmapped, block, key=lambda b: b.ptr)
@@ -440,6 +467,8 @@ class CachingAllocator:
         self.segments = 0
         self.num_alloc_retries = self.num_ooms = self.num_device_alloc = self.num_device_free = 0
         self.expandable: list[_ExpandableSegment] = []
+        # malloc and get_free_block: garbage collection runs only with an allowed maximum and a threshold set
+        self._collects = self.allowed_maximum is not None and config.garbage_collection_threshold > 0
 
     # -- public API: malloc, free, empty_cache, snapshot
 
@@ -448,13 +477,14 @@ class CachingAllocator:
         cached oversize blocks and retry, free every cached unsplit block and retry, then fail."""
         if orig_size <= 0:
             raise ValueError("CUDACachingAllocator::allocate makes no block for 0 bytes")
-        size = round_size(orig_size, self.config)
+        config = self.config
+        size = round_size(orig_size, config)
         pool = self.small if size <= K_SMALL_SIZE else self.large  # get_pool
-        alloc_size = allocation_size(size, self.config)
-        expandable = self.config.expandable_segments
+        expandable = config.expandable_segments
         block = self._get_free_block(pool, size, expandable)
         if block is None:
-            if self.allowed_maximum is not None and self.config.garbage_collection_threshold > 0:
+            alloc_size = allocation_size(size, config)
+            if self._collects:
                 self._garbage_collect_cached_blocks()
             block, rejected = self._alloc_block(pool, size, alloc_size, expandable, retry=False)
             if block is None and not rejected:
@@ -517,23 +547,25 @@ class CachingAllocator:
 
     def _reserve(self, nbytes: int) -> None:
         self.reserved_bytes += nbytes
-        self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
+        if self.reserved_bytes > self.max_reserved_bytes:
+            self.max_reserved_bytes = self.reserved_bytes
         self.num_device_alloc += 1
 
     def _inactive_split(self, blocks: int, nbytes: int) -> None:
         self.inactive_split += blocks
         self.inactive_split_bytes += nbytes
-        self.max_inactive_split_bytes = max(self.max_inactive_split_bytes, self.inactive_split_bytes)
+        if self.inactive_split_bytes > self.max_inactive_split_bytes:
+            self.max_inactive_split_bytes = self.inactive_split_bytes
 
     def _get_free_block(self, pool: _Pool, size: int, expandable: bool) -> _Block | None:
         """get_free_block: the smallest cached block of at least ``size`` (ties: the oldest); with expandable
         segments a block next to unmapped space counts as the size it can grow to; a request under max_split_size
         never takes an oversize block, and an oversize request takes one only within max_non_split_rounding_size."""
         config = self.config
-        if self.allowed_maximum is not None and config.garbage_collection_threshold > 0:
+        if self._collects:
             pool.gc_calls += 1
         blocks = pool.blocks
-        i = bisect.bisect_left(blocks, (size, -1), key=_size_key)
+        i = pool.first_at_least(size)
         if i == len(blocks):
             return None
         if blocks[i].segment is not None:
@@ -555,8 +587,7 @@ class CachingAllocator:
             return None
         if size >= config.max_split_size and block.size >= size + config.max_non_split_rounding_size:
             return None
-        del blocks[i]
-        return block
+        return pool.pop(i)
 
     def _should_split(self, block: _Block, size: int, expandable: bool) -> bool:
         """should_split: a small-pool or expandable block keeps a remainder of 512 bytes or more; a large block
@@ -569,7 +600,7 @@ class CachingAllocator:
     def _alloc_found_block(self, block: _Block, pool: _Pool, size: int, orig_size: int, split: bool) -> _Block:
         """alloc_found_block: the front of the block is handed out, the remainder (the old Block, which keeps its
         registration counter) goes back to the pool."""
-        already_split = block.is_split
+        already_split = block.prev is not None or block.next is not None  # (is_split)
         if split:
             remaining = block
             block = _Block(self, size, remaining.ptr, remaining.small, remaining.segment)
@@ -593,7 +624,8 @@ class CachingAllocator:
         self.active.add(block)
         self.allocated_bytes += block.size
         self.requested_bytes += orig_size
-        self.max_allocated_bytes = max(self.max_allocated_bytes, self.allocated_bytes)
+        if self.allocated_bytes > self.max_allocated_bytes:
+            self.max_allocated_bytes = self.allocated_bytes
         return block
 
     def _free_block(self, block: _Block) -> None:
@@ -601,12 +633,14 @@ class CachingAllocator:
         pool = self.small if block.small else self.large
         net_blocks = net_bytes = 0
         for candidate in (block.prev, block.next):
+            if candidate is None or candidate.allocated:  # (what try_merge_blocks returns 0 for at once)
+                continue
             subsumed = self._try_merge_blocks(block, candidate, pool)
             if subsumed:
                 net_blocks -= 1
                 net_bytes -= subsumed
         pool.insert(block)
-        if block.is_split:
+        if block.prev is not None or block.next is not None:  # (is_split)
             net_blocks += 1
             net_bytes += block.size
         if block.segment is None:
@@ -667,7 +701,7 @@ class CachingAllocator:
             return False
         key = max(size, max_split)
         blocks = pool.blocks
-        i = bisect.bisect_left(blocks, (key, -1), key=_size_key)
+        i = pool.first_at_least(key)
         if i == len(blocks) or blocks[i].segment is not None:
             if i == 0:
                 return False
@@ -945,13 +979,8 @@ class ReplayReport:
     peak_event: int
     peak_step: int
     reserved_at_peak: int
-    largest_inactive_split: int
-    """At the peak: the largest free block of a partly used segment (non-expandable)."""
-    largest_free_block: int
-    """At the peak: the largest cached free block."""
     max_inactive_split_bytes: int
     """torch's inactive_split_bytes.all.peak over the replay."""
-    segments_at_peak: tuple[SegmentInfo, ...]
     num_alloc_retries: int
     num_device_alloc: int
     num_device_free: int
@@ -965,6 +994,29 @@ class ReplayReport:
     """memory_reserved() after the replay."""
     timeline: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
     """(event, allocated, reserved) samples through the replay, at most ``TIMELINE_POINTS``."""
+    at_peak: Callable[[], CachingAllocator] = field(default=lambda: CachingAllocator(), repr=False, compare=False)
+    """The allocator as it is at the peak (the replay run again to ``peak_event``): called once, when the segments
+    at the peak are first asked for (the JSON, --explain-reserved), so that an estimate's reserved line costs one
+    pass."""
+
+    @cached_property
+    def _at_peak_figures(self) -> tuple[int, int, tuple[SegmentInfo, ...]]:
+        allocator = self.at_peak()
+        return allocator.largest_inactive_split(), allocator.largest_free_block(), allocator.snapshot()
+
+    @property
+    def largest_inactive_split(self) -> int:
+        """At the peak: the largest free block of a partly used segment (non-expandable)."""
+        return self._at_peak_figures[0]
+
+    @property
+    def largest_free_block(self) -> int:
+        """At the peak: the largest cached free block."""
+        return self._at_peak_figures[1]
+
+    @property
+    def segments_at_peak(self) -> tuple[SegmentInfo, ...]:
+        return self._at_peak_figures[2]
 
     @property
     def fragmentation(self) -> int:
@@ -1004,12 +1056,13 @@ def _run(log: AllocationLog, config: AllocatorConfig, capacity: int | None, devi
     oom = None
     unmatched = 0
     events = log.events if stop is None else log.events[:stop]
+    malloc, free = allocator.malloc, allocator.free
     for index, event in enumerate(events):
         if event.nbytes:
             if event.key in live:
                 raise ConfigError(f"allocation log: key {event.key} allocated twice without a free (event {index})")
             try:
-                live[event.key] = allocator.malloc(event.nbytes, event.label)
+                live[event.key] = malloc(event.nbytes, event.label)
             except OutOfMemory as error:
                 by_label: dict[str, int] = {}
                 for block in live.values():
@@ -1023,7 +1076,7 @@ def _run(log: AllocationLog, config: AllocatorConfig, capacity: int | None, devi
             if block is None:
                 unmatched += 1
             else:
-                allocator.free(block)
+                free(block)
         after.append(allocator.allocated_bytes)
         reserved_after.append(allocator.reserved_bytes)
     return allocator, after, reserved_after, oom, unmatched
@@ -1038,13 +1091,17 @@ def replay(log: AllocationLog, config: AllocatorConfig = DEFAULT_CONFIG, capacit
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0):
         raise ConfigError(f"allocator capacity must be a positive number of bytes, got {capacity!r}")
     log = log.for_steps(steps)
-    allocator, after, reserved_after, _, unmatched = _run(log, config, None, device_total or capacity)
+    total = device_total or capacity
+    allocator, after, reserved_after, _, unmatched = _run(log, config, None, total)
     top = max(after, default=0)
-    last = log.step_starts[-1]
-    peak = next((i for i in range(last, len(after)) if after[i] == top), None)
-    if peak is None:
-        peak = next((i for i, v in enumerate(after) if v == top), 0)
-    at_peak = _run(log, config, None, device_total or capacity, stop=peak + 1)[0] if after else allocator
+    try:  # the first moment at the top in the last step, else the first over the whole replay
+        peak = after.index(top, log.step_starts[-1])
+    except ValueError:
+        peak = after.index(top) if after else 0
+
+    def at_peak() -> CachingAllocator:
+        return _run(log, config, None, total, stop=peak + 1)[0] if after else allocator
+
     oom = _run(log, config, capacity, device_total)[3] if capacity is not None else None
     stride = max(1, -(-len(after) // TIMELINE_POINTS))
     timeline = tuple((i, after[i], reserved_after[i]) for i in range(0, len(after), stride))
@@ -1052,12 +1109,11 @@ def replay(log: AllocationLog, config: AllocatorConfig = DEFAULT_CONFIG, capacit
         settings=config.describe(), steps=log.steps, events=len(log.events),
         max_allocated=allocator.max_allocated_bytes,
         max_reserved=allocator.max_reserved_bytes, peak_event=peak, peak_step=_step_of(log, peak),
-        reserved_at_peak=at_peak.reserved_bytes, largest_inactive_split=at_peak.largest_inactive_split(),
-        largest_free_block=at_peak.largest_free_block(), max_inactive_split_bytes=allocator.max_inactive_split_bytes,
-        segments_at_peak=at_peak.snapshot(), num_alloc_retries=allocator.num_alloc_retries,
+        reserved_at_peak=reserved_after[peak] if after else allocator.reserved_bytes,
+        max_inactive_split_bytes=allocator.max_inactive_split_bytes, num_alloc_retries=allocator.num_alloc_retries,
         num_device_alloc=allocator.num_device_alloc, num_device_free=allocator.num_device_free,
         unmatched_frees=unmatched, capacity=capacity, oom=oom, allocated=allocator.allocated_bytes,
-        reserved=allocator.reserved_bytes, timeline=timeline)
+        reserved=allocator.reserved_bytes, timeline=timeline, at_peak=at_peak)
 
 
 def max_reserved(log: AllocationLog, config: AllocatorConfig = DEFAULT_CONFIG, steps: int = 2) -> int:

@@ -128,6 +128,9 @@ class Estimate:
     """Optimizer states in CUDA unified memory (bitsandbytes' paged optimizers: cudaMallocManaged), per GPU. Not in
     ``static``, the phases or the peak: torch.cuda.max_memory_allocated() does not count them and the driver can
     evict them to host memory, so what "fits" compares leaves them out; resident, they are on the device too."""
+    replayed: Any = field(default=None, repr=False, compare=False)
+    """allocator.ReplayReport of ``allocation_log``, where the estimate already replayed it (stepmodel: the same
+    pass gave the peak's reserved bytes); ``allocator`` replays the log where it is None."""
 
     @property
     def per_gpu(self) -> bool:
@@ -154,11 +157,13 @@ class Estimate:
 
     @functools.cached_property
     def allocator(self) -> Any:
-        """allocator.ReplayReport of the step's replay (replay.py) where reserved memory was replayed, else None.
-        Made on first use (the JSON, --explain-reserved): the peak's reserved bytes come from a one-pass replay
-        (allocator.max_reserved), and the report's segments at the peak take two more passes."""
+        """allocator.ReplayReport of the step's replay (replay.py) where reserved memory was replayed, else None:
+        the estimate's own (``replayed``), else made on first use. Its segments at the peak take one more pass,
+        when they are asked for (the JSON, --explain-reserved)."""
         if self.allocation_log is None or self.peak is None or self.peak.reserved_from != "replay":
             return None
+        if self.replayed is not None:
+            return self.replayed
         from .allocator import DEFAULT_CONFIG, replay
 
         return replay(self.allocation_log, self.device.alloc_config or DEFAULT_CONFIG, steps=2)

@@ -376,12 +376,15 @@ class StepModel:
             notes.append(PAGED_NOTE)
         elif self.optimizer.paged:
             notes.append(self._paged_note)
-        reserved = self.replayed_reserved(batch, seq) if self.device.fragmentation is None else None
+        # (one replay for the reserved line and the report behind it: Estimate.allocator)
+        report = self.replay(batch, seq) if self.device.fragmentation is None else None
+        reserved = None if report is None else report.max_reserved
         return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, finetune=self.finetune,
                         activations=acts, phases=phases,
                         peak=peak_of_phases(phases, self.device, reserved),
                         device=self.device, notes=tuple(notes), warnings=warnings, paged_bytes=self.paged_bytes,
-                        allocation_log=None if reserved is None else self.sequence(batch, seq).log)
+                        allocation_log=None if reserved is None else self.sequence(batch, seq).log,
+                        replayed=report)
 
 
 _ACTIVATIONS: OrderedDict[tuple, list] = OrderedDict()
