@@ -8,7 +8,6 @@ data; each keeps its Hub repo id in ``_name_or_path``, which works as an alias.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from functools import lru_cache
@@ -128,6 +127,8 @@ def load_config(model: str | os.PathLike[str] | None, hub: bool = False) -> tupl
         raise ModelError(f"{key}: no such file")
     if key.count("/") == 1 and all(key.split("/")):
         return _from_hub(key, hub), key.split("/")[1], key
+    import difflib  # (only for the message)
+
     close = difflib.get_close_matches(key.lower(), list(_aliases()), n=3, cutoff=0.5)
     hint = f"; closest: {', '.join(_aliases()[c] for c in close)}" if close else ""
     raise ModelError(

@@ -9,7 +9,6 @@ Where no driver figure was at hand (``memory_source == "data sheet"``), the data
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, replace
 
 from .errors import ConfigError
@@ -157,6 +156,8 @@ def get_gpu(name: str) -> GPU:
     prefixed = [g for g in GPUS.values() if g.name.lower().startswith(key)]
     if len(prefixed) == 1:  # "H100" -> H100-80GB; "A100" stays ambiguous
         return prefixed[0]
+    import difflib  # (only for the message)
+
     close = [g.name for g in prefixed] or difflib.get_close_matches(name.upper(), list(GPUS), n=2)
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     raise ConfigError(f"unknown GPU {name!r}{hint}; accepted: {', '.join(GPUS)}")

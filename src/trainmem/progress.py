@@ -100,8 +100,11 @@ def quiet_libraries() -> None:
     their loggers below ERROR: DeepSpeed's "Setting accelerator to CPU" (deepspeed/utils/logging.py gives its logger
     its own level and a handler on stdout, where it would corrupt --json, so a filter on the logger drops it),
     bitsandbytes' "Failed to load CPU gemm_4bit_forward" (on CPUs with AVX512-BF16) and transformers' notes.
-    Errors and exceptions are untouched, and so are trainmem's own notes and warnings (printed, not logged)."""
-    import logging
+    Errors and exceptions are untouched, and so are trainmem's own notes and warnings (printed, not logged).
+
+    The loggers are set when the first library is imported (``_QuietOnImport``), so that a command that imports
+    none (``trainmem estimate``) does not import logging; at once where logging is loaded already (every library
+    imports it, so one may have been imported before)."""
     import os
     import warnings
 
@@ -110,6 +113,28 @@ def quiet_libraries() -> None:
     for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
     warnings.filterwarnings("ignore", category=UserWarning, module=rf"({'|'.join(LIBRARIES)})(\.|$)")
+    if "logging" in sys.modules:
+        quiet_loggers()
+    elif not any(isinstance(finder, _QuietOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _QuietOnImport())
+
+
+class _QuietOnImport:
+    """An import finder that finds nothing: on the first import of one of ``LIBRARIES`` it quiets their loggers
+    (``quiet_loggers``, before the library's own code runs) and leaves ``sys.meta_path``."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname.partition(".")[0] in LIBRARIES:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            quiet_loggers()
+        return None
+
+
+def quiet_loggers() -> None:
+    """The libraries' loggers (``_LIBRARY_LOGGERS``) at ERROR, with a filter that drops what is below it."""
+    import logging
+
     for name in _LIBRARY_LOGGERS:
         logger = logging.getLogger(name)
         if logger.level < logging.ERROR:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .estimate import DEFAULT_HEADROOM, MAX_CUDA_OVERHEAD_BYTES, DeviceOptions, Estimate
@@ -19,9 +19,11 @@ from .models import ModelSpec, nominal_spec
 from .optimizers import get_optimizer
 from .settings import TrainingSettings, make_settings
 from .stepmodel import estimate_model
-from .lora import FineTune, LoraOptions
 from .sharding import Parallel, read_deepspeed_config
 from .units import parse_sized
+
+if TYPE_CHECKING:
+    from .lora import FineTune  # (imported by _finetune, for --lora only)
 
 MAX_PARAMS = 1e16
 
@@ -195,6 +197,8 @@ def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlo
     train_modules = _names(train_modules or (), "train modules", "lm_head,embed_tokens")
     if not isinstance(dora, bool):
         raise ConfigError(f"dora must be true or false, got {dora!r}")
+    from .lora import FineTune, LoraOptions
+
     return FineTune(LoraOptions(rank, alpha, targets, adapter_dtype, dropout, dora, train_modules), base_quant,
                     double_quant)
 

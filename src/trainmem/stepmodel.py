@@ -24,6 +24,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import TYPE_CHECKING
 
 from .activations import ActivationEstimate, estimate_activations
 from .errors import ConfigError
@@ -35,11 +36,13 @@ from .optimizers import get_optimizer
 from .recipes import get_recipe
 from .settings import TrainingSettings
 from .activations import Precision
-from .lora import FineTune, activations_modelled, base_weight_bytes, lora_activations, trainables
 from .sharding import Parallel, RankLayout, rank_layout
 from .timeline import (Phase, expanded_layers, forward_floor, peak_of, seed_activation_bytes, seed_rule_candidates,
                        step_candidates)
 from .estimate import fits_at_least  # (beside peak_of_phases, where modelparallel finds it too)
+
+if TYPE_CHECKING:
+    from .lora import FineTune  # (lora.py is imported where a step has adapters: a full fine-tune never loads it)
 
 PAGED_NOTE = ("paged optimizer states (paged_bytes) live in CUDA unified memory (cudaMallocManaged): "
               "max_memory_allocated() does not count them, so they are out of the allocated and reserved peaks and "
@@ -140,6 +143,8 @@ class StepModel:
             if self.optimizer.paged:
                 self.paged_bytes = finetune_paged_bytes(spec, self.optimizer, finetune)
             if self.rank is not None:  # this rank's share of the model states (finetune_sharding.py)
+                from .lora import trainables
+
                 t = trainables(spec, self.recipe, self.optimizer, finetune)
                 trained = t.adapters + t.copies
                 self.paged_bytes = -(-self.paged_bytes * self.rank.optimizer_numel // trained)
@@ -331,8 +336,11 @@ class StepModel:
         spec, settings = self.spec, self.settings_at(batch, seq)
         warning = position_warning(spec, seq)
         warnings = (warning,) if warning else ()
-        unmodelled = (activations_modelled(spec, self.recipe, settings, self.finetune)
-                      if self.finetune is not None else None)
+        unmodelled = None
+        if self.finetune is not None:
+            from .lora import activations_modelled
+
+            unmodelled = activations_modelled(spec, self.recipe, settings, self.finetune)
         if unmodelled is not None:
             note = (f"not modelled yet: the activations of a LoRA step with {unmodelled}, so this is the static "
                     "memory only")
@@ -405,6 +413,8 @@ def _activations_at(spec: ModelSpec, recipe, settings: TrainingSettings, finetun
     if found is None:
         acts = estimate_activations(spec, recipe, settings)
         if finetune is not None:
+            from .lora import lora_activations
+
             acts = lora_activations(acts, spec, Precision.of(recipe), finetune)
         if len(_ACTIVATIONS) >= _ACTIVATIONS_KEPT:
             _ACTIVATIONS.popitem(last=False)
@@ -430,6 +440,8 @@ def finetune_static_components(spec: ModelSpec, settings: TrainingSettings,
                                finetune: FineTune) -> tuple[StaticComponent, ...]:
     """LoRA's static memory: the frozen base as stored (quantized or in the recipe's dtype) and the adapters, which
     alone have gradients and optimizer states, in the adapters' dtype (lora.py)."""
+    from .lora import base_weight_bytes, trainables
+
     recipe, optimizer = get_recipe(settings.recipe), get_optimizer(settings.optimizer)
     n = spec.num_parameters
     t = trainables(spec, recipe, optimizer, finetune)
