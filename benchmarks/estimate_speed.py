@@ -3,10 +3,12 @@ evaluations (what max-batch, sweep and the planner use), and the CLI end to end.
 
 Prints times; the figures in README.md (mean and worst time in process, "well under 0.5 s for `trainmem estimate`") and
 docs/method.md (evaluations per second on one core) come from this script. Pin it to one core for that figure:
-taskset -c 0 python benchmarks/estimate_speed.py
+    taskset -c 0 python benchmarks/estimate_speed.py
+    python benchmarks/estimate_speed.py --command     # `trainmem estimate llama-2-7b` alone: process and work times
 """
 
 import itertools
+import resource
 import subprocess
 import sys
 import time
@@ -24,6 +26,9 @@ SETTINGS = [
 
 
 def main() -> None:
+    if "--command" in sys.argv[1:]:  # the CLI's times alone
+        command_times()
+        return
     worst = (0.0, "")
     total, count = 0.0, 0
     for name in catalog_names():
@@ -54,18 +59,55 @@ def main() -> None:
         rate = n / (time.perf_counter() - start)
         print(f"compiled {name} {recipe} seq {seq}: compile {compile_s * 1e3:.1f} ms, then {rate:,.0f} evaluations/s "
               f"(batch 2-257, phases and peak)")
-    # a cold process each time (a warm install: the bytecode is compiled); the interpreter's own start-up beside it
-    for label, args in (("python -c pass", ["-c", "pass"]), ("python -m trainmem estimate llama-2-7b --json",
-                        ["-m", "trainmem", "estimate", "llama-2-7b", "--json"]),
-                        ("python -m trainmem estimate llama-2-7b (tables, to a pipe)",
-                         ["-m", "trainmem", "estimate", "llama-2-7b"])):
-        runs = []
-        for _ in range(9):
+    command_times()
+
+
+def _children_cpu() -> float:
+    """The user + system seconds of this process's finished children (on a shared machine the CPU time of a
+    process moves less with the load than its wall time does)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+COMMAND = ["estimate", "llama-2-7b"]
+RUNS = 15
+
+
+def command_times(runs: int = RUNS) -> None:
+    """`trainmem estimate llama-2-7b` end to end: a new process each time (a warm install: the bytecode is compiled,
+    so run the script twice after a change), beside the interpreter's own start-up and the import of trainmem.cli;
+    then the command's work in this process (imports done, output to a pipe): the first run (what a process does
+    after its imports) and the median of the others (the catalog's parsed config and the activations are cached
+    then)."""
+    for label, args in (("python -c pass", ["-c", "pass"]),
+                        ("python -c 'import trainmem.cli'", ["-c", "import trainmem.cli"]),
+                        ("python -m trainmem estimate llama-2-7b --json", ["-m", "trainmem", *COMMAND, "--json"]),
+                        ("python -m trainmem estimate llama-2-7b (tables, to a pipe)", ["-m", "trainmem", *COMMAND])):
+        times, cpu = [], []
+        for _ in range(runs):
+            used = _children_cpu()
             start = time.perf_counter()
             subprocess.run([sys.executable, *args], check=True, capture_output=True)
-            runs.append(time.perf_counter() - start)
-        print(f"cold process `{label}`: best {min(runs):.3f} s, median {sorted(runs)[4]:.3f} s over 9 runs")
+            times.append(time.perf_counter() - start)
+            cpu.append(_children_cpu() - used)
+        times.sort()
+        cpu.sort()
+        print(f"process `{label}`: wall median {times[len(times) // 2]:.3f} s, best {times[0]:.3f} s; CPU (user + "
+              f"system) median {cpu[len(cpu) // 2]:.3f} s, over {runs} runs")
+    import contextlib
+    import io
 
+    from trainmem.cli import main as cli_main
+
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli_main(list(COMMAND))
+        times.append(time.perf_counter() - start)
+    first, rest = times[0], sorted(times[1:])
+    print(f"in process `trainmem estimate llama-2-7b` (imports done): first run {first * 1e3:.1f} ms, then median "
+          f"{rest[len(rest) // 2] * 1e3:.1f} ms over {len(rest)} runs")
 
 if __name__ == "__main__":
     main()

@@ -52,6 +52,8 @@ def _plain(text: str, markup: bool = True) -> str:
 
 def _divide(text: str, width: int, fold: bool) -> list[str]:
     """rich/_wrap.py divide_line, then Text.divide: the pieces of one line of text."""
+    if len(text) <= width:  # (every word fits where it is: no break, as the loop below finds)
+        return [text]
     breaks: list[int] = []
     offset = 0
     for match in re.finditer(_WORD, text):
