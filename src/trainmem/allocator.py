@@ -1099,8 +1099,10 @@ def replay(log: AllocationLog, config: AllocatorConfig = DEFAULT_CONFIG, capacit
     except ValueError:
         peak = after.index(top) if after else 0
 
+    stop = peak + 1 if after else 0  # (what it keeps: the log, not this pass's allocator or lists)
+
     def at_peak() -> CachingAllocator:
-        return _run(log, config, None, total, stop=peak + 1)[0] if after else allocator
+        return _run(log, config, None, total, stop=stop)[0]
 
     oom = _run(log, config, capacity, device_total)[3] if capacity is not None else None
     stride = max(1, -(-len(after) // TIMELINE_POINTS))
