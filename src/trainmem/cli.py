@@ -131,7 +131,8 @@ SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attenti
 LAYOUT_FLAGS = ("tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep", "pp_layers")
 """Model-parallel flags (modelparallel.py), passed to the request as they are."""
 _FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "zero", "fsdp", "offload",
-               "gpus_per_node", "tp", "pp", "cp", "ep", "pp-schedule", "virtual-stages", "micro-batches", "sp")
+               "gpus_per_node", "tp", "pp", "cp", "ep", "pp-schedule", "virtual-stages", "micro-batches", "sp",
+               "bnb-version")
 """Request fields whose messages name a flag: the CLI prints them as --flag."""
 
 
@@ -162,7 +163,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
                            dora=options["dora"], train_modules=options["train_modules"],
                            adapter_dtype=options["adapter_dtype"],
                            base_quant=options["base_quant"], double_quant=options["double_quant"],
-                           qlora=options["qlora"], batch=batch, seq=seq,
+                           qlora=options["qlora"], bnb_version=options.get("bnb_version"), batch=batch, seq=seq,
                            **{k: options[k] for k in SETTING_FLAGS}, **{k: options[k] for k in LAYOUT_FLAGS})
     except ConfigError as exc:
         message = str(exc)
@@ -306,6 +307,8 @@ def _workload_options(f):
         click.option("--base-quant", default=None, help="Quantize the frozen base: nf4 | fp4 | int8 (bitsandbytes)."),
         click.option("--double-quant", is_flag=True, help="4-bit base with double quantization of the constants."),
         click.option("--qlora", is_flag=True, help="QLoRA's base: --base-quant nf4 --double-quant."),
+        click.option("--bnb-version", default=None, help="The run's bitsandbytes release (e.g. 0.42.0; default: "
+                     "0.50.2's rules): before 0.43.2 each 4-bit Linear keeps its input for backward."),
         click.option("--json", "as_json", is_flag=True, help="Print the versioned JSON document (bytes as integers)."),
     ]
     for option in reversed(options):

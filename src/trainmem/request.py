@@ -85,7 +85,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
                  lora: int | None = None, lora_alpha: float | None = None, lora_targets: Any = ("q", "v"),
                  lora_dropout: float = 0.0, dora: bool = False, train_modules: Any = (),
                  adapter_dtype: str = "auto", base_quant: str | None = None, double_quant: bool = False,
-                 qlora: bool = False, tp: int = 1, sp: bool = False, pp: int = 1, pp_schedule: str = "1f1b",
+                 qlora: bool = False, bnb_version: str | None = None, tp: int = 1, sp: bool = False, pp: int = 1,
+                 pp_schedule: str = "1f1b",
                  virtual_stages: int = 1, micro_batches: int = 0, cp: int = 1, ep: int = 1, pp_layers: Any = None,
                  accelerate_config: str | os.PathLike | None = None,
                  torchtitan_config: str | os.PathLike | None = None, **settings: Any) -> Request:
@@ -97,7 +98,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     DeepSpeed config whose zero_optimization keys (stage, buckets, offload) apply where the keywords say nothing.
     ``lora`` (the rank), ``lora_alpha``, ``lora_targets`` (a list or "q,v"), ``dora``, ``train_modules`` (peft's
     modules_to_save: lm_head, embed_tokens), ``adapter_dtype``, ``base_quant``, ``double_quant`` and ``qlora`` (nf4
-    with double quantization) train adapters on a frozen base (lora.py). ``tp``, ``sp``, ``pp``, ``pp_schedule``,
+    with double quantization) train adapters on a frozen base (lora.py); ``bnb_version`` ("0.42.0") is the
+    bitsandbytes release of a 4-bit base (before 0.43.2 its Linears keep their inputs). ``tp``, ``sp``, ``pp``, ``pp_schedule``,
     ``virtual_stages``, ``micro_batches``, ``cp`` and ``ep`` split the model across the GPUs (modelparallel.py);
     ``pp_layers`` ("15,16,...", a list, or "torchtitan") splits the layers unevenly over the stages.
     ``gpu_memory`` (``"48GiB"``, ``"80GB"``, ``"49140MiB"`` or an int of bytes) is the GPU's memory: ``gpu``'s card
@@ -142,7 +144,7 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
         raise ConfigError(f"with --pp the pipeline's --micro-batches ({parallel.in_flight_micro_batches}) are the "
                           f"gradient accumulation: --grad-accum {training.grad_accum} disagrees; give one")
     finetune = _finetune(lora, lora_alpha, lora_targets, adapter_dtype, base_quant, double_quant, qlora,
-                         lora_dropout, dora, train_modules)
+                         lora_dropout, dora, train_modules, bnb_version)
     config = None
     if params is not None:
         spec = nominal_spec(parse_params(params))
@@ -180,23 +182,33 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
 
 
 def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlora,
-              dropout=0.0, dora=False, train_modules=()) -> FineTune | None:
+              dropout=0.0, dora=False, train_modules=(), bnb_version=None) -> FineTune | None:
     if qlora:
         if base_quant not in (None, "nf4") or double_quant is False and base_quant is not None:
             raise ConfigError("--qlora is nf4 with double quantization; give it alone or --base-quant instead")
         base_quant, double_quant = "nf4", True
     if rank is None:
         if base_quant or double_quant or adapter_dtype != "auto" or alpha is not None or dropout or dora or \
-                train_modules:
-            raise ConfigError("--base-quant, --qlora, --double-quant, --lora-alpha, --lora-dropout, --dora, "
-                              "--train-modules and --adapter-dtype need --lora RANK")
+                train_modules or bnb_version is not None:
+            raise ConfigError("--base-quant, --qlora, --double-quant, --bnb-version, --lora-alpha, --lora-dropout, "
+                              "--dora, --train-modules and --adapter-dtype need --lora RANK")
         return None
     targets = _names(targets, "lora targets", "q,v or all-linear")
     train_modules = _names(train_modules or (), "train modules", "lm_head,embed_tokens")
     if not isinstance(dora, bool):
         raise ConfigError(f"dora must be true or false, got {dora!r}")
     return FineTune(LoraOptions(rank, alpha, targets, adapter_dtype, dropout, dora, train_modules), base_quant,
-                    double_quant)
+                    double_quant, _release(bnb_version))
+
+
+def _release(text) -> tuple[int, ...] | None:
+    """A release number ("0.42.0", "0.43") as a tuple of ints."""
+    if text is None:
+        return None
+    parts = str(text).strip().split(".")
+    if not 2 <= len(parts) <= 3 or not all(part.isdigit() for part in parts):
+        raise ConfigError(f"bnb-version must be a bitsandbytes release like 0.42.0, got {text!r}")
+    return tuple(int(part) for part in parts)
 
 
 def _names(value, what: str, example: str) -> tuple[str, ...]:
