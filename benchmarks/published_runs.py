@@ -109,11 +109,12 @@ TORCHTUNE = [
                "quantized scales) counted as bitsandbytes' nf4 with double quantization"),
     Row(Source.TORCHTUNE, TT_README, "Llama 3.1 70B full, 8x A100 (CPU offload, fused optimizer)",
         _a("llama-3.1-70b --recipe pure-bf16-bf16states --batch 2 --seq 2048 --checkpointing full --loss "
-           "chunked-output --compile --gpus 8 --fsdp full --offload optimizer+params --optimizer-impl fused"),
+           "chunked-output --compile --gpus 8 --fsdp full --offload optimizer+params --optimizer-impl fused "
+           "--fsdp-embedding-groups"),
         13.9, GIB, Metric.ACTIVE,
         remark="70B_full: FSDP2, fsdp_cpu_offload; its custom_sharded_layers ['tok_embeddings', 'output'] makes "
-               "the embedding and the head FSDP groups of their own, resharded after forward, where trainmem "
-               "keeps them in the root group, gathered through the step (3.91 GiB): no flag says otherwise"),
+               "the embedding and the head FSDP groups of their own, resharded after forward "
+               "(--fsdp-embedding-groups)"),
     Row(Source.TORCHTUNE, TT_README, "Llama 3.1 70B LoRA, 8x A100",
         _a("llama-3.1-70b --recipe pure-bf16-bf16states --batch 2 --seq 2048 --checkpointing full --loss "
            "chunked-output --compile --gpus 8 --fsdp full --lora 16 --lora-alpha 32 --lora-targets q,k,v "

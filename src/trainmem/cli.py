@@ -156,6 +156,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
                            cuda_overhead=options["cuda_overhead"], hub=options["hub"], need_config=need_config,
                            gpus=gpus, gpus_per_node=options["gpus_per_node"], zero=zero, fsdp=options["fsdp"],
                            offload=options["offload"], ddp_bucket_view=options["ddp_bucket_view"],
+                           fsdp_embedding_groups=options.get("fsdp_embedding_groups", False),
                            ds_config=options["ds_config"], accelerate_config=options["accelerate_config"],
                            torchtitan_config=options["torchtitan_config"], lora=options["lora"],
                            lora_alpha=options["lora_alpha"],
@@ -195,7 +196,7 @@ def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
 
 
 MEASURE_IGNORES = ("gpu", "headroom", "fragmentation", "cuda_overhead", "gpus_per_node",
-                   "ddp_bucket_view")
+                   "ddp_bucket_view", "fsdp_embedding_groups")
 """Workload flags that change only the estimate's device-side figures or a multi-GPU layout: measure, which runs
 one process and compares allocated bytes, refuses them in one line rather than ignore them."""
 
@@ -266,6 +267,9 @@ def _workload_options(f):
                      help="none | optimizer | optimizer+params (to host memory; ZeRO or FSDP2)."),
         click.option("--ddp-bucket-view", is_flag=True,
                      help="DDP with gradient_as_bucket_view=True (no second copy of the gradients)."),
+        click.option("--fsdp-embedding-groups", is_flag=True,
+                     help="FSDP2: the token embedding and the LM head are groups of their own, resharded after "
+                          "forward (torchtune's custom_sharded_layers), not in the gathered root."),
         click.option("--ds-config", type=click.Path(dir_okay=False),
                      help="A DeepSpeed config: its stage, buckets, offload, bf16/fp16 mode, micro-batch and "
                           "accumulation apply where the flags are at their defaults."),

@@ -81,7 +81,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
                  headroom: float = DEFAULT_HEADROOM, fragmentation: float | None = None, alloc_conf: str | None = None,
                  cuda_overhead: float = DEFAULT_CUDA_OVERHEAD_MIB, hub: bool = False, need_config: str = "",
                  gpus: int = 1, gpus_per_node: int = 0, zero: int | None = None, fsdp: str | None = None,
-                 offload: str = "none", ddp_bucket_view: bool = False, ds_config: str | os.PathLike | None = None,
+                 offload: str = "none", ddp_bucket_view: bool = False, fsdp_embedding_groups: bool = False,
+                 ds_config: str | os.PathLike | None = None,
                  lora: int | None = None, lora_alpha: float | None = None, lora_targets: Any = ("q", "v"),
                  lora_dropout: float = 0.0, dora: bool = False, train_modules: Any = (),
                  adapter_dtype: str = "auto", base_quant: str | None = None, double_quant: bool = False,
@@ -94,7 +95,7 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     ModelSpec; ``params`` a nominal size instead (``7e9``, ``"7B"``). ``cuda_overhead`` is in MiB. ``hub`` allows
     fetching a config from the Hugging Face Hub (never otherwise: a Hub id must be in the local cache).
     ``need_config`` names a command that cannot run on ``params`` alone. ``gpus``, ``gpus_per_node``, ``zero``,
-    ``fsdp``, ``offload``, ``ddp_bucket_view`` lay the run out on several GPUs (sharding.Parallel); ``ds_config`` is a
+    ``fsdp``, ``offload``, ``ddp_bucket_view``, ``fsdp_embedding_groups`` lay the run out on several GPUs (sharding.Parallel); ``ds_config`` is a
     DeepSpeed config whose zero_optimization keys (stage, buckets, offload) apply where the keywords say nothing.
     ``lora`` (the rank), ``lora_alpha``, ``lora_targets`` (a list or "q,v"), ``dora``, ``train_modules`` (peft's
     modules_to_save: lm_head, embed_tokens), ``adapter_dtype``, ``base_quant``, ``double_quant`` and ``qlora`` (nf4
@@ -138,7 +139,7 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
         nbytes, label = parse_sized(gpu_memory, "gpu-memory")
         target = custom_gpu(nbytes, target, label)
     parallel = Parallel(gpus=gpus, gpus_per_node=gpus_per_node, zero=zero, fsdp=fsdp, offload=offload,
-                        ddp_bucket_view=ddp_bucket_view, tp=tp, sp=sp, pp=pp, pp_schedule=pp_schedule,
+                        ddp_bucket_view=ddp_bucket_view, fsdp_embedding_groups=fsdp_embedding_groups, tp=tp, sp=sp, pp=pp, pp_schedule=pp_schedule,
                         virtual_stages=virtual_stages, micro_batches=micro_batches, cp=cp, ep=ep)
     if parallel.pp > 1 and training.grad_accum > 1 and training.grad_accum != parallel.in_flight_micro_batches:
         raise ConfigError(f"with --pp the pipeline's --micro-batches ({parallel.in_flight_micro_batches}) are the "
