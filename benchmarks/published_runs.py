@@ -109,11 +109,12 @@ TORCHTUNE = [
                "quantized scales) counted as bitsandbytes' nf4 with double quantization"),
     Row(Source.TORCHTUNE, TT_README, "Llama 3.1 70B full, 8x A100 (CPU offload, fused optimizer)",
         _a("llama-3.1-70b --recipe pure-bf16-bf16states --batch 2 --seq 2048 --checkpointing full --loss "
-           "chunked-output --compile --gpus 8 --fsdp full --offload optimizer+params --optimizer-impl fused"),
+           "chunked-output --compile --gpus 8 --fsdp full --offload optimizer+params --optimizer-impl fused "
+           "--fsdp-embedding-groups"),
         13.9, GIB, Metric.ACTIVE,
         remark="70B_full: FSDP2, fsdp_cpu_offload; its custom_sharded_layers ['tok_embeddings', 'output'] makes "
-               "the embedding and the head FSDP groups of their own, resharded after forward, where trainmem "
-               "keeps them in the root group, gathered through the step (3.91 GiB): no flag says otherwise"),
+               "the embedding and the head FSDP groups of their own, resharded after forward "
+               "(--fsdp-embedding-groups)"),
     Row(Source.TORCHTUNE, TT_README, "Llama 3.1 70B LoRA, 8x A100",
         _a("llama-3.1-70b --recipe pure-bf16-bf16states --batch 2 --seq 2048 --checkpointing full --loss "
            "chunked-output --compile --gpus 8 --fsdp full --lora 16 --lora-alpha 32 --lora-targets q,k,v "
@@ -181,6 +182,7 @@ LG_LORA = "--recipe pure-bf16-bf16states --lora 8 --lora-alpha 16 --lora-dropout
 PHI, STABLELM = str(CONFIGS / "phi-1_5.json"), str(CONFIGS / "stablelm-base-alpha-3b.json")
 LG_MODELS = {"phi-1.5": (PHI, 1044), "StableLM Alpha 3B": (STABLELM, 1034), "Llama 2 7B": ("llama-2-7b", 1304),
              "Llama 2 13B": ("llama-2-13b", 1304)}
+LG_BNB = "0.41"  # requirements-all.txt@8641822: bitsandbytes unpinned, Oct 2023: the 0.41 releases
 LG_REMARK = "lit-gpt's own model code; its 128-token head chunks mapped to torchtune's 8-slice chunked loss"
 LG_FSDP_REMARK = ("below, and published above the same run on one GPU: lit-gpt's FSDP1 wraps each Block whole, the "
                   "frozen base and the adapters in one flat parameter, so its gradient and all-gathers are the "
@@ -189,15 +191,16 @@ LG_FSDP_REMARK = ("below, and published above the same run on one GPU: lit-gpt's
 
 def _litgpt(model: str, quant: str, batch: int, gb: float, gpus: int = 1) -> Row:
     path, seq = LG_MODELS[model]
-    quant_flags = {"None": "", "bnb.nf4": " --base-quant nf4", "bnb.nf4-dq": " --qlora"}[quant]
+    quant_flags = {"None": "", "bnb.nf4": " --base-quant nf4", "bnb.nf4-dq": " --qlora"}[quant] + \
+        (f" --bnb-version {LG_BNB}" if quant != "None" else "")
     layout = f" --gpus {gpus} --fsdp full --checkpointing full" if gpus > 1 else ""
     args = _a(f"{path} {LG_LORA} --batch {batch} --seq {seq}{quant_flags}{layout}")
     where = f"{gpus}x A100" + (", FSDP" if gpus > 1 else "")
     if gpus > 1:
         return Row(Source.LITGPT, LG, f"{model} LoRA, {quant}, micro-batch {batch}, {where}", args, gb, GB,
                    Metric.ALLOCATED, remark=LG_FSDP_REMARK)
-    remark = LG_REMARK + ("; PagedAdamW pages no state under 1e5 values (every adapter's); below: bitsandbytes' "
-                          "0.41 MatMul4Bit kept each frozen 4-bit Linear's input (ctx.tensors = (A, B))"
+    remark = LG_REMARK + ("; PagedAdamW pages no state under 1e5 values (every adapter's); bitsandbytes 0.41 "
+                          "(the release of the time; MatMul4Bit keeps each 4-bit Linear's input)"
                           if quant != "None" else "")
     return Row(Source.LITGPT, LG, f"{model} LoRA, {quant}, micro-batch {batch}, {where}", args, gb, GB,
                Metric.ALLOCATED, remark=remark)
@@ -244,6 +247,7 @@ LITGPT = [
 # 00af8b0d) never ties the head to the embedding: a tied Hub checkpoint (Llama 3.2, Gemma) is trained with its head
 # copied, so those rows use the "-untied" configs.
 LGH = "Lightning-AI/litgpt config_hub/finetune/README.md@00af8b0d (A10G)"
+LGH_BNB = "0.42.0"  # pyproject.toml@00af8b0d (and at every commit of the table since Apr 2024): bitsandbytes==0.42.0
 LLAMA_TARGETS = {"query": "q", "key": "k", "value": "v", "projection": "o", "mlp": "gate,up,down", "head": "lm_head"}
 PHI_TARGETS = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "projection": "dense", "mlp": "fc1,fc2",
                "head": "lm_head"}
@@ -260,8 +264,8 @@ HUB_MODELS = {  # config name: (trainmem model, LoRA target names)
     "phi-3": ("phi-3-mini-4k", LLAMA_TARGETS), "stablelm-base-alpha-3b": (STABLELM, LLAMA_TARGETS),
     "tiny-llama": (str(CONFIGS / "TinyLlama-1.1B.json"), LLAMA_TARGETS),
 }
-QLORA_REMARK = ("below, as every QLoRA row of bitsandbytes before its MatMul4Bit stopped saving the input: the "
-                "bitsandbytes of the time kept each frozen 4-bit Linear's input for backward (ctx.tensors = (A, B))")
+QLORA_REMARK = ("bitsandbytes 0.42.0 (litgpt's pin): its MatMul4Bit keeps each frozen 4-bit Linear's input for "
+                "backward (ctx.tensors = (A, B))")
 FABRIC_FSDP_REMARK = ("Fabric's FSDP1 (flat parameters; the embedding and head in the root unit) asked for as FSDP2; "
                       "not modelled: the full state-dict checkpoint of model and optimizer that state_dict_type='full' "
                       "gathers every save_interval steps")
@@ -277,7 +281,7 @@ def _hub(config: str, gb: float, batch: int, rank: int = 0, alpha: int = 16, dro
     if rank:
         targets = ",".join(names[s] for s in switches.split(","))
         args += (f" --lora {rank} --lora-alpha {alpha} --lora-dropout {dropout} --lora-targets {targets}"
-                 " --adapter-dtype bf16" + (" --base-quant nf4" if quant else ""))
+                 " --adapter-dtype bf16" + (f" --base-quant nf4 --bnb-version {LGH_BNB}" if quant else ""))
     if gpus > 1:
         args += f" --gpus {gpus} --fsdp full --checkpointing full"
     kind = "full" if not rank else "qlora" if quant else "lora"
@@ -454,7 +458,10 @@ def _fq(model: str, name: str, qlora: bool, batch: int, seq: int, gib: float, of
         remark += ("; reserved: the two runs published with both counters hold 12-24% over their allocated peak, "
                    "more than the flat fraction trainmem's reserved adds")
     if qlora:
-        remark += "; MatMul4Bit then kept each 4-bit Linear's input (ctx.tensors = (A, B), as in its 2023 code)"
+        remark += ("; bitsandbytes >= 0.43.0 (README) of Feb-Mar 2024, whose MatMul4Bit kept each 4-bit Linear's "
+                   "input: under the benchmarks' --reentrant_checkpointing True only in a layer's recompute (not "
+                   "modelled: trainmem's checkpointing is non-reentrant, where those inputs would stay through the "
+                   "forward)")
     if offload:
         remark += "; FSDP1's CPUOffload(offload_params=True), not FSDP2's CPUOffloadPolicy"
     return Row(Source.FSDP_QLORA, FQ, setup, _a(args), gib, GIB, metric, remark=remark)

@@ -131,7 +131,8 @@ SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attenti
 LAYOUT_FLAGS = ("tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep", "pp_layers")
 """Model-parallel flags (modelparallel.py), passed to the request as they are."""
 _FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "zero", "fsdp", "offload",
-               "gpus_per_node", "tp", "pp", "cp", "ep", "pp-schedule", "virtual-stages", "micro-batches", "sp")
+               "gpus_per_node", "tp", "pp", "cp", "ep", "pp-schedule", "virtual-stages", "micro-batches", "sp",
+               "bnb-version")
 """Request fields whose messages name a flag: the CLI prints them as --flag."""
 
 
@@ -155,6 +156,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
                            cuda_overhead=options["cuda_overhead"], hub=options["hub"], need_config=need_config,
                            gpus=gpus, gpus_per_node=options["gpus_per_node"], zero=zero, fsdp=options["fsdp"],
                            offload=options["offload"], ddp_bucket_view=options["ddp_bucket_view"],
+                           fsdp_embedding_groups=options.get("fsdp_embedding_groups", False),
                            ds_config=options["ds_config"], accelerate_config=options["accelerate_config"],
                            torchtitan_config=options["torchtitan_config"], lora=options["lora"],
                            lora_alpha=options["lora_alpha"],
@@ -162,7 +164,7 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
                            dora=options["dora"], train_modules=options["train_modules"],
                            adapter_dtype=options["adapter_dtype"],
                            base_quant=options["base_quant"], double_quant=options["double_quant"],
-                           qlora=options["qlora"], batch=batch, seq=seq,
+                           qlora=options["qlora"], bnb_version=options.get("bnb_version"), batch=batch, seq=seq,
                            **{k: options[k] for k in SETTING_FLAGS}, **{k: options[k] for k in LAYOUT_FLAGS})
     except ConfigError as exc:
         message = str(exc)
@@ -194,7 +196,7 @@ def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
 
 
 MEASURE_IGNORES = ("gpu", "headroom", "fragmentation", "cuda_overhead", "gpus_per_node",
-                   "ddp_bucket_view")
+                   "ddp_bucket_view", "fsdp_embedding_groups")
 """Workload flags that change only the estimate's device-side figures or a multi-GPU layout: measure, which runs
 one process and compares allocated bytes, refuses them in one line rather than ignore them."""
 
@@ -265,6 +267,9 @@ def _workload_options(f):
                      help="none | optimizer | optimizer+params (to host memory; ZeRO or FSDP2)."),
         click.option("--ddp-bucket-view", is_flag=True,
                      help="DDP with gradient_as_bucket_view=True (no second copy of the gradients)."),
+        click.option("--fsdp-embedding-groups", is_flag=True,
+                     help="FSDP2: the token embedding and the LM head are groups of their own, resharded after "
+                          "forward (torchtune's custom_sharded_layers), not in the gathered root."),
         click.option("--ds-config", type=click.Path(dir_okay=False),
                      help="A DeepSpeed config: its stage, buckets, offload, bf16/fp16 mode, micro-batch and "
                           "accumulation apply where the flags are at their defaults."),
@@ -306,6 +311,8 @@ def _workload_options(f):
         click.option("--base-quant", default=None, help="Quantize the frozen base: nf4 | fp4 | int8 (bitsandbytes)."),
         click.option("--double-quant", is_flag=True, help="4-bit base with double quantization of the constants."),
         click.option("--qlora", is_flag=True, help="QLoRA's base: --base-quant nf4 --double-quant."),
+        click.option("--bnb-version", default=None, help="The run's bitsandbytes release (e.g. 0.42.0; default: "
+                     "0.50.2's rules): before 0.43.2 each 4-bit Linear keeps its input for backward."),
         click.option("--json", "as_json", is_flag=True, help="Print the versioned JSON document (bytes as integers)."),
     ]
     for option in reversed(options):

@@ -198,6 +198,9 @@ def _fsdp_layout(t, groups: tuple[HeldGroup, ...], parallel: Parallel) -> RankLa
     """FSDP2 with every parameter sharded in its own dtype (no MixedPrecisionPolicy cast: torchtune's LoRA recipes
     and peft's fp32 adapters over a bf16 base), the frozen base gathered layer by layer as in full fine-tuning
     (sharding._fsdp_layout's buffers) and only the adapters reduce-scattered."""
+    if parallel.fsdp_embedding_groups:
+        raise ConfigError("--fsdp-embedding-groups with LoRA is not modelled yet: it is modelled for full "
+                          "fine-tuning (give it without --lora, or leave it out)")
     world = parallel.shard_size
     shard = {k: sum(g.repeat * x.fsdp_shard(world) * x.itemsize for g in groups for x in g.tensors if x.trains == k)
              for k in (False, True)}

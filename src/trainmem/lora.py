@@ -272,6 +272,10 @@ def adapter_bytes_per_value(options: LoraOptions, base_weight_bytes: int) -> int
     return {"fp32": 4, "bf16": 2, "fp16": 2}[options.adapter_dtype]
 
 
+BNB_KEEPS_NO_INPUT_FROM = (0, 43, 2)
+"""The first bitsandbytes release whose MatMul4Bit keeps no input (FineTune.keeps_4bit_inputs)."""
+
+
 @dataclass(frozen=True)
 class FineTune:
     """LoRA on a frozen base, the base optionally quantized (QLoRA: nf4 with double quantization)."""
@@ -279,6 +283,9 @@ class FineTune:
     lora: LoraOptions
     base_quant: str | None = None
     double_quant: bool = False
+    bnb_version: tuple[int, ...] | None = None
+    """The bitsandbytes release the run uses (None: the installed one's rules, 0.50.2); it decides what a 4-bit
+    Linear keeps for backward (keeps_4bit_inputs)."""
 
     def __post_init__(self) -> None:
         from .quantization import QUANT_TYPES
@@ -287,6 +294,17 @@ class FineTune:
             raise ConfigError(f"unknown base quantization {self.base_quant!r}; accepted: {', '.join(QUANT_TYPES)}")
         if self.double_quant and self.base_quant not in ("nf4", "fp4"):
             raise ConfigError("--double-quant applies to a 4-bit base: give --base-quant nf4 or fp4")
+        if self.bnb_version is not None and self.base_quant not in ("nf4", "fp4"):
+            raise ConfigError("--bnb-version applies to a 4-bit base: give --qlora or --base-quant nf4 or fp4")
+
+    @property
+    def keeps_4bit_inputs(self) -> bool:
+        """Whether each 4-bit Linear keeps its input for backward: bitsandbytes' ``MatMul4Bit.forward`` set
+        ``ctx.tensors = (A, B)`` whenever an input needs a gradient until commit 9e753741 ("fix QLoRA mem bug: delete
+        useless buffered activation", #1270), first released in 0.43.2 (July 2024), which sets ``(None, B)``: its
+        backward needs only B for ``grad_A`` (bitsandbytes/autograd/_functions.py)."""
+        return self.base_quant in ("nf4", "fp4") and self.bnb_version is not None and \
+            self.bnb_version < BNB_KEEPS_NO_INPUT_FROM
 
     def buffers(self, spec: ModelSpec, p) -> tuple:
         """What happens at the moments inside a layer beyond its activations.
@@ -372,7 +390,9 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
     """Why the activations of this LoRA step are not modelled, or None when they are. Every family's layers, SDPA
     or eager attention, with or without the model's dropout and autocast, are (lora_activations applies the frozen
     base's rules to whatever terms the family's layer has; checked against the trace, tests/test_lora.py and
-    tests/test_lora_families.py). What is left is named here."""
+    tests/test_lora_families.py), an adapter on the LM head too: it keeps the head's input and its A output by
+    the same rules (the head_input site), and the frozen head's logits and loss are a frozen head's
+    (tests/test_published_effects.py). What is left is named here."""
     if settings.loss == "chunked":
         return "--loss chunked (Liger's fused loss is not modelled with LoRA)"
     if finetune is not None:
@@ -383,12 +403,13 @@ def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune |
         if finetune.lora.dora and finetune.lora.dropout > 0:
             return "DoRA with dropout (peft then reruns the base Linear on the dropped-out input with an fp32 copy " \
                    "of its weight, which is not modelled)"
+        if finetune.keeps_4bit_inputs and recipe.autocast:
+            return "bitsandbytes before 0.43.2 under autocast (the input copies its 4-bit Linears keep in the " \
+                   "compute dtype are not modelled)"
         chosen = adapted_names(spec, finetune.lora)
         if not chosen & {"q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
                          "kv_b_proj"}:
             return "targets without q, k or v (the first layer's attention then keeps nothing)"
-        if "lm_head" in chosen:
-            return "an adapter on the LM head"
     return None
 
 
@@ -470,8 +491,10 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
                 constant -= p.compute * sum(t.numel for t in layer_tensors(la.layer, spec.hidden_size,
                                                                             spec.norm_vectors)
                                             if t.role in rules.first_inputs(la.layer) and _linear_weight(t))
+            checkpoint_terms = la.checkpoint_terms + (rules.held_4bit_inputs(la, first) if la.checkpointed else ())
             layers.append(replace(la, count=count, terms=terms, constant_bytes=constant,
-                                  attention_bytes_per_token=la.attention_bytes_per_token + delta))
+                                  attention_bytes_per_token=la.attention_bytes_per_token + delta,
+                                  checkpoint_terms=checkpoint_terms))
     head, _ = rules.adapted_terms(acts.head_terms, None)
     embedding, _ = rules.adapted_terms(acts.embedding_terms, None)
     if inputs_take_gradient and not embedding_trained and spec.traits.decoder_locals in ("token_and_position", "opt"):
@@ -517,6 +540,7 @@ class _Rules:
         self.in_features = {t.name.removesuffix(".weight"): t.shape[1] for _, t in weights}
         self.head_trained = "head" in options.trained_roles
         self.embedding_trained = "embedding" in options.trained_roles
+        self.keeps_4bit_inputs = finetune.keeps_4bit_inputs
 
     def mlp_frozen(self, layer) -> bool:
         return not any(c in self.chosen for c in SITE_CONSUMERS["mlp_input"] + SITE_CONSUMERS["down_input"])
@@ -526,6 +550,22 @@ class _Rules:
         if not layer.parallel_residual:
             return ("attention_input",)
         return ("attention_input", "mlp") + (("mlp_down",) if self.mlp_frozen(layer) else ())
+
+    def held_4bit_inputs(self, la, first: bool) -> tuple:
+        """Under non-reentrant checkpointing, what bitsandbytes before 0.43.2 keeps of a checkpointed layer through
+        the forward: its MatMul4Bit nodes hold ``ctx.tensors = (A, B)`` as a plain attribute, which the checkpoint's
+        saved-tensor hooks never see, so every 4-bit Linear's input that needs a gradient stays with the graph
+        until that layer's backward (the "bug in bitsandbytes which results in high memory usage" fsdp_qlora's
+        README avoids with reentrant checkpointing). One tensor per site; none without keeps_4bit_inputs."""
+        from dataclasses import replace
+
+        if not self.keeps_4bit_inputs:
+            return ()
+        no_gradient = ("input_norm", "qkv_input") + (_PARALLEL_MLP_SITES if la.layer.parallel_residual else ()) \
+            if first else ()
+        sites = {_term_site(t): t for t in la.terms if _term_site(t) and _term_site(t) not in _EXPERT_SITES}
+        return tuple(replace(t, name=f"{t.name} (held by a 4-bit Linear's autograd node)", kind="", input_of="")
+                     for site, t in sites.items() if site not in no_gradient)
 
     def layer_terms(self, la, first: bool):
         """A layer's terms under LoRA (``first``: the first layer, whose input takes no gradient)."""
@@ -564,6 +604,11 @@ class _Rules:
                         any(c in self.wrapped for c in consumers) or (site in _EXPERT_SITES and self.p.experts == 4):
                     # kept by another op whatever the Linear does, by the trained LM head, or by a Linear whose
                     # weight takes a gradient (parameter_wrapped)
+                    new.append(t)
+                elif self.keeps_4bit_inputs and layer is not None and site not in no_gradient and \
+                        site not in _EXPERT_SITES:
+                    # a 4-bit Linear of bitsandbytes before 0.43.2 keeps its input whenever it needs a gradient
+                    # (MatMul4Bit: ctx.tensors = (A, B); FineTune.keeps_4bit_inputs); the LM head is not quantized
                     new.append(t)
                 elif t.input_share < 1:  # the rest of the term is kept by another op
                     new.append(replace(t, bytes_per_token=t.bytes_per_token * (1 - t.input_share)))

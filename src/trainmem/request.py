@@ -83,11 +83,13 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
                  headroom: float = DEFAULT_HEADROOM, fragmentation: float | None = None, alloc_conf: str | None = None,
                  cuda_overhead: float = DEFAULT_CUDA_OVERHEAD_MIB, hub: bool = False, need_config: str = "",
                  gpus: int = 1, gpus_per_node: int = 0, zero: int | None = None, fsdp: str | None = None,
-                 offload: str = "none", ddp_bucket_view: bool = False, ds_config: str | os.PathLike | None = None,
+                 offload: str = "none", ddp_bucket_view: bool = False, fsdp_embedding_groups: bool = False,
+                 ds_config: str | os.PathLike | None = None,
                  lora: int | None = None, lora_alpha: float | None = None, lora_targets: Any = ("q", "v"),
                  lora_dropout: float = 0.0, dora: bool = False, train_modules: Any = (),
                  adapter_dtype: str = "auto", base_quant: str | None = None, double_quant: bool = False,
-                 qlora: bool = False, tp: int = 1, sp: bool = False, pp: int = 1, pp_schedule: str = "1f1b",
+                 qlora: bool = False, bnb_version: str | None = None, tp: int = 1, sp: bool = False, pp: int = 1,
+                 pp_schedule: str = "1f1b",
                  virtual_stages: int = 1, micro_batches: int = 0, cp: int = 1, ep: int = 1, pp_layers: Any = None,
                  accelerate_config: str | os.PathLike | None = None,
                  torchtitan_config: str | os.PathLike | None = None, **settings: Any) -> Request:
@@ -95,11 +97,12 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     ModelSpec; ``params`` a nominal size instead (``7e9``, ``"7B"``). ``cuda_overhead`` is in MiB. ``hub`` allows
     fetching a config from the Hugging Face Hub (never otherwise: a Hub id must be in the local cache).
     ``need_config`` names a command that cannot run on ``params`` alone. ``gpus``, ``gpus_per_node``, ``zero``,
-    ``fsdp``, ``offload``, ``ddp_bucket_view`` lay the run out on several GPUs (sharding.Parallel); ``ds_config`` is a
+    ``fsdp``, ``offload``, ``ddp_bucket_view``, ``fsdp_embedding_groups`` lay the run out on several GPUs (sharding.Parallel); ``ds_config`` is a
     DeepSpeed config whose zero_optimization keys (stage, buckets, offload) apply where the keywords say nothing.
     ``lora`` (the rank), ``lora_alpha``, ``lora_targets`` (a list or "q,v"), ``dora``, ``train_modules`` (peft's
     modules_to_save: lm_head, embed_tokens), ``adapter_dtype``, ``base_quant``, ``double_quant`` and ``qlora`` (nf4
-    with double quantization) train adapters on a frozen base (lora.py). ``tp``, ``sp``, ``pp``, ``pp_schedule``,
+    with double quantization) train adapters on a frozen base (lora.py); ``bnb_version`` ("0.42.0") is the
+    bitsandbytes release of a 4-bit base (before 0.43.2 its Linears keep their inputs). ``tp``, ``sp``, ``pp``, ``pp_schedule``,
     ``virtual_stages``, ``micro_batches``, ``cp`` and ``ep`` split the model across the GPUs (modelparallel.py);
     ``pp_layers`` ("15,16,...", a list, or "torchtitan") splits the layers unevenly over the stages.
     ``gpu_memory`` (``"48GiB"``, ``"80GB"``, ``"49140MiB"`` or an int of bytes) is the GPU's memory: ``gpu``'s card
@@ -138,13 +141,13 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
         nbytes, label = parse_sized(gpu_memory, "gpu-memory")
         target = custom_gpu(nbytes, target, label)
     parallel = Parallel(gpus=gpus, gpus_per_node=gpus_per_node, zero=zero, fsdp=fsdp, offload=offload,
-                        ddp_bucket_view=ddp_bucket_view, tp=tp, sp=sp, pp=pp, pp_schedule=pp_schedule,
+                        ddp_bucket_view=ddp_bucket_view, fsdp_embedding_groups=fsdp_embedding_groups, tp=tp, sp=sp, pp=pp, pp_schedule=pp_schedule,
                         virtual_stages=virtual_stages, micro_batches=micro_batches, cp=cp, ep=ep)
     if parallel.pp > 1 and training.grad_accum > 1 and training.grad_accum != parallel.in_flight_micro_batches:
         raise ConfigError(f"with --pp the pipeline's --micro-batches ({parallel.in_flight_micro_batches}) are the "
                           f"gradient accumulation: --grad-accum {training.grad_accum} disagrees; give one")
     finetune = _finetune(lora, lora_alpha, lora_targets, adapter_dtype, base_quant, double_quant, qlora,
-                         lora_dropout, dora, train_modules)
+                         lora_dropout, dora, train_modules, bnb_version)
     config = None
     if params is not None:
         spec = nominal_spec(parse_params(params))
@@ -182,16 +185,16 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
 
 
 def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlora,
-              dropout=0.0, dora=False, train_modules=()) -> FineTune | None:
+              dropout=0.0, dora=False, train_modules=(), bnb_version=None) -> FineTune | None:
     if qlora:
         if base_quant not in (None, "nf4") or double_quant is False and base_quant is not None:
             raise ConfigError("--qlora is nf4 with double quantization; give it alone or --base-quant instead")
         base_quant, double_quant = "nf4", True
     if rank is None:
         if base_quant or double_quant or adapter_dtype != "auto" or alpha is not None or dropout or dora or \
-                train_modules:
-            raise ConfigError("--base-quant, --qlora, --double-quant, --lora-alpha, --lora-dropout, --dora, "
-                              "--train-modules and --adapter-dtype need --lora RANK")
+                train_modules or bnb_version is not None:
+            raise ConfigError("--base-quant, --qlora, --double-quant, --bnb-version, --lora-alpha, --lora-dropout, "
+                              "--dora, --train-modules and --adapter-dtype need --lora RANK")
         return None
     targets = _names(targets, "lora targets", "q,v or all-linear")
     train_modules = _names(train_modules or (), "train modules", "lm_head,embed_tokens")
@@ -200,7 +203,17 @@ def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlo
     from .lora import FineTune, LoraOptions
 
     return FineTune(LoraOptions(rank, alpha, targets, adapter_dtype, dropout, dora, train_modules), base_quant,
-                    double_quant)
+                    double_quant, _release(bnb_version))
+
+
+def _release(text) -> tuple[int, ...] | None:
+    """A release number ("0.42.0", "0.43") as a tuple of ints."""
+    if text is None:
+        return None
+    parts = str(text).strip().split(".")
+    if not 2 <= len(parts) <= 3 or not all(part.isdigit() for part in parts):
+        raise ConfigError(f"bnb-version must be a bitsandbytes release like 0.42.0, got {text!r}")
+    return tuple(int(part) for part in parts)
 
 
 def _names(value, what: str, example: str) -> tuple[str, ...]:

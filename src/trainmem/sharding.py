@@ -155,6 +155,11 @@ class Parallel:
     offload: str = "none"
     ddp_bucket_view: bool = False
     """DDP's ``gradient_as_bucket_view=True``: the gradients live in the buckets, not beside them."""
+    fsdp_embedding_groups: bool = False
+    """FSDP2: the token embedding and the LM head are ``fully_shard`` groups of their own, resharded after forward
+    (torchtune's ``custom_sharded_layers: ['tok_embeddings', 'output']``), not part of the root group that stays
+    gathered through the step. (torchtitan's apply_fsdp wraps them apart too, but by default does not reshard its
+    [norm, output] group after forward: not this layout.)"""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     # Model parallelism (modelparallel.py): gpus = data parallel x tp x pp x cp; ep is carved out of dp x cp.
     tp: int = 1
@@ -196,6 +201,9 @@ class Parallel:
             raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.fsdp is not None and self.fsdp not in FSDP_MODES:
             raise ConfigError(f"unknown fsdp {self.fsdp!r}; accepted: {', '.join(FSDP_MODES)}")
+        if self.fsdp_embedding_groups and self.fsdp not in ("full", "hybrid"):
+            raise ConfigError("--fsdp-embedding-groups shards the embedding and the LM head as FSDP2 groups resharded "
+                              "after forward: give --fsdp full or hybrid")
         if self.offload not in OFFLOADS:
             raise ConfigError(f"unknown offload {self.offload!r}; accepted: {', '.join(OFFLOADS)}")
         if self.data_parallel * self.cp == 1 and (self.zero or self.fsdp not in (None, "no-shard")):
@@ -364,6 +372,11 @@ class RankLayout:
     head_gradient_sharded: bool = True
     """Whether the LM head's gradient is reduced to the rank's shard as soon as backward has made it (ZeRO's
     buckets), or stays whole until the end of backward (FSDP2's root group reduces last)."""
+    head_reduce_scatter_bytes: int = 0
+    """FSDP2 with the LM head a group of its own (Parallel.fsdp_embedding_groups): its post-backward
+    reduce-scatter's input (W padded shards in reduce_dtype) and output (one shard), beside the head's unsharded
+    gradient, once the head is resharded (_fsdp_param_group.py ``post_backward``, _fsdp_collectives.py
+    ``foreach_reduce``)."""
     gradients_offloaded: bool = False
     """Whether each finished gradient shard leaves the GPU as soon as its group is reduced (FSDP2's
     CPUOffloadPolicy: ``foreach_reduce`` copies the reduce-scatter output to pinned host memory), so backward keeps
@@ -524,7 +537,9 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
     if world > 1:
         layer = _largest_layer(spec)
         root = unsharded[-1]
-        if parallel.fsdp == "grad-op":
+        if parallel.fsdp_embedding_groups:
+            buffers += _end_group_buffers(spec, param_dtype, reduce_dtype, layer, root)
+        elif parallel.fsdp == "grad-op":
             buffers.append(Buffer("gathered parameters (kept from forward to backward)", param_dtype * n, "parameters",
                                   _STEP, "reshard_after_forward=False on every group"))
         else:
@@ -534,10 +549,11 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
                                   ("forward:layer", "backward:layer")))
             buffers.append(Buffer("the next layer's gathered parameters (backward prefetch)", param_dtype * layer,
                                   "parameters", ("backward:layer",)))
-        buffers.append(Buffer("a layer's all-gather buffer", param_dtype * layer, "temporaries",
-                              ("forward", "backward:head"),
-                              "the last gathered group's flat buffer, whose free waits for the next group's"))
-        if parallel.fsdp != "grad-op":
+        if not parallel.fsdp_embedding_groups:
+            buffers.append(Buffer("a layer's all-gather buffer", param_dtype * layer, "temporaries",
+                                  ("forward", "backward:head"),
+                                  "the last gathered group's flat buffer, whose free waits for the next group's"))
+        if parallel.fsdp != "grad-op" and not parallel.fsdp_embedding_groups:
             buffers.append(Buffer("the root's all-gather buffer", param_dtype * root, "temporaries",
                                   ("forward:start",), "alive until the first layer's gather has been copied out"))
             buffers.append(Buffer("the first layer's gathered parameters", param_dtype * layer, "parameters",
@@ -548,6 +564,12 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
         if parallel.fsdp == "hybrid" and parallel.gpus > world:
             buffers.append(Buffer("all-reduce across nodes", reduce_dtype * -(-layer // world), "temporaries",
                                   ("backward",), "the replicated dimension's all-reduce of one group's shard"))
+    head_reduce = 0
+    if world > 1 and parallel.fsdp_embedding_groups:
+        head = [t for g in spec.param_groups if not g.is_layer for t in g.tensors
+                if t.role == "head" and len(t.shape) == 2]
+        padded = sum(world * fsdp_shard_numel(t, world, 1) for t in head)
+        head_reduce = reduce_dtype * (padded + padded // world)
     host = pinned = 0
     weights, grads = orig * shard, orig * shard
     offloaded = parallel.offload == "optimizer+params"
@@ -566,6 +588,43 @@ def _fsdp_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_f
         notes += ("not validated: FSDP2's CPUOffloadPolicy is modelled from its source (gradient shards copied to "
                   "the host as each group is reduced); the trace does not run offload",)
     return RankLayout(weights, grads, 0, states, shard, world, tuple(buffers), False, host, pinned, notes,
-                      gradient_shard_bytes=orig, head_gradient_sharded=False, gradients_offloaded=offloaded)
+                      gradient_shard_bytes=orig, head_gradient_sharded=parallel.fsdp_embedding_groups,
+                      gradients_offloaded=offloaded, head_reduce_scatter_bytes=head_reduce)
+
+
+def _end_group_buffers(spec: ModelSpec, param_dtype: int, reduce_dtype: int, layer: int, root: int) -> list[Buffer]:
+    """FSDP2 with the token embedding and the LM head as groups of their own (Parallel.fsdp_embedding_groups;
+    torchtune's shard_model over custom_sharded_layers), each resharded after its forward
+    (_fsdp_param_group.py ``post_forward``): the root keeps the rest (the final norm) gathered; the embedding's
+    all-gather buffer is alive while the first layer is gathered; the head, gathered last in forward, leaves its
+    flat buffer alive through the loss until backward gathers it again for its own backward (pre_backward, once the
+    logits' gradient exists, which prefetches the last layer), where its gradient is reduce-scattered at once (no longer last, with the root); the
+    embedding is gathered again for its backward at the end. Traced (FSDPMemTracker, fake process group)."""
+    embedding = sum(g.repeat * t.numel for g in spec.param_groups if not g.is_layer for t in g.tensors
+                    if t.role == "embedding")
+    head = sum(g.repeat * t.numel for g in spec.param_groups if not g.is_layer for t in g.tensors
+               if t.role == "head" and len(t.shape) == 2)
+    rest = root - embedding - head
+    return [
+        Buffer("gathered root parameters (final norm)", param_dtype * rest, "parameters", _STEP,
+               "the root group is not resharded after forward"),
+        Buffer("the running layer's gathered parameters", param_dtype * layer, "parameters",
+               ("forward:layer", "backward:layer")),
+        Buffer("the next layer's gathered parameters (backward prefetch)", param_dtype * layer, "parameters",
+               ("backward:layer",)),
+        Buffer("a layer's all-gather buffer", param_dtype * layer, "temporaries", ("forward:start", "forward:layer"),
+               "the last gathered group's flat buffer, whose free waits for the next group's"),
+        Buffer("the embedding's all-gather buffer", param_dtype * embedding, "temporaries", ("forward:start",),
+               "alive until the first layer's gather has been copied out"),
+        Buffer("the first layer's gathered parameters", param_dtype * layer, "parameters", ("forward:start",)),
+        Buffer("the LM head's all-gather buffer", param_dtype * head, "temporaries", ("forward:head", "backward:loss"),
+               "the last group gathered in forward; freed when backward gathers the head again"),
+        Buffer("the LM head's gathered parameters (its backward)", param_dtype * head, "parameters",
+               ("backward:lmhead",)),
+        Buffer("the last layer's gathered parameters (prefetched by the head's backward)", param_dtype * layer,
+               "parameters", ("backward:prefetch",)),
+        Buffer("the embedding's gathered parameters (its backward)", param_dtype * embedding, "parameters",
+               ("backward:end",)),
+    ]
 
 

@@ -506,8 +506,13 @@ def _fsdp_model(config: dict[str, Any], settings: TrainingSettings, parallel, me
         enable_checkpointing(model)
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, half), reduce_dtype=torch.float32) if half \
         else MixedPrecisionPolicy()
-    for layer in causal_lm(model).model.layers:
+    lm = causal_lm(model)
+    if parallel.fsdp_embedding_groups:  # torchtune's shard_model: modules in reverse order, the head first
+        fully_shard(lm.get_output_embeddings(), mesh=mesh, mp_policy=policy)
+    for layer in reversed(lm.model.layers) if parallel.fsdp_embedding_groups else lm.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=parallel.fsdp == "full")
+    if parallel.fsdp_embedding_groups:
+        fully_shard(lm.get_input_embeddings(), mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer_class = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
     fused = settings.fused_optimizer
