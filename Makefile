@@ -9,13 +9,13 @@ install:            ## the core: estimate, models, recipes (no torch)
 
 # What `dev` installs, importable and this checkout's trainmem: then nothing is reinstalled.
 DEV_READY = import pathlib, sys, trainmem, torch, transformers, accelerate, matplotlib, huggingface_hub, pytest, \
-	hypothesis, jsonschema, peft, bitsandbytes, fastapi, uvicorn, fastapi_offline, httpx, playwright, deepspeed; sys.exit(not pathlib.Path(trainmem.__file__).resolve().is_relative_to(pathlib.Path("src").resolve()))
+	hypothesis, jsonschema, peft, bitsandbytes, fastapi, uvicorn, fastapi_offline, httpx, playwright, deepspeed, xdist; sys.exit(not pathlib.Path(trainmem.__file__).resolve().is_relative_to(pathlib.Path("src").resolve()))
 
 dev:                ## everything the tests need; torch 2.13.0 first so no multi-GB CUDA build is pulled in
 	@$(PY) -c '$(DEV_READY)' 2>/dev/null || { $(PIP) torch==2.13.0 && $(PIP) -e '.[dev,hub]'; }
 
-test: dev browser   ## every test
-	$(PY) -m pytest -q
+test: dev browser   ## every test, one pytest worker per core (pytest-xdist; a file's tests stay on one worker, so its module fixtures are built once)
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 browser:            ## Debian's chromium for the web page's browser test (Playwright drives it; its own download does not work here)
 	@command -v chromium >/dev/null 2>&1 || apt-get install -y -q chromium >/dev/null 2>&1 || \
