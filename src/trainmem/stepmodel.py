@@ -224,8 +224,17 @@ class StepModel:
             form = self._forms[seq] = _compile_seq(self, seq) or _DIRECT
         return form if isinstance(form, tuple) else None
 
+    @property
+    def traced(self) -> bool:
+        """Whether the step's activations come from the traced path (recorded.py): a spec counted by transformers."""
+        return not self.spec.has_architecture and bool(self.spec.built_config)
+
     def phases(self, batch: int, seq: int) -> tuple[Phase, ...]:
         """Each phase at its peak moment."""
+        if self.traced:
+            from .tracedstep import rank_phases, single_phases
+
+            return rank_phases(*single_phases(self, batch, seq), self, self.settings_at(batch, seq))
         form = self.form(batch, seq)
         if form is not None:
             return tuple(f.phase(batch) for f in form)
@@ -271,7 +280,7 @@ class StepModel:
         from .replay import STEPS
 
         key = (batch, seq)
-        if self.rank is not None:
+        if self.rank is not None or self.traced:  # (a traced step has no timeline to replay: the flat factor)
             return None
         if key in self._replays:
             report = self._replays[key]
@@ -290,7 +299,7 @@ class StepModel:
         from .replay import replay_step
 
         key = (batch, seq)
-        if self.rank is not None:  # (replay_sharded: not yet validated)
+        if self.rank is not None or self.traced:  # (replay_sharded: not yet validated)
             return None
         if key not in self._replays:
             self._replays[key] = replay_step(self, batch, seq, self.device.alloc_config or DEFAULT_ALLOC,
@@ -303,7 +312,7 @@ class StepModel:
         from .replay import step_sequence
 
         key = (batch, seq)
-        if self.rank is not None:
+        if self.rank is not None or self.traced:
             return None
         if key not in self._sequences:
             self._sequences[key] = step_sequence(self, batch, seq)
@@ -314,8 +323,8 @@ class StepModel:
         allocated peak, over estimate.dynamic_bytes): the search's (DeviceOptions.reserved_ratio, one replay per
         plan search: plan.search_ratio), else this step's at micro-batch 1 and ``seq`` (so that a search and an
         estimate of the same layout, whatever batch each asks first, apply the same ratio)."""
-        if self.rank is not None:  # (a data-parallel rank keeps the flat factor, as its estimate does: replay)
-            return None
+        if self.rank is not None or self.traced:  # (a data-parallel rank keeps the flat factor, as its estimate
+            return None  # does: replay)
         if self.device.reserved_ratio is not None:
             return self.device.reserved_ratio
         if seq not in self._ratio:
@@ -339,7 +348,7 @@ class StepModel:
             return Estimate(spec, settings, self.static, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
                             warnings=warnings, finetune=self.finetune, paged_bytes=self.paged_bytes)
         if not spec.has_architecture and spec.built_config:
-            from .recorded import traced_estimate  # (imports torch only when it records)
+            from .tracedstep import traced_estimate  # (imports torch only when it records)
 
             return traced_estimate(self, batch, seq, warnings)
         if not spec.has_architecture:
