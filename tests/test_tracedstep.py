@@ -96,3 +96,24 @@ def test_a_rank_of_fsdp2_against_its_traced_step():
     assert trace_bw <= est_bw <= 1.12 * trace_bw
     one_gpu = estimate_model(spec, settings)
     assert estimated.phases[0].allocated_bytes < 0.6 * one_gpu.phases[0].allocated_bytes  # (the states sharded)
+
+
+def test_plan_on_the_traced_path_searches_data_parallelism_and_checkpointing():
+    """`plan` on the traced path: the micro-batch it answers, with full checkpointing recorded for the search, is
+    the traced step's within 1% in every phase (gradient accumulation, micro-batches on the affine line); tensor
+    parallelism and the others are said not searched, in one line."""
+    pytest.importorskip("transformers")
+    from trainmem.estimate import DeviceOptions
+    from trainmem.hardware import get_gpu
+    from trainmem.plan import search
+    from trainmem.trace import trace_step
+
+    spec, device = _spec(), DeviceOptions(headroom=1.0, fragmentation=0.0, cuda_overhead_bytes=0)
+    found = search(spec, get_gpu("A100-80GB"), 1, SEQ, global_batch=4, recipes=("mixed-bf16",),
+                   checkpointing=("full",), device=device, writable=False)  # (one GPU: no engine file)
+    best = found.plans[0]
+    assert best.layout.micro_batch == 4 and best.layout.checkpointing == "full"
+    traced = trace_step(MINISTRAL, _settings(4, checkpointing="full"), spec).phases
+    _within(best.step.phases(4, SEQ), traced, 0.01)
+    assert any("traced path" in line and "tensor" in line for line in found.skipped)
+    assert best.estimate.traced is not None
