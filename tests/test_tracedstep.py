@@ -47,7 +47,8 @@ def test_the_affine_batch_model_predicts_a_third_traced_batch():
 
 
 def test_max_batch_on_the_traced_path_is_the_boundary_of_the_traced_step():
-    """The largest batch the affine model says fits: traced there, it fits; traced one batch more, it does not."""
+    """The largest batch the affine model says fits: traced there, it fits; traced one batch more, it does not (a
+    card sized between batches 2 and 9)."""
     pytest.importorskip("transformers")
     from trainmem.estimate import DeviceOptions, peak_of_phases
     from trainmem.hardware import custom_gpu
@@ -57,9 +58,9 @@ def test_max_batch_on_the_traced_path_is_the_boundary_of_the_traced_step():
     from trainmem.tracedstep import single_phases
 
     spec, device = _spec(), DeviceOptions(headroom=1.0, fragmentation=0.0, cuda_overhead_bytes=0)
-    low = single_phases(compile_step(spec, _settings()), 2, SEQ)[0]  # (recorded: batch 2 is one of the samples)
-    gpu = custom_gpu((peak_of_phases(low, device).required_bytes
-                      + peak_of_phases(trace_step(MINISTRAL, _settings(9), spec).phases, device).required_bytes) // 2)
+    step = compile_step(spec, _settings())
+    low, high = (single_phases(step, b, SEQ)[0] for b in (2, 9))  # (a card between them; the check is traced)
+    gpu = custom_gpu((peak_of_phases(low, device).required_bytes + peak_of_phases(high, device).required_bytes) // 2)
     best = max_batch(spec, _settings(), gpu, device)
     assert 2 < best < 9
     assert peak_of_phases(trace_step(MINISTRAL, _settings(best), spec).phases, device).fits(gpu)
@@ -117,3 +118,24 @@ def test_plan_on_the_traced_path_searches_data_parallelism_and_checkpointing():
     _within(best.step.phases(4, SEQ), traced, 0.01)
     assert any("traced path" in line and "tensor" in line for line in found.skipped)
     assert best.estimate.traced is not None
+
+
+def test_the_cli_answers_max_batch_and_zero_ranks_on_the_traced_path(run_cli, tmp_path):
+    """`estimate --max-batch` and `--gpus N --zero 3` on a traced-path config: a peak, said to be traced (the
+    records at batches 1 to 3 are the earlier tests', from the session's cache)."""
+    pytest.importorskip("transformers")
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MINISTRAL))
+    code, out, err = run_cli("estimate", str(path), "--seq", str(SEQ), "--gpu-memory", "3MiB", "--cuda-overhead", "0",
+                             "--headroom", "1", "--fragmentation", "0", "--max-batch", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["activation_source"] == "traced" and doc["max_batch"] >= 1
+    assert doc["settings"]["batch"] == doc["max_batch"] and doc["peak"]["required_bytes"] <= 3 * 2**20
+    code, out, err = run_cli("estimate", str(path), "--seq", str(SEQ), "--batch", "2", "--gpus", "4", "--zero", "3",
+                             "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["peak"]["allocated_bytes"] > 0 and any("data parallel on the traced path" in n for n in doc["notes"])

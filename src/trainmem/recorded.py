@@ -19,8 +19,9 @@ allocation counted by MemTracker) on reduced copies of the config, and extrapola
   the optimizer step) moves by one period's bytes (checked against full traces: tests/test_recorded.py and
   benchmarks/every_model_type.py). Where ``n1 + p >= L`` the real count is traced directly.
 - **The cache.** The recorded phases are kept on disk (``$TRAINMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/trainmem``,
-  else ``~/.cache/trainmem``) under a hash of the config, every training setting (batch and sequence included: the
-  trace is not provably linear in them, so they are keyed, not extrapolated) and the torch, transformers and
+  else ``~/.cache/trainmem``) under a hash of the config, every training setting (batch and sequence included: an
+  estimate records its own batch; a search answers other batches on the line through two recorded ones,
+  tracedstep.py) and the torch, transformers and
   trainmem versions; the parameter tensors the spec counts (meta_count.spec_by_building) are kept the same way.
   A second estimate of the same set-up imports neither torch nor transformers.
 
