@@ -139,3 +139,14 @@ def test_the_cli_answers_max_batch_and_zero_ranks_on_the_traced_path(run_cli, tm
     assert code == 0, err
     doc = json.loads(out)
     assert doc["peak"]["allocated_bytes"] > 0 and any("data parallel on the traced path" in n for n in doc["notes"])
+
+
+def test_model_parallelism_on_the_traced_path_is_one_line_naming_why(run_cli, tmp_path):
+    pytest.importorskip("transformers")
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MINISTRAL))
+    code, _, err = run_cli("estimate", str(path), "--seq", str(SEQ), "--gpus", "2", "--tp", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "not available on the traced path" in err and "--params" not in err
