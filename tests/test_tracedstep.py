@@ -150,3 +150,34 @@ def test_model_parallelism_on_the_traced_path_is_one_line_naming_why(run_cli, tm
     code, _, err = run_cli("estimate", str(path), "--seq", str(SEQ), "--gpus", "2", "--tp", "2")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "not available on the traced path" in err and "--params" not in err
+
+
+MINISTRAL4 = {**MINISTRAL, "num_hidden_layers": 4}
+"""Four layers: the LoRA step is recorded at 1 and 2 and extrapolated."""
+
+
+@pytest.mark.parametrize("targets", [("q", "v"), ("all-linear",)])
+def test_lora_on_the_traced_path_counts_peft_adapters_and_equals_a_full_trace(targets):
+    """peft's LoRA step recorded at 1 and 2 of 4 layers and extrapolated, against the full 4-layer trace: every
+    phase within 1% (q,v; all-linear's adapter count only, against peft's own model); the adapter count and the
+    gradients are peft's."""
+    pytest.importorskip("peft")
+    from trainmem.lora import FineTune, LoraOptions, adapter_parameters
+    from trainmem.meta_count import spec_by_building
+    from trainmem.probe import build_lora_model
+    from trainmem.recipes import get_recipe
+    from trainmem.stepmodel import estimate_model
+    from trainmem.trace import trace_step
+
+    spec, settings = spec_by_building(MINISTRAL4, "ministral", "test"), _settings(2)
+    finetune = FineTune(LoraOptions(8, targets=targets))
+    model = build_lora_model(MINISTRAL4, get_recipe("mixed-bf16"), "sdpa", None, finetune, spec)
+    assert adapter_parameters(spec, finetune.lora) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if targets != ("q", "v"):
+        return
+    estimated = estimate_model(spec, settings, finetune=finetune)
+    assert estimated.traced is not None and estimated.traced.plan.counts == (1, 2)
+    traced = trace_step(MINISTRAL4, settings, spec, finetune=finetune).phases
+    _within(estimated.phases, traced, 0.01)
+    grads = next(c.bytes for c in estimated.static if c.name == "gradients")
+    assert grads == traced[3].gradients  # (the adapters' alone, at the step)

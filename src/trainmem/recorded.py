@@ -211,14 +211,16 @@ def extrapolate(first: tuple[Phase, ...], second: tuple[Phase, ...], periods: in
     return tuple(out)
 
 
-def record(config: dict[str, Any], settings, spec=None, progress: bool = True) -> tuple[tuple[Phase, ...], LayerPlan]:
-    """Trace ``config``'s step at the plan's layer counts and extrapolate to its real count."""
-    phases, plan, _ = record_places(config, settings, spec, progress)
+def record(config: dict[str, Any], settings, spec=None, progress: bool = True,
+           finetune=None) -> tuple[tuple[Phase, ...], LayerPlan]:
+    """Trace ``config``'s step (peft's LoRA step with ``finetune``) at the plan's layer counts and extrapolate to its
+    real count."""
+    phases, plan, _ = record_places(config, settings, spec, progress, finetune)
     return phases, plan
 
 
-def record_places(config: dict[str, Any], settings, spec=None,
-                  progress: bool = True) -> tuple[tuple[Phase, ...], LayerPlan, tuple[tuple[str, Phase], ...]]:
+def record_places(config: dict[str, Any], settings, spec=None, progress: bool = True,
+                  finetune=None) -> tuple[tuple[Phase, ...], LayerPlan, tuple[tuple[str, Phase], ...]]:
     """:func:`record`, and forward's and backward's largest moment in each place (``_places``)."""
     from .progress import Progress
     from .settings import SELECTIVE_EVERY
@@ -230,7 +232,7 @@ def record_places(config: dict[str, Any], settings, spec=None,
                   force=None if progress else False) as bar:
         for count in plan.counts:
             result = trace_step(reduced_config(config, full, key, plan.layers, count), settings, spec,
-                                module_peaks=True)
+                                finetune=finetune, module_peaks=True)
             traced.append(result.phases)
             peaks.append(result.module_peaks)
             bar.advance()
@@ -331,9 +333,13 @@ def _plan_doc(plan: LayerPlan) -> dict[str, Any]:
     return {"layers": plan.layers, "prefix": plan.prefix, "period": plan.period, "counts": list(plan.counts)}
 
 
-def recorded_phases(config: dict[str, Any], settings, spec=None, progress: bool = True) -> Recorded:
-    """The step's phases on the traced path, from the cache when this set-up was recorded before."""
-    path = cache_path("phases", {"config": canonical_config(config), "settings": asdict(settings)})
+def recorded_phases(config: dict[str, Any], settings, spec=None, progress: bool = True, finetune=None) -> Recorded:
+    """The step's phases on the traced path (peft's LoRA step with ``finetune``), from the cache when this set-up
+    was recorded before."""
+    payload = {"config": canonical_config(config), "settings": asdict(settings)}
+    if finetune is not None:
+        payload["finetune"] = asdict(finetune)
+    path = cache_path("phases", payload)
     doc = read_cached(path)
     if doc is not None:
         try:
@@ -344,7 +350,7 @@ def recorded_phases(config: dict[str, Any], settings, spec=None, progress: bool 
         except (KeyError, TypeError):
             pass  # an entry of another shape: recorded again below
     started = time.perf_counter()
-    phases, plan, places = record_places(config, settings, spec, progress)
+    phases, plan, places = record_places(config, settings, spec, progress, finetune)
     seconds = time.perf_counter() - started
     why_not = write_cached(path, {"phases": [_phase_doc(p) for p in phases], "plan": _plan_doc(plan),
                                   "places": [{"place": place, **_phase_doc(p)} for place, p in places],

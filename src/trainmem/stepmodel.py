@@ -119,6 +119,10 @@ class StepModel:
         self._paged_note = ("paged optimizer: no trained tensor here has 1e5+ elements, so bitsandbytes pages none "
                             "of its states (get_state_buffer): all are ordinary device memory, counted above")
         self.rank: RankLayout | None = None
+        if finetune is not None and not spec.has_architecture and spec.built_config and (
+                finetune.base_quant or self.parallel.engine != "single"):
+            raise ConfigError("LoRA on the traced path (a model_type without a hand-written description) runs on one "
+                              "GPU with an unquantized base: give --gpus 1 and no --base-quant / --qlora")
         if finetune is not None and self.parallel.engine != "single":
             from .finetune_sharding import engine_finetune, finetune_rank_layout
 
@@ -341,7 +345,7 @@ class StepModel:
         warning = position_warning(spec, seq)
         warnings = (warning,) if warning else ()
         unmodelled = (activations_modelled(spec, self.recipe, settings, self.finetune)
-                      if self.finetune is not None else None)
+                      if self.finetune is not None and not self.traced else None)  # (the trace runs peft's step)
         if unmodelled is not None:
             note = (f"not modelled yet: the activations of a LoRA step with {unmodelled}, so this is the static "
                     "memory only")

@@ -43,7 +43,7 @@ def recorded_at(step, batch: int, seq: int, progress: bool = True):
         raise ConfigError(reason)
     try:
         return recorded_phases(json.loads(step.spec.built_config), step.settings_at(batch, seq), step.spec,
-                               progress)
+                               progress, step.finetune)
     except TrainmemError:
         raise
     except Exception as exc:  # noqa: BLE001 (whatever the model's forward raises on fake tensors is its own)
@@ -137,7 +137,7 @@ def traced_estimate(step, batch: int, seq: int, warnings: tuple[str, ...]):
     reason = missing_extra()
     if reason is None:
         try:
-            recorded = recorded_phases(json.loads(spec.built_config), settings, spec)
+            recorded = recorded_phases(json.loads(spec.built_config), settings, spec, finetune=step.finetune)
         except TrainmemError:
             raise
         except Exception as exc:  # noqa: BLE001 (whatever the model's forward raises on fake tensors is its own)
@@ -150,7 +150,7 @@ def traced_estimate(step, batch: int, seq: int, warnings: tuple[str, ...]):
     if step.rank is not None:
         notes += (RANK_NOTE,)
     return Estimate(spec, settings, step.static, phases=phases, peak=peak_of_phases(phases, step.device),
-                    notes=(*notes, *step.unchecked), traced=recorded, **common)
+                    notes=(*notes, *step.unchecked), traced=recorded, finetune=step.finetune, **common)
 
 
 RANK_NOTE = ("data parallel on the traced path: one GPU's recorded step with this rank's model states and the "
