@@ -108,7 +108,7 @@ def test_a_cache_hit_gives_the_same_bytes_without_tracing_or_building(monkeypatc
     def fail(*args, **kwargs):
         raise AssertionError("traced or built again")
 
-    monkeypatch.setattr(recorded, "record", fail)
+    monkeypatch.setattr(recorded, "record_places", fail)
     monkeypatch.setattr(meta_count, "_count_by_building", fail)
     again = recorded.recorded_phases(DENSE, settings, _spec(DENSE), progress=False)
     assert again.from_cache and again.phases == first.phases and again.cache == first.cache

@@ -153,11 +153,7 @@ def selected_weights(spec: ModelSpec, options: LoraOptions) -> list[tuple[int, P
     if spec.is_nominal:
         raise ConfigError("LoRA needs the model's layers: give a model config, not --params")
     if not spec.has_architecture:
-        from .models import SUPPORTED_MODEL_TYPES
-
-        raise ConfigError(f"LoRA on model_type {spec.model_type!r} is not modelled yet: it has no hand-written layer "
-                          "description (its full fine-tuning is estimated on the traced path); LoRA is modelled for "
-                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        return _counted_weights(spec, options)
     weights = _linear_weights(spec)
     if spec.is_moe:
         outside = [t for t in options.targets if t not in _MOE_TARGETS]
@@ -192,6 +188,40 @@ def selected_weights(spec: ModelSpec, options: LoraOptions) -> list[tuple[int, P
             raise ConfigError(f"unknown lora target {target!r}; accepted: {', '.join(SHORT_NAMES)}, all-linear, or "
                               f"module names ({', '.join(sorted(MODULE_NAMES))})")
     return [(r, t) for r, t in weights if t.name.removesuffix(".weight") in chosen]
+
+
+def _counted_weights(spec: ModelSpec, options: LoraOptions) -> list[tuple[int, ParamTensor]]:
+    """selected_weights on the traced path (a spec counted by transformers, meta_count.py): the 2-D weights of its
+    decoder layers (a layer's Linears: its norms' weights and biases are 1-D) whose module's own name peft's
+    target names (a short name's modules, e.g. q -> q_proj or qkv_proj, or any module name as the model's code
+    writes it), and for all-linear every one of them; the LM head only by name (peft's all-linear leaves the output layer out,
+    peft/tuners/tuners_utils.py ``_maybe_include_all_linear_layers``). Names peft would match but trainmem cannot
+    tell from the tensors (3-D experts, a Conv1D outside the layers) are refused in one line by the caller's
+    trace, which compares its adapters with this count (tracedstep.py)."""
+    from .models import SUPPORTED_MODEL_TYPES
+
+    if not spec.built_config:
+        raise ConfigError(f"LoRA on model_type {spec.model_type!r} needs its layers: give a config (supported "
+                          f"descriptions: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if options.train_modules:
+        raise ConfigError("--train-modules is not available on the traced path (a model_type without a hand-written "
+                          "description) yet: give the adapters alone")
+    weights = [(g.repeat, t) for g in spec.param_groups if g.is_layer for t in g.tensors
+               if len(t.shape) == 2 and t.name.endswith(".weight")]
+    head = [(g.repeat, t) for g in spec.param_groups if not g.is_layer for t in g.tensors
+            if t.name.removesuffix(".weight").rsplit(".", 1)[-1] == "lm_head" and len(t.shape) == 2]
+    leaves: set[str] = set()
+    for target in options.targets:
+        if target == "all-linear":
+            leaves |= {t.name.removesuffix(".weight").rsplit(".", 1)[-1] for _, t in weights}
+        else:  # a short name's modules, or any module name as the model's code writes it (query, Wqkv, ...)
+            leaves |= {name.rsplit(".", 1)[-1] for name in SHORT_NAMES.get(target, (target,))}
+    chosen = [(r, t) for r, t in weights + head if t.name.removesuffix(".weight").rsplit(".", 1)[-1] in leaves]
+    if not chosen:
+        present = sorted({t.name.removesuffix(".weight").rsplit(".", 1)[-1] for _, t in weights})
+        raise ConfigError(f"lora targets {','.join(options.targets)}: {spec.name} ({spec.model_type}) has no Linear "
+                          f"of those names in its layers (it has {', '.join(present)}; or all-linear)")
+    return chosen
 
 
 def adapter_parameters(spec: ModelSpec, options: LoraOptions) -> int:

@@ -190,26 +190,62 @@ def spec_by_building(config: dict[str, Any], name: str, source: str, reason: str
     check_buildable(config, source or name or "config")
     path = cache_path("params", {"config": canonical_config(config)})
     counted = read_cached(path)
-    if not (counted and isinstance(counted.get("tensors"), list)):
+    if not (counted and isinstance(counted.get("tensors"), list) and "layer_list" in counted):
         counted = _count_by_building(config, source or name or "config")
         write_cached(path, counted)
     return ModelSpec(
         name=name, model_type=str(config["model_type"]), hidden_size=int(counted["hidden_size"]),
         vocab_size=int(counted["vocab_size"]), layer_runs=(), norm="rms", norm_vectors=0,
         tied_embeddings=bool(counted["tied"]),
-        explicit_param_groups=(ParamGroup("all (counted by transformers on the meta device)", 1,
-                                          tuple(ParamTensor(n, tuple(shape)) for n, shape in counted["tensors"])),),
+        explicit_param_groups=_grouped(counted["tensors"], counted["layer_list"]),
         source=source, built_config=canonical_config(config),
     )
 
 
+def decoder_layers(model: Any, layers: int) -> Any:
+    """The model's ModuleList of ``layers`` decoder layers (the longest one of that length), or None."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
+    return max(lists, key=lambda m: sum(1 for _ in m.modules()), default=None)
+
+
+def _grouped(tensors: list[list[Any]], layer_list: str) -> tuple[ParamGroup, ...]:
+    """The counted tensors as parameter groups: each run of alike decoder layers (the tensors under
+    ``layer_list``.i, where the model has such a list) one group with a repeat, as FSDP2 wraps each layer
+    (sharding.py), and the rest (embedding, final norm, LM head: FSDP2's root) one group."""
+    layers: dict[int, list[ParamTensor]] = {}
+    root: list[ParamTensor] = []
+    for name, shape in tensors:
+        index, _, rest = name[len(layer_list) + 1:].partition(".") if layer_list else ("", "", "")
+        if layer_list and name.startswith(layer_list + ".") and index.isdigit():
+            layers.setdefault(int(index), []).append(ParamTensor(rest, tuple(shape)))
+        else:
+            root.append(ParamTensor(name, tuple(shape)))
+    groups: list[ParamGroup] = []
+    for index in sorted(layers):
+        kind = tuple(layers[index])
+        if groups and groups[-1].tensors == kind:
+            last = groups[-1]
+            groups[-1] = ParamGroup(f"{layer_list}.{index - last.repeat}-{index}", last.repeat + 1, kind, True)
+        else:
+            groups.append(ParamGroup(f"{layer_list}.{index}", 1, kind, True))
+    if root:
+        groups.append(ParamGroup("the rest (counted by transformers on the meta device)", 1, tuple(root)))
+    return tuple(groups)
+
+
 def _count_by_building(config: dict[str, Any], origin: str) -> dict[str, Any]:
-    """The parameter tensors of the model built on the meta device, and the sizes the spec keeps."""
+    """The parameter tensors of the model built on the meta device, the path of its decoder layers' list ("" where
+    it has none) and the sizes the spec keeps."""
     model = build_meta_model(config, origin)
     tensors = [[n, list(p.shape)] for n, p in model.named_parameters()]
     if not tensors:
         raise ModelError(f"{origin}: transformers built model_type {config['model_type']!r} without parameters")
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return {"tensors": tensors, "hidden_size": int(getattr(text_config, "hidden_size", 0) or 0),
+    count = getattr(text_config, "num_hidden_layers", None)
+    found = decoder_layers(model, count) if isinstance(count, int) and count > 0 else None
+    layer_list = next((n for n, m in model.named_modules() if m is found), "") if found is not None else ""
+    return {"tensors": tensors, "layer_list": layer_list, "hidden_size": int(getattr(text_config, "hidden_size", 0) or 0),
             "vocab_size": int(getattr(text_config, "vocab_size", 0) or 0),
             "tied": bool(getattr(model.config, "tie_word_embeddings", False))}

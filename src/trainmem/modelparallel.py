@@ -46,6 +46,11 @@ def check_layout(spec: ModelSpec, parallel: Parallel, seq: int | None = None) ->
     tp, pp, v, cp, ep = parallel.tp, parallel.pp, parallel.virtual_stages, parallel.cp, parallel.ep
     if not parallel.is_model_parallel:
         return
+    if not spec.has_architecture and spec.built_config:  # (the traced path: recorded.py, tracedstep.py)
+        raise ConfigError(f"--tp, --pp, --cp and --ep are not available on the traced path (model_type "
+                          f"{spec.model_type!r} has no hand-written description, and the trace has no tensor-parallel "
+                          "plan or layer split for an arbitrary type): give data parallelism (--gpus N with DDP, "
+                          "--zero or --fsdp)")
     if not spec.has_architecture:
         raise ConfigError("--tp, --pp, --cp and --ep split the model's layers: give a model config, not --params")
     for layer, _ in spec.layer_runs:

@@ -461,8 +461,11 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     (engine_configs.writers): a recipe an engine cannot configure is not offered for that engine. ``finetune``
     (lora.FineTune) searches LoRA on a frozen base: data parallelism only (LoRA under TP, PP, CP or EP is not
     modelled), every engine of it (finetune_sharding.py)."""
-    if not spec.has_architecture:
+    traced = not spec.has_architecture and bool(spec.built_config)  # the traced path (recorded.py, tracedstep.py)
+    if not spec.has_architecture and not traced:
         raise ConfigError("trainmem plan needs the model's architecture: give a model config, not --params")
+    if traced:
+        model_parallel, checkpointing = False, _traced_checkpointing(checkpointing, finetune)
     throughput_of(gpu)
     check_search_numbers(gpus, seq, gpus_per_node, mfu, inter_node_gbps, host_memory_gib, global_batch,
                          time_budget_s)
@@ -523,7 +526,7 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     # (larger matmuls run closer to peak), then the least memory needed
     plans.sort(key=lambda pl: (round(pl.time.seconds, 9), pl.layout.offload != "none", -pl.layout.micro_batch,
                                pl.peak.required_bytes))
-    skipped = NOT_SEARCHED
+    skipped = NOT_SEARCHED + (TRACED_NOT_SEARCHED if traced else ())
     if finetune is not None:
         skipped += ("tensor, pipeline, context and expert parallelism with LoRA (not modelled: data parallelism "
                     "only)",)
@@ -532,6 +535,25 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
                     "some engines: engine_configs.writers and docs/method.md say which engine runs which recipe)",)
     return PlanSearch(spec, tuple(plans), counts[0], counts[1], len(plans), time.perf_counter() - started, gpu,
                       gpus, seq, global_batch, mfu, inter_node_gbps, host_memory, skipped, cut_short, finetune)
+
+
+TRACED_NOT_SEARCHED = (
+    "tensor, pipeline, context and expert parallelism on the traced path (a model_type without a hand-written "
+    "description: the trace has no tensor-parallel plan or layer split for an arbitrary type; data parallelism only)",
+    "attention FLOPs in the step time on the traced path (no description of the layers: parameters' FLOPs only)")
+
+
+def _traced_checkpointing(checkpointing: tuple[str, ...], finetune) -> tuple[str, ...]:
+    """The checkpointing a plan searches on the traced path: none and full (each recorded when first probed, cached:
+    recorded.py); LoRA is not on the traced path yet."""
+    if finetune is not None:
+        raise ConfigError("trainmem plan with --lora is not available on the traced path (a model_type without a "
+                          "hand-written description) yet: plan its full fine-tuning, or estimate the LoRA step")
+    kept = tuple(c for c in checkpointing if c != "selective")
+    if not kept:
+        raise ConfigError("trainmem plan on the traced path searches --checkpointing none and full (the step time "
+                          "of layer-selective checkpointing needs the layer count of a hand-written description)")
+    return kept
 
 
 _SEARCH_RATIOS: dict[tuple, float | None] = {}

@@ -36,9 +36,14 @@ def _largest(fits: Callable[[int], bool | None], limit: int = MAX_SEARCH) -> int
     return low
 
 
-def _require_architecture(model: ModelSpec) -> None:
-    if not model.has_architecture:
+def _require_architecture(model: ModelSpec, seq: bool = False) -> None:
+    if model.has_architecture:
+        return
+    if not model.built_config:
         raise ConfigError("--max-batch/--max-seq need the model's architecture: give a config, not --params")
+    if seq:  # (the traced path's affine model is in the batch: tracedstep.py)
+        raise ConfigError("--max-seq is not available on the traced path (a model_type without a hand-written "
+                          "description): its step is not linear in the sequence length; give --seq and --max-batch")
 
 
 def max_batch(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions,
@@ -87,7 +92,7 @@ def seq_limit(model: ModelSpec) -> int:
 def max_seq(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions,
             parallel: Parallel | None = None, finetune=None) -> int:
     """The longest sequence that fits, capped at :func:`seq_limit` (a longer one would fit memory, not the model)."""
-    _require_architecture(model)
+    _require_architecture(model, seq=True)
     step = compile_step(model, settings, device, parallel, finetune)
     return _largest(lambda s: step.fitting_peak(settings.batch, s, gpu, exact=True) is not None, seq_limit(model))
 

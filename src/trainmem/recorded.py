@@ -19,8 +19,9 @@ allocation counted by MemTracker) on reduced copies of the config, and extrapola
   the optimizer step) moves by one period's bytes (checked against full traces: tests/test_recorded.py and
   benchmarks/every_model_type.py). Where ``n1 + p >= L`` the real count is traced directly.
 - **The cache.** The recorded phases are kept on disk (``$TRAINMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/trainmem``,
-  else ``~/.cache/trainmem``) under a hash of the config, every training setting (batch and sequence included: the
-  trace is not provably linear in them, so they are keyed, not extrapolated) and the torch, transformers and
+  else ``~/.cache/trainmem``) under a hash of the config, every training setting (batch and sequence included: an
+  estimate records its own batch; a search answers other batches on the line through two recorded ones,
+  tracedstep.py) and the torch, transformers and
   trainmem versions; the parameter tensors the spec counts (meta_count.spec_by_building) are kept the same way.
   A second estimate of the same set-up imports neither torch nor transformers.
 
@@ -118,18 +119,10 @@ def per_layer_lists(hf_config: dict[str, Any], layers: int) -> tuple[dict[str, l
     return per_layer, indices
 
 
-def _decoder_layers(model, layers: int):
-    """The model's ModuleList of ``layers`` decoder layers (the longest one of that length), or None."""
-    import torch
-
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
-    return max(lists, key=lambda m: sum(1 for _ in m.modules()), default=None)
-
-
 def layer_plan(config: dict[str, Any], checkpoint_every: int = 1) -> tuple[LayerPlan, str, dict[str, Any]]:
     """The layer plan of ``config``, the config key of its layer count and its full config (transformers' to_dict,
     with every per-layer list the config class derives), from the model built on the meta device."""
-    from .meta_count import build_meta_model
+    from .meta_count import build_meta_model, decoder_layers
 
     model = build_meta_model(config)
     hf = model.config
@@ -137,7 +130,7 @@ def layer_plan(config: dict[str, Any], checkpoint_every: int = 1) -> tuple[Layer
     layers = getattr(hf, "num_hidden_layers", None)
     full = hf.to_dict()
     nested = hasattr(hf, "get_text_config") and _text_config_is_nested(hf)
-    found = None if nested or not isinstance(layers, int) else _decoder_layers(model, layers)
+    found = None if nested or not isinstance(layers, int) else decoder_layers(model, layers)
     if found is None:  # no layer list to reduce: trace the model as it is
         return LayerPlan(int(layers or 0), 0, 1, (int(layers or 0),)), key, full
     assert isinstance(layers, int)
@@ -187,6 +180,8 @@ class Recorded:
     cache: str
     """The cache file, or why it was not kept."""
     from_cache: bool
+    places: tuple[tuple[str, Phase], ...] = ()
+    """Forward's and backward's largest moment in each place (record_places), where an engine's buffers are added."""
 
     def note(self) -> str:
         counts = " and ".join(str(n) for n in self.plan.counts)
@@ -216,8 +211,17 @@ def extrapolate(first: tuple[Phase, ...], second: tuple[Phase, ...], periods: in
     return tuple(out)
 
 
-def record(config: dict[str, Any], settings, spec=None, progress: bool = True) -> tuple[tuple[Phase, ...], LayerPlan]:
-    """Trace ``config``'s step at the plan's layer counts and extrapolate to its real count."""
+def record(config: dict[str, Any], settings, spec=None, progress: bool = True,
+           finetune=None) -> tuple[tuple[Phase, ...], LayerPlan]:
+    """Trace ``config``'s step (peft's LoRA step with ``finetune``) at the plan's layer counts and extrapolate to its
+    real count."""
+    phases, plan, _ = record_places(config, settings, spec, progress, finetune)
+    return phases, plan
+
+
+def record_places(config: dict[str, Any], settings, spec=None, progress: bool = True,
+                  finetune=None) -> tuple[tuple[Phase, ...], LayerPlan, tuple[tuple[str, Phase], ...]]:
+    """:func:`record`, and forward's and backward's largest moment in each place (``_places``)."""
     from .progress import Progress
     from .settings import SELECTIVE_EVERY
     from .trace import trace_step
@@ -228,14 +232,51 @@ def record(config: dict[str, Any], settings, spec=None, progress: bool = True) -
                   force=None if progress else False) as bar:
         for count in plan.counts:
             result = trace_step(reduced_config(config, full, key, plan.layers, count), settings, spec,
-                                module_peaks=len(plan.counts) == 2)
+                                finetune=finetune, module_peaks=True)
             traced.append(result.phases)
             peaks.append(result.module_peaks)
             bar.advance()
     if len(traced) == 1:
-        return traced[0], plan
+        return traced[0], plan, _places([_anchored(peaks[0], plan.counts[0])], list(peaks[0]), 0)
     phases = extrapolate(traced[0], traced[1], plan.periods_added)
-    return _with_module_moments(phases, peaks, plan), plan
+    first, second = _anchored(peaks[0], plan.counts[0]), _anchored(peaks[1], plan.counts[1])
+    places = _places([first, second], list(peaks[0]), plan.periods_added)
+    return _with_module_moments(phases, peaks, plan), plan, places
+
+
+PLACES = {"forward": ("start", "layer", ""), "backward": ("end", "layer", "head")}
+"""Where a moment is, per phase, as sharding.Buffer names the places an engine's buffers are alive in: before the
+decoder layers, inside one, after them ("" in forward: the loss, where no layer's buffers are alive)."""
+
+
+def _places(anchored: list[dict], names: list[str], periods: int) -> tuple[tuple[str, Phase], ...]:
+    """Forward's and backward's largest moment in each place (PLACES), as (``phase:place``, Phase), each module's
+    peak extrapolated over ``periods`` as in _with_module_moments. A module outside the layers is before them when
+    the model registers it before the first layer (the embedding), else after (final norm, LM head); the model and
+    the modules that hold the layers are left out (their peak is the phase's own, which rank_phases places at the
+    loss)."""
+    first_layer = next((i for i, n in enumerate(names) if any(part.isdigit() for part in n.split("."))), len(names))
+    order = {n: i for i, n in enumerate(names)}
+    layered = [n for n in names[first_layer:] if any(part.isdigit() for part in n.split("."))]
+    best: dict[str, Phase] = {}
+    for key, pair in anchored[0].items():
+        if key[0] == "module" and (key[1] == "" or any(n.startswith(key[1] + ".") for n in layered)):
+            continue  # (the model and the modules holding the layers: their peak is the phase's own)
+        for which, phase in enumerate(("forward", "backward")):
+            a = pair[which]
+            b = anchored[1].get(key, (None, None))[which] if len(anchored) == 2 else a
+            if a is None or b is None:
+                continue
+            try:
+                (moment,) = extrapolate((a,), (b,), periods)
+            except ValueError:
+                continue
+            before, inside, after = PLACES[phase]
+            place = inside if key[0] != "module" else after if order[key[1]] > first_layer else before
+            label = f"{phase}:{place}" if place else phase
+            if label not in best or moment.allocated_bytes > best[label].allocated_bytes:
+                best[label] = moment
+    return tuple(sorted(best.items()))
 
 
 def _anchored(peaks: dict, count: int) -> dict[tuple, tuple]:
@@ -292,23 +333,29 @@ def _plan_doc(plan: LayerPlan) -> dict[str, Any]:
     return {"layers": plan.layers, "prefix": plan.prefix, "period": plan.period, "counts": list(plan.counts)}
 
 
-def recorded_phases(config: dict[str, Any], settings, spec=None, progress: bool = True) -> Recorded:
-    """The step's phases on the traced path, from the cache when this set-up was recorded before."""
-    path = cache_path("phases", {"config": canonical_config(config), "settings": asdict(settings)})
+def recorded_phases(config: dict[str, Any], settings, spec=None, progress: bool = True, finetune=None) -> Recorded:
+    """The step's phases on the traced path (peft's LoRA step with ``finetune``), from the cache when this set-up
+    was recorded before."""
+    payload = {"config": canonical_config(config), "settings": asdict(settings)}
+    if finetune is not None:
+        payload["finetune"] = asdict(finetune)
+    path = cache_path("phases", payload)
     doc = read_cached(path)
     if doc is not None:
         try:
             phases = tuple(Phase(**p) for p in doc["phases"])
             plan = LayerPlan(**{**doc["plan"], "counts": tuple(doc["plan"]["counts"])})
-            return Recorded(phases, plan, 0.0, str(path), True)
+            places = tuple((p.pop("place"), Phase(**p)) for p in map(dict, doc["places"]))
+            return Recorded(phases, plan, 0.0, str(path), True, places)
         except (KeyError, TypeError):
             pass  # an entry of another shape: recorded again below
     started = time.perf_counter()
-    phases, plan = record(config, settings, spec, progress)
+    phases, plan, places = record_places(config, settings, spec, progress, finetune)
     seconds = time.perf_counter() - started
     why_not = write_cached(path, {"phases": [_phase_doc(p) for p in phases], "plan": _plan_doc(plan),
+                                  "places": [{"place": place, **_phase_doc(p)} for place, p in places],
                                   "seconds": seconds})
-    return Recorded(phases, plan, seconds, why_not or str(path), False)
+    return Recorded(phases, plan, seconds, why_not or str(path), False, places)
 
 
 def missing_extra() -> str | None:
@@ -320,31 +367,3 @@ def missing_extra() -> str | None:
         return None
     return (f"no peak: the traced path that gives a peak for this model_type needs {' and '.join(missing)} "
             f"({TRACE_EXTRA})")
-
-
-def traced_estimate(step, batch: int, seq: int, warnings: tuple[str, ...]):
-    """StepModel.estimate for a spec counted by transformers (``spec.built_config``): the traced path's phases and
-    peak; the static memory and one line why not where it cannot answer."""
-    from .errors import TrainmemError
-    from .estimate import NO_PEAK, Estimate, peak_of_phases
-
-    spec, settings = step.spec, step.settings_at(batch, seq)
-    common = dict(parallel=step.parallel, rank=step.rank, device=step.device, warnings=warnings,
-                  paged_bytes=step.paged_bytes)
-    reason = missing_extra()
-    if reason is None and step.parallel.engine != "single":
-        reason = ("no peak: the traced path records one GPU's step; for a model_type without a hand-written "
-                  "description, give --gpus 1 (or trace it: trainmem trace)")
-    if reason is None:
-        try:
-            recorded = recorded_phases(json.loads(spec.built_config), settings, spec)
-        except TrainmemError:
-            raise
-        except Exception as exc:  # noqa: BLE001 (whatever the model's forward raises on fake tensors is its own)
-            text = " ".join(str(exc).split())[:160] or type(exc).__name__
-            reason = f"no peak: the traced path could not run this model's step on fake tensors ({text})"
-    if reason is not None:
-        return Estimate(spec, settings, step.static, notes=(reason, NO_PEAK, *step.unchecked), **common)
-    phases = recorded.phases
-    return Estimate(spec, settings, step.static, phases=phases, peak=peak_of_phases(phases, step.device),
-                    notes=(recorded.note(), *step.unchecked), traced=recorded, **common)

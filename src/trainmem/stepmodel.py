@@ -122,6 +122,10 @@ class StepModel:
         self._paged_note = ("paged optimizer: no trained tensor here has 1e5+ elements, so bitsandbytes pages none "
                             "of its states (get_state_buffer): all are ordinary device memory, counted above")
         self.rank: RankLayout | None = None
+        if finetune is not None and not spec.has_architecture and spec.built_config and (
+                finetune.base_quant or self.parallel.engine != "single"):
+            raise ConfigError("LoRA on the traced path (a model_type without a hand-written description) runs on one "
+                              "GPU with an unquantized base: give --gpus 1 and no --base-quant / --qlora")
         if finetune is not None and self.parallel.engine != "single":
             from .finetune_sharding import engine_finetune, finetune_rank_layout
 
@@ -229,8 +233,17 @@ class StepModel:
             form = self._forms[seq] = _compile_seq(self, seq) or _DIRECT
         return form if isinstance(form, tuple) else None
 
+    @property
+    def traced(self) -> bool:
+        """Whether the step's activations come from the traced path (recorded.py): a spec counted by transformers."""
+        return not self.spec.has_architecture and bool(self.spec.built_config)
+
     def phases(self, batch: int, seq: int) -> tuple[Phase, ...]:
         """Each phase at its peak moment."""
+        if self.traced:
+            from .tracedstep import rank_phases, single_phases
+
+            return rank_phases(*single_phases(self, batch, seq), self, self.settings_at(batch, seq))
         form = self.form(batch, seq)
         if form is not None:
             return tuple(f.phase(batch) for f in form)
@@ -276,7 +289,7 @@ class StepModel:
         from .replay import STEPS
 
         key = (batch, seq)
-        if self.rank is not None:
+        if self.rank is not None or self.traced:  # (a traced step has no timeline to replay: the flat factor)
             return None
         if key in self._replays:
             report = self._replays[key]
@@ -295,7 +308,7 @@ class StepModel:
         from .replay import replay_step
 
         key = (batch, seq)
-        if self.rank is not None:  # (replay_sharded: not yet validated)
+        if self.rank is not None or self.traced:  # (replay_sharded: not yet validated)
             return None
         if key not in self._replays:
             self._replays[key] = replay_step(self, batch, seq, self.device.alloc_config or DEFAULT_ALLOC,
@@ -308,7 +321,7 @@ class StepModel:
         from .replay import step_sequence
 
         key = (batch, seq)
-        if self.rank is not None:
+        if self.rank is not None or self.traced:
             return None
         if key not in self._sequences:
             self._sequences[key] = step_sequence(self, batch, seq)
@@ -319,8 +332,8 @@ class StepModel:
         allocated peak, over estimate.dynamic_bytes): the search's (DeviceOptions.reserved_ratio, one replay per
         plan search: plan.search_ratio), else this step's at micro-batch 1 and ``seq`` (so that a search and an
         estimate of the same layout, whatever batch each asks first, apply the same ratio)."""
-        if self.rank is not None:  # (a data-parallel rank keeps the flat factor, as its estimate does: replay)
-            return None
+        if self.rank is not None or self.traced:  # (a data-parallel rank keeps the flat factor, as its estimate
+            return None  # does: replay)
         if self.device.reserved_ratio is not None:
             return self.device.reserved_ratio
         if seq not in self._ratio:
@@ -337,7 +350,7 @@ class StepModel:
         warning = position_warning(spec, seq)
         warnings = (warning,) if warning else ()
         unmodelled = None
-        if self.finetune is not None:
+        if self.finetune is not None and not self.traced:  # (the trace runs peft's step)
             from .lora import activations_modelled
 
             unmodelled = activations_modelled(spec, self.recipe, settings, self.finetune)
@@ -347,7 +360,7 @@ class StepModel:
             return Estimate(spec, settings, self.static, device=self.device, notes=(note, NO_PEAK, *self.unchecked),
                             warnings=warnings, finetune=self.finetune, paged_bytes=self.paged_bytes)
         if not spec.has_architecture and spec.built_config:
-            from .recorded import traced_estimate  # (imports torch only when it records)
+            from .tracedstep import traced_estimate  # (imports torch only when it records)
 
             return traced_estimate(self, batch, seq, warnings)
         if not spec.has_architecture:
