@@ -127,10 +127,11 @@ class _Workload:
 
 
 SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attention", "checkpointing", "dropout",
-                 "loss", "activation_k", "optimizer_in_backward", "compile", "offload_activations")
+                 "loss", "activation_k", "optimizer_in_backward", "compile", "offload_activations", "task",
+                 "num_labels")
 LAYOUT_FLAGS = ("tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep", "pp_layers")
 """Model-parallel flags (modelparallel.py), passed to the request as they are."""
-_FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "zero", "fsdp", "offload",
+_FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "num-labels", "zero", "fsdp", "offload",
                "gpus_per_node", "tp", "pp", "cp", "ep", "pp-schedule", "virtual-stages", "micro-batches", "sp")
 """Request fields whose messages name a flag: the CLI prints them as --flag."""
 
@@ -241,6 +242,11 @@ def _workload_options(f):
         click.option("--offload-activations", is_flag=True,
                      help="Checkpointed layers' inputs in host memory until backward (torchtune's activation "
                           "offloading; needs --checkpointing full)."),
+        click.option("--task", default="causal-lm", show_default=True,
+                     help="causal-lm | masked-lm | seq-cls | seq2seq-lm: the transformers head and loss trained "
+                          "(anything but causal-lm is traced: BERT, RoBERTa, ModernBERT, T5, BART)."),
+        click.option("--num-labels", type=_Whole(1 << 20), default=None,
+                     help="--task seq-cls: the classifier's labels (default: the config's num_labels)."),
         click.option("--gpu", help="GPU to check (the table lists all; H100 is the SXM card): a verdict line says "
                      "whether it fits, the margin and the largest micro-batch."),
         click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True,
