@@ -77,6 +77,10 @@ def test_estimate_answers_a_masked_lm_peak_on_the_traced_path(run_cli, tmp_path)
     doc = json.loads(out)
     assert doc["activation_source"] == "traced" and doc["settings"]["task"] == "masked-lm"
     assert doc["model"]["parameters"] == spec_by_building(BERT, "x", "", task="masked-lm").num_parameters
+    jsonschema = pytest.importorskip("jsonschema")
+    from trainmem.report import json_schema
+
+    jsonschema.Draft202012Validator(json_schema()).validate(doc)
 
 
 @pytest.mark.parametrize("args, message", [

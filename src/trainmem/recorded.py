@@ -250,8 +250,21 @@ def record(config: dict[str, Any], settings, spec=None, progress: bool = True) -
             bar.advance()
     if len(traced) == 1:
         return traced[0], plan
-    phases = extrapolate(traced[0], traced[1], plan.periods_added)
+    phases = tuple(_extrapolated_phase(a, b, plan.periods_added) for a, b in zip(traced[0], traced[1], strict=True))
     return _with_module_moments(phases, peaks, plan), plan
+
+
+def _extrapolated_phase(a: Phase, b: Phase, periods: int) -> Phase:
+    """One phase extrapolated; forward's or backward's that shrinks in a category with the layers (its peak moment
+    is a different one at the two traced counts: with --grad-accum, the end of backward at one layer, its start at
+    two) is left at nothing, for the largest of the modules' extrapolated moments to replace
+    (``_with_module_moments``); another phase that shrinks is an error."""
+    try:
+        return extrapolate((a,), (b,), periods)[0]
+    except ValueError:
+        if a.name not in ("forward", "backward"):
+            raise
+        return Phase(a.name, b.moment, *(0 for _ in CATEGORIES))
 
 
 # -- encoder-decoders ----------------------------------------------------------------------------------------------
