@@ -208,9 +208,11 @@ def trace_module(build: Callable[[], Any], settings=None, make_batch: Callable |
 
 # -- other batch sizes and sequence lengths ------------------------------------------------------------------------
 
-def _fit(one: Phase, two: Phase, three: Phase, doubled: Phase, x: float, batch: int) -> Phase:
+def _fit(points: list[Phase], x: float, batch: int) -> Phase:
     """One moment at (batch, x times the recorded sequence): ``c0 + batch * q(x)`` per category (module
-    docstring), ``q`` Lagrange's quadratic through the batch-1 values at x = 1, 2, 3."""
+    docstring), ``q`` Lagrange's quadratic through the batch-1 values at x = 1, 2, 3; ``points`` are the moment
+    at (1, s), (1, 2s), (1, 3s) and (2, s)."""
+    one, two, three, doubled = points
     values = {}
     for c in CATEGORIES:
         y1, y2, y3 = getattr(one, c), getattr(two, c), getattr(three, c)
@@ -245,9 +247,9 @@ class ModuleProgram:
             # the phase's own peak is one moment only where the same module (or none) holds it at every size
             owners = {next((n for n, at in moments.items() if at[i].allocated_bytes == own[i].allocated_bytes),
                            None) for i in range(len(own))}
-            best = _fit(*own, x, batch) if len(owners) == 1 or not moments else None
+            best = _fit(own, x, batch) if len(owners) == 1 or not moments else None
             for at in moments.values():
-                moment = _fit(*at, x, batch)
+                moment = _fit(at, x, batch)
                 if best is None or moment.allocated_bytes > best.allocated_bytes:
                     best = Phase(phase.name, phase.moment, *(getattr(moment, c) for c in CATEGORIES))
             assert best is not None
