@@ -50,8 +50,26 @@ def test_the_heads_parameters_are_those_transformers_builds():
     assert masked.num_parameters == encoder + (h * h + h) + 2 * h + v
 
 
-@pytest.mark.parametrize("config, task", [(BERT, "masked-lm"), (ROBERTA, "seq-cls")])
+def test_roberta_classifies_with_its_own_head_not_a_pooler():
+    """RobertaForSequenceClassification: no pooler; its RobertaClassificationHead (a dense h x h, then an
+    h x num_labels out_proj) on the first token."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    with torch.device("meta"):
+        base = AutoModel.from_config(AutoConfig.for_model("roberta", **{k: v for k, v in ROBERTA.items()
+                                                                         if k != "model_type"}),
+                                     add_pooling_layer=False)
+    h = ROBERTA["hidden_size"]
+    spec = spec_by_building(ROBERTA, "roberta", "", task="seq-cls", num_labels=3)
+    assert spec.num_parameters == sum(p.numel() for p in base.parameters()) + (h * h + h) + (h * 3 + 3)
+    assert {t.name for t in spec.explicit_param_groups[0].tensors} >= {"classifier.dense.weight",
+                                                                        "classifier.out_proj.weight"}
+
+
+@pytest.mark.parametrize("config, task", [(BERT, "masked-lm")])
 def test_an_encoder_extrapolated_over_its_layers_matches_the_full_trace(config, task):
+    """(RoBERTa, ModernBERT and bert-large: docs/accuracy.md, each byte for byte; one here for CI's time.)"""
     settings = make_settings(task=task, **SETTINGS)
     spec = spec_by_building(config, "tiny", "", task=task)
     traced = recorded.recorded_phases(config, settings, spec, progress=False)  # (cached: the CLI test reads it)
