@@ -24,6 +24,10 @@ allocation counted by MemTracker) on reduced copies of the config, and extrapola
   trainmem versions; the parameter tensors the spec counts (meta_count.spec_by_building) are kept the same way.
   A second estimate of the same set-up imports neither torch nor transformers.
 
+- **Other heads** (``--task``, tasks.py): an encoder's masked-LM or classifier step is reduced over its one stack
+  of layers the same way; an encoder-decoder's (seq2seq-lm) over its two stacks apart (``record_seq2seq``: one
+  more period of the encoder, then of the decoder, each extrapolated by its own count; docs/method.md 7b).
+
 Needs torch and transformers (``pip install 'trainmem[trace]'``); without them the estimate is the static memory
 and one line naming the extra.
 """
