@@ -334,12 +334,13 @@ HF = "huggingface/transformers docs/source/en/perf_train_gpu_one.mdx@0016acf7 (2
 # transformers' AdamW steps one parameter at a time (no multi-tensor buffers): --optimizer-impl fused is the
 # implementation trainmem has with no parameter-sized step temporaries.
 BERT = str(CONFIGS / "bert-large-uncased.json")
-CLASSIFIER = "the run trains a 2-way sequence classifier (pooler and a 2-row head), not the masked-LM head"
+CLASSIFIER = ("a 2-way sequence classifier (pooler and a 2-row head): --task seq-cls, the traced path's "
+              "BertForSequenceClassification")
 
 
 def _hf(setup: str, flags: str, mib: float) -> Row:
     impl = "" if "adafactor" in flags else " --optimizer-impl fused"  # trainmem's Adafactor has one implementation
-    args = _a(f"{BERT} --seq 512 --attention eager --cuda-overhead 1343{impl} {flags}")
+    args = _a(f"{BERT} --task seq-cls --seq 512 --attention eager --cuda-overhead 1343{impl} {flags}")
     return Row(Source.TRANSFORMERS, HF, setup, args, mib, MIB, Metric.NVIDIA_SMI, specified=False,
                remark=CLASSIFIER)
 

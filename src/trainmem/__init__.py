@@ -16,6 +16,7 @@ from .settings import TrainingSettings  # noqa: E402
 from .request import Request, estimate, make_request  # noqa: E402
 from .stepmodel import StepModel, compile_step, estimate_model, evaluate  # noqa: E402
 from .planner import find_max_batch as max_batch, find_max_seq as max_seq, sweep_grid as sweep  # noqa: E402
+from .factory import record_module, trace_module  # noqa: E402  (torch is imported when one runs)
 
 
 def track(model, optimizer, device=None):
@@ -36,5 +37,5 @@ __all__ = [
     "ConfigError", "Estimate", "ModelError", "ModelSpec", "OPTIMIZERS", "Optimizer", "RECIPES", "Recipe", "Request",
     "StepModel", "TrainingSettings", "TrainmemError", "__version__", "catalog_names", "compile_step", "estimate",
     "estimate_model", "evaluate", "make_request", "max_batch", "max_seq", "resolve_model", "spec_from_config",
-    "sweep", "track", "trainer_callback",
+    "sweep", "record_module", "trace_module", "track", "trainer_callback",
 ]

@@ -127,10 +127,11 @@ class _Workload:
 
 
 SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attention", "checkpointing", "dropout",
-                 "loss", "activation_k", "optimizer_in_backward", "compile", "offload_activations")
+                 "loss", "activation_k", "optimizer_in_backward", "compile", "offload_activations", "task",
+                 "num_labels")
 LAYOUT_FLAGS = ("tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep", "pp_layers")
 """Model-parallel flags (modelparallel.py), passed to the request as they are."""
-_FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "zero", "fsdp", "offload",
+_FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "num-labels", "zero", "fsdp", "offload",
                "gpus_per_node", "tp", "pp", "cp", "ep", "pp-schedule", "virtual-stages", "micro-batches", "sp",
                "bnb-version")
 """Request fields whose messages name a flag: the CLI prints them as --flag."""
@@ -243,6 +244,11 @@ def _workload_options(f):
         click.option("--offload-activations", is_flag=True,
                      help="Checkpointed layers' inputs in host memory until backward (torchtune's activation "
                           "offloading; needs --checkpointing full)."),
+        click.option("--task", default="causal-lm", show_default=True,
+                     help="causal-lm | masked-lm | seq-cls | seq2seq-lm: the transformers head and loss trained "
+                          "(anything but causal-lm is traced: BERT, RoBERTa, ModernBERT, T5, BART)."),
+        click.option("--num-labels", type=_Whole(1 << 20), default=None,
+                     help="--task seq-cls: the classifier's labels (default: the config's num_labels)."),
         click.option("--gpu", help="GPU to check (the table lists all; H100 is the SXM card): a verdict line says "
                      "whether it fits, the margin and the largest micro-batch."),
         click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True,
@@ -421,7 +427,16 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, explain_reserved, **
 @click.option("--alloc-conf", default=None, metavar="TEXT",
               help="PYTORCH_CUDA_ALLOC_CONF options for --allocator, e.g. expandable_segments:True (default: the "
                    "environment's PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF).")
-def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None:
+@click.option("--factory", default=None, metavar="PKG.MODULE:FUNCTION",
+              help="Trace your own model (not a transformers one): the function that builds the torch.nn.Module, "
+                   "called under FakeTensorMode; instead of MODEL (recipe fp32 unless --recipe says otherwise).")
+@click.option("--batch-fn", default=None, metavar="PKG.MODULE:FUNCTION",
+              help="--factory: make_batch(batch, seq) returns the forward's input (a tensor, a tuple or a dict); "
+                   "default: input_ids below the model's vocab_size.")
+@click.option("--at", "at_sizes", default=None, metavar="BxS,...",
+              help="--factory: also record the step at four sizes around --seq and estimate it at these micro-batch "
+                   "x sequence sizes, e.g. 8x4096,16x2048.")
+def trace(batch, seq, no_round, replay_allocator, alloc_conf, factory, batch_fn, at_sizes, **options) -> None:
     """Run one real training step of MODEL's transformers implementation under FakeTensorMode on the CPU
     (no GPU, no memory), count every allocation, and compare with the estimate. With --gpus N --fsdp full, one rank
     of FSDP2 on a fake process group; with --gpus N --tp N [--sp], one rank of DTensor tensor parallelism.
@@ -435,6 +450,8 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
     """
     from .step import check_runnable
 
+    if factory is not None or batch_fn is not None or at_sizes is not None:
+        return _trace_factory(factory, batch_fn, at_sizes, batch, seq, no_round, options)
     if alloc_conf is not None and not replay_allocator:
         raise ConfigError("--alloc-conf sets the allocator that --allocator replays: give --allocator too")
     w = _workload(options, batch, seq, need_config="trace")
@@ -508,6 +525,83 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, **options) -> None
         if replayed is not None:
             for line in render_lines(replayed, result.peak.allocated_bytes, unit):
                 console.print(line, markup=False, highlight=False)
+
+
+_FACTORY_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "checkpointing", "loss", "compile",
+                  "offload_activations", "optimizer_in_backward", "task")
+"""The settings a --factory trace takes (factory.check_module_settings refuses the ones it does not run); every
+other workload flag, changed from its default, is refused in one line."""
+
+
+def _at_sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        b, sep, s = part.lower().partition("x")
+        if not sep or not b.isdigit() or not s.isdigit() or int(b) < 1 or int(s) < 1:
+            raise ConfigError(f"--at {_short(text)!r}: give micro-batch x sequence sizes such as 8x4096,16x2048")
+        sizes.append((int(b), int(s)))
+    if not sizes:
+        raise ConfigError("--at needs at least one size such as 8x4096")
+    return sizes
+
+
+def _trace_factory(factory, batch_fn, at_sizes, batch, seq, no_round, options) -> None:
+    """trace --factory: a user's own module traced under FakeTensorMode (factory.py)."""
+    from .factory import check_module_settings, load_factory, record_module, trace_module
+    from .settings import make_settings
+
+    if factory is None:
+        raise ConfigError("--batch-fn and --at go with --factory pkg.module:build_model")
+    if options["model"] is not None or options["params"] is not None:
+        raise ConfigError("give a MODEL (a transformers config) or --factory (your own module), not both")
+    context = click.get_current_context()
+    extra = sorted(k for k in options if k not in (*_FACTORY_FLAGS, "model", "params", "units", "as_json")
+                   and context.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
+    if extra:
+        raise ConfigError(f"trace --factory traces one GPU's step of your module; {', '.join('--' + k.replace('_', '-') for k in extra)} "
+                          "are for transformers models")
+    values = {k: options[k] for k in _FACTORY_FLAGS}
+    if context.get_parameter_source("recipe") == click.core.ParameterSource.DEFAULT:
+        values["recipe"] = "fp32"  # (estimate's default, mixed-bf16, keeps masters a user's module does not have)
+    settings = make_settings(batch=batch, seq=seq, **values)
+    check_module_settings(settings)
+    sizes = _at_sizes(at_sizes) if at_sizes is not None else []
+    build = load_factory(factory)
+    make_batch = load_factory(batch_fn, "--batch-fn") if batch_fn is not None else None
+    from .progress import Progress
+
+    with Progress(f"tracing {factory} on fake tensors", as_json=options["as_json"]):
+        result = trace_module(build, settings, make_batch, round_to_cuda=not no_round)
+        program = record_module(build, settings, make_batch, seq=seq) if sizes else None
+    _print_factory(factory, settings, result, program, sizes, parse_unit(options["units"]), options["as_json"])
+
+
+def _print_factory(factory, settings, result, program, sizes, unit, as_json) -> None:
+    from .units import format_bytes
+
+    estimated = [(b, s, program.phases(b, s)) for b, s in sizes] if program is not None else []
+    if as_json:
+        _emit_json({**_header("trace"), "factory": factory, "settings": settings.as_dict(),
+                    "phases": [{"name": p.name, **p.by_category(), "allocated_bytes": p.allocated_bytes}
+                               for p in result.phases],
+                    "estimated": [{"batch": b, "seq": s, "peak_phase": max(ph, key=lambda p: p.allocated_bytes).name,
+                                   "peak_bytes": max(p.allocated_bytes for p in ph)} for b, s, ph in estimated]})
+        return
+    console = _console()
+    console.print(f"{factory}: one step traced under FakeTensorMode at micro-batch {settings.batch}, sequence "
+                  f"{settings.seq} ({settings.recipe}, {settings.optimizer}) in {result.seconds:.1f} s",
+                  markup=False, highlight=False)
+    for p in result.phases:
+        parts = ", ".join(f"{k} {format_bytes(v, unit)}" for k, v in p.by_category().items() if v)
+        console.print(f"  {p.name:<14} {format_bytes(p.allocated_bytes, unit):>12}  ({parts})", markup=False,
+                      highlight=False)
+    console.print(f"  peak: {result.peak.name}, {format_bytes(result.peak.allocated_bytes, unit)}", markup=False,
+                  highlight=False)
+    for b, s, ph in estimated:
+        top = max(ph, key=lambda p: p.allocated_bytes)
+        console.print(f"  estimated at {b} x {s}: peak {format_bytes(top.allocated_bytes, unit)} ({top.name}; "
+                      f"recorded at 1 x {settings.seq}, 1 x {2 * settings.seq}, 1 x {3 * settings.seq}, "
+                      f"2 x {settings.seq}, fitted c0 + b*q(s))", markup=False, highlight=False)
 
 
 @app.command()

@@ -94,8 +94,12 @@ def _one_line(exc: BaseException) -> str:
     return (text or type(exc).__name__)[:200]
 
 
-def build_meta_model(config: dict[str, Any], origin: str = "config") -> Any:
-    """The transformers causal-LM for ``config``, with its parameters on the meta device."""
+def build_meta_model(config: dict[str, Any], origin: str = "config", task: str = "causal-lm",
+                     num_labels: int | None = None) -> Any:
+    """The transformers model of ``task`` (tasks.py: a causal LM by default) for ``config``, with its parameters on
+    the meta device."""
+    from .tasks import AUTO_CLASSES, auto_class, has_head, no_head_message, task_fields
+
     model_type = check_buildable(config, origin)
     try:
         import torch
@@ -109,6 +113,7 @@ def build_meta_model(config: dict[str, Any], origin: str = "config") -> Any:
 
     hf_logging.set_verbosity_error()  # config sanity warnings are not ours to print
     fields = {k: v for k, v in config.items() if k not in ("model_type", "_name_or_path", "architectures")}
+    fields.update(task_fields(task, num_labels))
     # transformers' config classes and modules raise whatever a hostile value makes them raise (huggingface_hub's
     # StrictDataclassFieldValidationError for a wrong type, RuntimeError for a negative dimension, OverflowError,
     # ZeroDivisionError for zero heads, ...): each is the config's fault, so each is one line here.
@@ -121,6 +126,8 @@ def build_meta_model(config: dict[str, Any], origin: str = "config") -> Any:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ModelError(f"{origin}: unknown model_type {model_type!r}{hint}: neither trainmem's parsers "
                          f"({', '.join(SUPPORTED_MODEL_TYPES)}) nor transformers know it")
+    if task != "causal-lm" and not has_head(task, model_type):
+        raise ModelError(no_head_message(task, model_type, origin))
     try:
         with warnings.catch_warnings():  # (its deprecation notes, e.g. on rope_scaling, are not the user's error)
             warnings.simplefilter("ignore")
@@ -138,12 +145,13 @@ def build_meta_model(config: dict[str, Any], origin: str = "config") -> Any:
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoModelForCausalLM.from_config(hf_config)
+            return (AutoModelForCausalLM if task == "causal-lm" else auto_class(task)).from_config(hf_config)
     except TrainmemError:
         raise
     except Exception as exc:  # noqa: BLE001 (see above)
+        what = "a causal LM" if task == "causal-lm" else AUTO_CLASSES[task]
         raise ModelError(
-            f"{origin}: transformers cannot build model_type {model_type!r} as a causal LM ({_one_line(exc)})"
+            f"{origin}: transformers cannot build model_type {model_type!r} as {what} ({_one_line(exc)})"
         ) from None
 
 
@@ -181,17 +189,22 @@ def check_transformers_config(config: dict[str, Any], origin: str = "config") ->
     _check_rope(origin, getattr(model.config, "rope_parameters", None))
 
 
-def spec_by_building(config: dict[str, Any], name: str, source: str, reason: str = "") -> ModelSpec:
-    """A spec without architecture whose parameter tensors are exactly those of the transformers model. The count
-    is kept on disk (diskcache.py, keyed by the config and the library versions), so the next estimate of
-    the same config imports neither torch nor transformers."""
+def spec_by_building(config: dict[str, Any], name: str, source: str, reason: str = "", task: str = "causal-lm",
+                     num_labels: int | None = None) -> ModelSpec:
+    """A spec without architecture whose parameter tensors are exactly those of the transformers model of ``task``
+    (its head: BERT's pooler and classifier for seq-cls, its MLM head for masked-lm). The count is kept on disk
+    (diskcache.py, keyed by the config, the task and the library versions), so the next estimate of the same
+    config imports neither torch nor transformers."""
     from .diskcache import cache_path, canonical_config, read_cached, write_cached
 
     check_buildable(config, source or name or "config")
-    path = cache_path("params", {"config": canonical_config(config)})
+    key: dict[str, Any] = {"config": canonical_config(config)}
+    if task != "causal-lm":  # (the causal LM's entries keep the key they had)
+        key |= {"task": task, "num_labels": num_labels}
+    path = cache_path("params", key)
     counted = read_cached(path)
     if not (counted and isinstance(counted.get("tensors"), list) and "layer_list" in counted):
-        counted = _count_by_building(config, source or name or "config")
+        counted = _count_by_building(config, source or name or "config", task, num_labels)
         write_cached(path, counted)
     return ModelSpec(
         name=name, model_type=str(config["model_type"]), hidden_size=int(counted["hidden_size"]),
@@ -235,10 +248,11 @@ def _grouped(tensors: list[list[Any]], layer_list: str) -> tuple[ParamGroup, ...
     return tuple(groups)
 
 
-def _count_by_building(config: dict[str, Any], origin: str) -> dict[str, Any]:
-    """The parameter tensors of the model built on the meta device, the path of its decoder layers' list ("" where
-    it has none) and the sizes the spec keeps."""
-    model = build_meta_model(config, origin)
+def _count_by_building(config: dict[str, Any], origin: str, task: str = "causal-lm",
+                       num_labels: int | None = None) -> dict[str, Any]:
+    """The parameter tensors of the model of ``task`` built on the meta device, the path of its decoder layers' list
+    ("" where it has none) and the sizes the spec keeps."""
+    model = build_meta_model(config, origin, task, num_labels)
     tensors = [[n, list(p.shape)] for n, p in model.named_parameters()]
     if not tensors:
         raise ModelError(f"{origin}: transformers built model_type {config['model_type']!r} without parameters")

@@ -52,10 +52,15 @@ def decoder_layers(model) -> list:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
-def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa", dropout: float | None = None):
+def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa", dropout: float | None = None,
+                task: str = "causal-lm", num_labels: int | None = None):
+    """The transformers model of ``task`` (tasks.py; a causal LM by default) in ``recipe``'s weight dtype, in
+    training mode, its tensors made in the active mode (fake under FakeTensorMode)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.utils import logging
+
+    from .tasks import auto_class, task_fields
 
     logging.set_verbosity_error()
     # torch_dtype/dtype in a config would override the recipe's dtype in from_config.
@@ -65,21 +70,57 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
         for key in ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "dropout",
                     "resid_pdrop"):
             fields[key] = dropout
+    fields.update(task_fields(task, num_labels))
     hf_config = AutoConfig.for_model(config["model_type"], **fields)
+    model_class = auto_class(task)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[recipe.weights]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # model.to(dtype) would work too here, but not under FakeTensorMode
     try:
-        try:
-            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=dtype)
-        except ValueError as exc:  # no SDPA path (Gemma 2, BLOOM): transformers' own default is eager
-            if attention != "sdpa" or "scaled_dot_product_attention" not in str(exc):
-                raise
-            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager", dtype=dtype)
+        with _trunc_normal_without_data_checks(torch):
+            model = _from_config(model_class, hf_config, attention, dtype)
     finally:
         torch.set_default_dtype(previous)
     model.train()
     return model
+
+
+def _from_config(model_class, hf_config, attention: str, dtype):
+    try:
+        return model_class.from_config(hf_config, attn_implementation=attention, dtype=dtype)
+    except ValueError as exc:  # no SDPA path (Gemma 2, BLOOM): transformers' own default is eager
+        if attention != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+            raise
+        return model_class.from_config(hf_config, attn_implementation="eager", dtype=dtype)
+
+
+@contextlib.contextmanager
+def _trunc_normal_without_data_checks(torch):
+    """Under FakeTensorMode, ``torch.nn.init.trunc_normal_`` (torch/nn/init.py, ``_no_grad_trunc_normal_``) asks
+    ``mask.any()`` of its samples, which fake tensors cannot answer (ModernBERT initialises every weight with it):
+    while a model is built on fake tensors, the initialisation draws a normal sample clamped to [a, b] in place, the
+    same tensor with no new storage kept (the values of fake tensors are never read)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack()):
+        yield
+        return
+    from transformers import initialization
+
+    def clamped_normal(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        with torch.no_grad():
+            return tensor.normal_(mean, std).clamp_(a, b)
+
+    originals = (torch.nn.init.trunc_normal_, initialization.TORCH_INIT_FUNCTIONS.get("trunc_normal_"))
+    torch.nn.init.trunc_normal_ = clamped_normal
+    initialization.TORCH_INIT_FUNCTIONS["trunc_normal_"] = clamped_normal
+    try:
+        yield
+    finally:
+        torch.nn.init.trunc_normal_ = originals[0]
+        if originals[1] is not None:
+            initialization.TORCH_INIT_FUNCTIONS["trunc_normal_"] = originals[1]
 
 
 FAMILY_MODULE_PATHS = {

@@ -25,6 +25,10 @@ allocation counted by MemTracker) on reduced copies of the config, and extrapola
   trainmem versions; the parameter tensors the spec counts (meta_count.spec_by_building) are kept the same way.
   A second estimate of the same set-up imports neither torch nor transformers.
 
+- **Other heads** (``--task``, tasks.py): an encoder's masked-LM or classifier step is reduced over its one stack
+  of layers the same way; an encoder-decoder's (seq2seq-lm) over its two stacks apart (``record_seq2seq``: one
+  more period of the encoder, then of the decoder, each extrapolated by its own count; docs/method.md 7b).
+
 Needs torch and transformers (``pip install 'trainmem[trace]'``); without them the estimate is the static memory
 and one line naming the extra.
 """
@@ -119,12 +123,13 @@ def per_layer_lists(hf_config: dict[str, Any], layers: int) -> tuple[dict[str, l
     return per_layer, indices
 
 
-def layer_plan(config: dict[str, Any], checkpoint_every: int = 1) -> tuple[LayerPlan, str, dict[str, Any]]:
+def layer_plan(config: dict[str, Any], checkpoint_every: int = 1, task: str = "causal-lm",
+               num_labels: int | None = None) -> tuple[LayerPlan, str, dict[str, Any]]:
     """The layer plan of ``config``, the config key of its layer count and its full config (transformers' to_dict,
-    with every per-layer list the config class derives), from the model built on the meta device."""
+    with every per-layer list the config class derives), from the model of ``task`` built on the meta device."""
     from .meta_count import build_meta_model, decoder_layers
 
-    model = build_meta_model(config)
+    model = build_meta_model(config, task=task, num_labels=num_labels)
     hf = model.config
     key = type(hf).attribute_map.get("num_hidden_layers", "num_hidden_layers")
     layers = getattr(hf, "num_hidden_layers", None)
@@ -182,22 +187,36 @@ class Recorded:
     from_cache: bool
     places: tuple[tuple[str, Phase], ...] = ()
     """Forward's and backward's largest moment in each place (record_places), where an engine's buffers are added."""
+    decoder_plan: LayerPlan | None = None
+    """An encoder-decoder's decoder (``plan`` is then its encoder's)."""
+    task: str = "causal-lm"
 
     def note(self) -> str:
-        counts = " and ".join(str(n) for n in self.plan.counts)
-        how = ("traced directly" if len(self.plan.counts) == 1 else
-               f"period {self.plan.period}{f' after {self.plan.prefix}' if self.plan.prefix else ''}, extrapolated "
-               "linearly")
         where = (f"read from the cache at {self.cache}" if self.from_cache else
                  f"recorded in {self.seconds:.1f} s, cached at {self.cache}" if self.cache.endswith(".json") else
                  f"recorded in {self.seconds:.1f} s, not cached ({self.cache})")
-        return (f"traced path: no hand-written description of this model_type, so its step was traced under "
-                f"FakeTensorMode (recorded {counts} of {self.plan.layers} layers, {how}); {where}")
+        why = ("no hand-written description of this model_type" if self.task == "causal-lm" else
+               f"--task {self.task} runs transformers' own head and loss")
+        stacks = (_plan_words(self.plan, "layers") if self.decoder_plan is None else
+                  f"{_plan_words(self.plan, 'encoder layers')}; {_plan_words(self.decoder_plan, 'decoder layers')}")
+        return f"traced path: {why}, so its step was traced under FakeTensorMode (recorded {stacks}); {where}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"layers": self.plan.layers, "recorded_layers": list(self.plan.counts), "period": self.plan.period,
-                "prefix": self.plan.prefix, "cache": self.cache, "from_cache": self.from_cache,
-                "seconds": round(self.seconds, 3)}
+        out = {"layers": self.plan.layers, "recorded_layers": list(self.plan.counts), "period": self.plan.period,
+               "prefix": self.plan.prefix, "cache": self.cache, "from_cache": self.from_cache,
+               "seconds": round(self.seconds, 3)}
+        if self.decoder_plan is not None:
+            out["decoder"] = _plan_doc(self.decoder_plan)
+        if self.task != "causal-lm":
+            out["task"] = self.task
+        return out
+
+
+def _plan_words(plan: LayerPlan, what: str) -> str:
+    counts = " and ".join(str(n) for n in plan.counts)
+    how = ("traced directly" if len(plan.counts) == 1 else
+           f"period {plan.period}{f' after {plan.prefix}' if plan.prefix else ''}, extrapolated linearly")
+    return f"{counts} of {plan.layers} {what}, {how}"
 
 
 def extrapolate(first: tuple[Phase, ...], second: tuple[Phase, ...], periods: int) -> tuple[Phase, ...]:
@@ -226,7 +245,8 @@ def record_places(config: dict[str, Any], settings, spec=None, progress: bool = 
     from .settings import SELECTIVE_EVERY
     from .trace import trace_step
 
-    plan, key, full = layer_plan(config, SELECTIVE_EVERY if settings.checkpointing == "selective" else 1)
+    plan, key, full = layer_plan(config, SELECTIVE_EVERY if settings.checkpointing == "selective" else 1,
+                                 settings.task, settings.num_labels)
     traced, peaks = [], []
     with Progress(f"tracing {' and '.join(map(str, plan.counts))} of {plan.layers} layers", total=len(plan.counts),
                   force=None if progress else False) as bar:
@@ -238,7 +258,7 @@ def record_places(config: dict[str, Any], settings, spec=None, progress: bool = 
             bar.advance()
     if len(traced) == 1:
         return traced[0], plan, _places([_anchored(peaks[0], plan.counts[0])], list(peaks[0]), 0)
-    phases = extrapolate(traced[0], traced[1], plan.periods_added)
+    phases = tuple(_extrapolated_phase(a, b, plan.periods_added) for a, b in zip(traced[0], traced[1], strict=True))
     first, second = _anchored(peaks[0], plan.counts[0]), _anchored(peaks[1], plan.counts[1])
     places = _places([first, second], list(peaks[0]), plan.periods_added)
     return _with_module_moments(phases, peaks, plan), plan, places
@@ -277,6 +297,106 @@ def _places(anchored: list[dict], names: list[str], periods: int) -> tuple[tuple
             if label not in best or moment.allocated_bytes > best[label].allocated_bytes:
                 best[label] = moment
     return tuple(sorted(best.items()))
+
+
+def _extrapolated_phase(a: Phase, b: Phase, periods: int) -> Phase:
+    """One phase extrapolated; forward's or backward's that shrinks in a category with the layers (its peak moment
+    is a different one at the two traced counts: with --grad-accum, the end of backward at one layer, its start at
+    two) is left at nothing, for the largest of the modules' extrapolated moments to replace
+    (``_with_module_moments``); another phase that shrinks is an error."""
+    try:
+        return extrapolate((a,), (b,), periods)[0]
+    except ValueError:
+        if a.name not in ("forward", "backward"):
+            raise
+        return Phase(a.name, b.moment, *(0 for _ in CATEGORIES))
+
+
+# -- encoder-decoders ----------------------------------------------------------------------------------------------
+
+_DECODER_LAYER_KEYS = ("num_decoder_layers", "decoder_layers")
+"""Where an encoder-decoder's config counts its decoder layers (T5's num_decoder_layers; BART's, mBART's,
+Marian's, Pegasus' decoder_layers); the encoder's count is the key ``num_hidden_layers`` maps to (T5's
+num_layers, BART's encoder_layers)."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One of an encoder-decoder's two stacks of layers: the config key of its layer count and its layer plan."""
+
+    key: str
+    plan: LayerPlan
+
+
+def seq2seq_plans(config: dict[str, Any], checkpoint_every: int = 1) -> tuple[Stack, Stack, dict[str, Any]]:
+    """The encoder's and the decoder's layer plans (each stack's own pattern: T5's first layer holds the relative
+    position bias, so each has a prefix of one), from the Seq2Seq LM built on the meta device, and its full config."""
+    from .errors import ModelError
+    from .meta_count import build_meta_model, decoder_layers
+
+    model = build_meta_model(config, task="seq2seq-lm")
+    hf = model.config
+    full = hf.to_dict()
+    encoder_key = type(hf).attribute_map.get("num_hidden_layers", "num_hidden_layers")
+    decoder_key = next((k for k in _DECODER_LAYER_KEYS if isinstance(full.get(k), int)), None)
+    if decoder_key is None or not isinstance(full.get(encoder_key), int):
+        raise ModelError(f"model_type {config.get('model_type')!r}: no encoder and decoder layer counts "
+                         f"({encoder_key}, {' or '.join(_DECODER_LAYER_KEYS)}) to trace a seq2seq-lm step by")
+    stacks = []
+    for key, part in ((encoder_key, model.get_encoder()), (decoder_key, model.get_decoder())):
+        layers = int(full[key])
+        found = decoder_layers(part, layers) if layers else None
+        if found is None:
+            stacks.append(Stack(key, LayerPlan(layers, 0, 1, (layers,))))
+            continue
+        prefix, period = find_period([layer_signature(layer, i, {}, checkpoint_every)
+                                      for i, layer in enumerate(found)])
+        stacks.append(Stack(key, plan_layers(layers, prefix, period)))
+    return stacks[0], stacks[1], full
+
+
+def extrapolate_stacks(base: tuple[Phase, ...], moved: list[tuple[tuple[Phase, ...], int]]) -> tuple[Phase, ...]:
+    """Each phase at ``base`` plus, for each stack, ``periods`` times what one more period of that stack added
+    (``moved``: the phases with one more period of one stack, the other at its base count, and the periods to add):
+    the stacks' layers add their tensors independently (the encoder's activations are saved in the encoder, the
+    decoder's in the decoder; the encoder's output, which every cross-attention reads, does not grow with either)."""
+    out = []
+    for index, phase in enumerate(base):
+        values = {c: getattr(phase, c) for c in CATEGORIES}
+        for phases, periods in moved:
+            for c in CATEGORIES:
+                values[c] += periods * (getattr(phases[index], c) - getattr(phase, c))
+        if any(v < 0 for v in values.values()):
+            raise ValueError(f"the {phase.name} phase shrinks with the layers")
+        out.append(Phase(phase.name, phase.moment, **values))
+    return tuple(out)
+
+
+def record_seq2seq(config: dict[str, Any], settings, spec=None,
+                   progress: bool = True) -> tuple[tuple[Phase, ...], LayerPlan, LayerPlan]:
+    """An encoder-decoder's step: traced at the base counts (each stack's first), then with one more period of the
+    encoder, then of the decoder, and extrapolated over both (``extrapolate_stacks``)."""
+    from .progress import Progress
+    from .trace import trace_step
+
+    encoder, decoder, _ = seq2seq_plans(config)  # (--checkpointing selective is refused for seq2seq-lm: settings)
+    base = {encoder.key: encoder.plan.counts[0], decoder.key: decoder.plan.counts[0]}
+    runs = [dict(base)]
+    for stack in (encoder, decoder):
+        if len(stack.plan.counts) == 2:
+            runs.append({**base, stack.key: stack.plan.counts[1]})
+    traced = []
+    with Progress(f"tracing {len(runs)} encoder-decoder sizes of {encoder.plan.layers} + {decoder.plan.layers} "
+                  "layers", total=len(runs), force=None if progress else False) as bar:
+        for counts in runs:
+            traced.append(trace_step({**config, **counts}, settings, spec).phases)
+            bar.advance()
+    moved, at = [], 1
+    for stack in (encoder, decoder):
+        if len(stack.plan.counts) == 2:
+            moved.append((traced[at], stack.plan.periods_added))
+            at += 1
+    return extrapolate_stacks(traced[0], moved), encoder.plan, decoder.plan
 
 
 def _anchored(peaks: dict, count: int) -> dict[tuple, tuple]:
@@ -341,21 +461,35 @@ def recorded_phases(config: dict[str, Any], settings, spec=None, progress: bool 
         payload["finetune"] = asdict(finetune)
     path = cache_path("phases", payload)
     doc = read_cached(path)
+    task = settings.task
     if doc is not None:
         try:
             phases = tuple(Phase(**p) for p in doc["phases"])
-            plan = LayerPlan(**{**doc["plan"], "counts": tuple(doc["plan"]["counts"])})
+            plan = _read_plan(doc["plan"])
             places = tuple((p.pop("place"), Phase(**p)) for p in map(dict, doc["places"]))
-            return Recorded(phases, plan, 0.0, str(path), True, places)
+            decoder = _read_plan(doc["decoder_plan"]) if doc.get("decoder_plan") else None
+            return Recorded(phases, plan, 0.0, str(path), True, places, decoder, task)
         except (KeyError, TypeError):
             pass  # an entry of another shape: recorded again below
     started = time.perf_counter()
-    phases, plan, places = record_places(config, settings, spec, progress, finetune)
+    decoder_plan, places = None, ()
+    if task == "seq2seq-lm":
+        if finetune is not None:
+            raise ValueError("LoRA on an encoder-decoder is not traced")  # (settings refuse --lora with --task)
+        phases, plan, decoder_plan = record_seq2seq(config, settings, spec, progress)
+    else:
+        phases, plan, places = record_places(config, settings, spec, progress, finetune)
     seconds = time.perf_counter() - started
-    why_not = write_cached(path, {"phases": [_phase_doc(p) for p in phases], "plan": _plan_doc(plan),
-                                  "places": [{"place": place, **_phase_doc(p)} for place, p in places],
-                                  "seconds": seconds})
-    return Recorded(phases, plan, seconds, why_not or str(path), False, places)
+    doc = {"phases": [_phase_doc(p) for p in phases], "plan": _plan_doc(plan),
+           "places": [{"place": place, **_phase_doc(p)} for place, p in places], "seconds": seconds}
+    if decoder_plan is not None:
+        doc["decoder_plan"] = _plan_doc(decoder_plan)
+    why_not = write_cached(path, doc)
+    return Recorded(phases, plan, seconds, why_not or str(path), False, places, decoder_plan, task)
+
+
+def _read_plan(doc: dict[str, Any]) -> LayerPlan:
+    return LayerPlan(**{**doc, "counts": tuple(doc["counts"])})
 
 
 def missing_extra() -> str | None:

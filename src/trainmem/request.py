@@ -149,10 +149,15 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     finetune = _finetune(lora, lora_alpha, lora_targets, adapter_dtype, base_quant, double_quant, qlora,
                          lora_dropout, dora, train_modules, bnb_version)
     config = None
+    if training.task != "causal-lm" and (params is not None or isinstance(model, ModelSpec) or finetune):
+        raise ConfigError(f"--task {training.task} is traced from the model's config with transformers' head: give a "
+                          "model config (not --params or a ModelSpec), without --lora")
     if params is not None:
         spec = nominal_spec(parse_params(params))
     elif isinstance(model, ModelSpec):
         spec = model
+    elif training.task != "causal-lm":
+        spec, config = _task_spec(model, hub, training)
     else:
         from .catalog import resolve_model_and_config
 
@@ -182,6 +187,17 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
             raise ConfigError(f"LoRA with {used} is not modelled yet: give data parallelism (--gpus N with DDP, "
                               "--zero or --fsdp)")
     return Request(spec, config, training, device, target, parallel, finetune)
+
+
+def _task_spec(model, hub: bool, training: TrainingSettings) -> tuple[ModelSpec, dict[str, Any]]:
+    """The spec of another head than a causal LM's (tasks.py): its parameters counted on the meta device, its step
+    on the traced path, whether or not the model_type has a hand-written description (that describes a causal LM)."""
+    from .catalog import load_config
+    from .meta_count import spec_by_building
+
+    config, name, source = load_config(model, hub)
+    return spec_by_building(config, name=name, source=source, task=training.task,
+                            num_labels=training.num_labels), config
 
 
 def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlora,

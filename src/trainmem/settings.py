@@ -27,6 +27,12 @@ OFFLOAD_MIN_BYTES = 1024
 OUTPUT_CHUNKS = 8
 """torchtune's CEWithChunkedOutputLoss default (num_output_chunks), which the model's output layer follows."""
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
+TASKS = ("causal-lm", "masked-lm", "seq-cls", "seq2seq-lm")
+"""What the model is trained to do, i.e. which transformers head and loss the step runs (tasks.py): causal-lm
+(AutoModelForCausalLM, next-token cross-entropy), masked-lm (AutoModelForMaskedLM, cross-entropy over the masked
+positions), seq-cls (AutoModelForSequenceClassification, cross-entropy over the pooled output's num_labels logits)
+and seq2seq-lm (AutoModelForSeq2SeqLM, the labels through the decoder)."""
+MAX_LABELS = 1 << 20
 MAX_BATCH = 1 << 24
 MAX_SEQ = 1 << 24
 MAX_GRAD_ACCUM = 1 << 24
@@ -79,6 +85,10 @@ class TrainingSettings:
     offload_activations: bool = False
     """Move what backward keeps to host memory as it is saved and bring it back when backward needs it
     (torchtune's OffloadActivations, a saved-tensor hook); the host bytes are reported."""
+    task: str = "causal-lm"
+    """The head and loss trained (TASKS); anything but causal-lm runs on the traced path (recorded.py)."""
+    num_labels: int | None = None
+    """seq-cls: the classifier's outputs (None keeps the config's num_labels, transformers' default 2)."""
 
     @property
     def fused_optimizer(self) -> bool:
@@ -115,6 +125,7 @@ class TrainingSettings:
         for name in ("compile", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check_task(self)
         if self.activation_k is not None and (self.compile or self.offload_activations or self.loss != "standard"):
             raise ConfigError("--activation-k replaces the activation model with one number; --compile, "
                               "--offload-activations and --loss change what that model computes: give one or the "
@@ -168,6 +179,27 @@ class TrainingSettings:
         return out
 
 
+def _check_task(s: TrainingSettings) -> None:
+    """The task, its number of labels, and the switches the traced step of another head does not run."""
+    if not isinstance(s.task, str) or s.task not in TASKS:
+        raise ConfigError(f"unknown task {short_repr(s.task)}; accepted: {', '.join(TASKS)}")
+    if s.num_labels is not None:
+        if s.task != "seq-cls":
+            raise ConfigError(f"num-labels sizes the classifier of --task seq-cls; task {s.task!r} has none")
+        if isinstance(s.num_labels, bool) or not isinstance(s.num_labels, int) or not 0 < s.num_labels <= MAX_LABELS:
+            raise ConfigError(f"num-labels must be a positive integer, got {short_repr(s.num_labels)} "
+                              f"(accepted: 1 to {MAX_LABELS:,})")
+    if s.task == "causal-lm":
+        return
+    unrun = [flag for flag, on in (("--activation-k", s.activation_k is not None), ("--compile", s.compile),
+                                   ("--offload-activations", s.offload_activations),
+                                   (f"--loss {s.loss}", s.loss != "standard"),
+                                   ("--checkpointing selective", s.checkpointing == "selective")) if on]
+    if unrun:
+        raise ConfigError(f"--task {s.task} is traced with transformers' own head and loss; {', '.join(unrun)} "
+                          "applies to causal LMs only (drop it, or give --task causal-lm)")
+
+
 def _check_positive(name: str, value: Any) -> None:
     largest = _BOUNDS[name]
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= largest:
@@ -206,8 +238,8 @@ _FIELDS = {f.name for f in fields(TrainingSettings)}
 _DEFAULTS = {f.name: f.default for f in fields(TrainingSettings)}
 _ACTIVATION_FIELDS = tuple(sorted(_FIELDS - {"recipe", "optimizer", "optimizer_impl", "optimizer_in_backward",
                                              "grad_accum"}))
-_ADDED_IN_SCHEMA_2 = ("optimizer_in_backward", "compile", "offload_activations")
-_TEXT_FIELDS = ("recipe", "optimizer", "attention", "checkpointing", "loss", "optimizer_impl")
+_ADDED_IN_SCHEMA_2 = ("optimizer_in_backward", "compile", "offload_activations", "task", "num_labels")
+_TEXT_FIELDS = ("recipe", "optimizer", "attention", "checkpointing", "loss", "optimizer_impl", "task")
 
 
 def make_settings(**values: Any) -> TrainingSettings:

@@ -209,21 +209,29 @@ class TrainingStep:
         import torch
 
         from .activations import effective_kernel
-        from .models import spec_from_config
+        from .models import UnsupportedModelType, spec_from_config
         from .probe import build_lora_model, build_model
 
         self.torch = torch
         self.recipe = recipe = get_recipe(settings.recipe)
         self.settings = settings
         check_runnable(settings, device)
-        spec = spec or spec_from_config(config)
+        if spec is None:
+            try:
+                spec = spec_from_config(config)
+            except UnsupportedModelType:  # (counted by transformers: the traced path's models)
+                from .meta_count import spec_by_building
+
+                spec = spec_by_building(config, "config", "", task=settings.task, num_labels=settings.num_labels)
         kernel = effective_kernel(spec, settings.attention)
         kernel = "flash_attention_2" if kernel == "flash" else kernel
         self.finetune = finetune
         # Built directly on the device (no .to(), which FakeTensorMode cannot apply to parameters).
         with torch.device(device):
             self.model = (build_lora_model(config, recipe, kernel, settings.dropout, finetune, spec) if finetune
-                          else build_model(config, recipe, kernel, settings.dropout))
+                          else build_model(config, recipe, kernel, settings.dropout, settings.task,
+                                           settings.num_labels))
+        self.num_labels = int(getattr(causal_lm(self.model).config, "num_labels", 0) or 0)
         self.recomputing = False
         """True while a checkpointed layer's forward is being recomputed inside backward."""
         if settings.compile:
@@ -274,7 +282,11 @@ class TrainingStep:
             self.optimizers = None
             self.optimizer = make_optimizer(torch, settings.optimizer, self.masters or self.params,
                                             settings.fused_optimizer, fp32_states, is_matrix)
-        self.ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq), device=device)
+        from .tasks import make_batch
+
+        self.inputs = make_batch(torch, settings.task, int(config["vocab_size"]), self.num_labels, settings.batch,
+                                 settings.seq, device)
+        self.ids = self.inputs["input_ids"]
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.compute)
         self.autocast_device = torch.device(device).type
         self.autocast_dtype = half if recipe.autocast else None
@@ -375,7 +387,7 @@ class TrainingStep:
         ctx = (torch.autocast(self.autocast_device, dtype=self.autocast_dtype) if self.autocast_dtype
                else contextlib.nullcontext())
         with ctx:
-            loss = self.model(input_ids=self.ids, labels=self.ids).loss
+            loss = self.model(**self.inputs).loss
         loss.backward()
         del loss
 
