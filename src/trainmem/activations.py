@@ -482,6 +482,14 @@ def _bloom_forward(spec: ModelSpec, p: Precision, a: int, d: int, s: int, dropou
     return inputs + max(at_softmax * a * s, at_dropout * a * s, at_end * a * s + 3 * c * h + w * h)
 
 
+def _half_q(spec: ModelSpec, att: Attention) -> bool:
+    """Whether q reaches attention in the projections' dtype under autocast: unrotated (OPT, SmolLM3's NoPE
+    layers, Cohere 2's full layers: nothing promotes the half projection output) or rotated and cast back
+    (OLMo-2, Cohere: rotary_in_input_dtype). Llama's rotary tables follow the fp32 hidden states instead, so its
+    rotated q is fp32. (GPT-2's eager attention takes its softmax in the scores' dtype, with no cast-back copy.)"""
+    return spec.traits.rotary_in_input_dtype or (att.rotary_dim == 0 and spec.traits.eager_attention == "llama")
+
+
 def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precision, s: int, dropout: float,
                             half_q: bool = False) -> float:
     """A checkpointed layer's attention forward keeps nothing for backward, so its worst moment is the kernel's:
@@ -1009,9 +1017,10 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         mlp_consumers = 1 + (2 if layer.moe.shared_intermediate_size else 0) + int(layer.moe.shared_expert_gate)
     else:
         mlp_consumers = 2 if (layer.mlp and layer.mlp.gated and not layer.mlp.fused_gate_up) else 1
-    if gemma and layer.num_norms == 4:
+    if layer.num_norms == 4:
         # Gemma 2/3 sandwich norms: post_attention_layernorm on the attention output (before the residual
-        # add), pre_feedforward_layernorm, and post_feedforward_layernorm on the MLP output.
+        # add), pre_feedforward_layernorm, and post_feedforward_layernorm on the MLP output (GLM-4's
+        # Glm4DecoderLayer has the same four: post_self_attn_layernorm, post_attention_layernorm, post_mlp_layernorm).
         terms += norm_terms("post-attention norm", p.compute, "post_attention_norm")
         terms += norm_terms("pre-feedforward norm", r, "pre_feedforward_norm")
         terms += norm_terms("post-feedforward norm", p.compute, "post_feedforward_norm")
@@ -1066,7 +1075,7 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention.kernel, attention.cache_extra,
                             attention.returned_extra, attention_bytes, attention.released, attention.backward,
                             max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout,
-                                                                        spec.traits.rotary_in_input_dtype),
+                                                                        _half_q(spec, att)),
                                 attention.rotary_forward),
                             attention.softmax_extra, attention.after_softmax, attention.returned_to_model,
                             attention.held_by_layer, matmul_backward=attention.matmul_backward,
