@@ -296,6 +296,9 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             if spec.traits.norm_centred_twice:
                 terms.append(Term(f"{name}: input less its mean, again (fp32)", FP32 * heads * d, name, "input_fp32"))
     rotary = att.rotary_dim > 0
+    if rotary and spec.traits.rotary_tables_per_layer:  # (one (1, 1, s, rotary dim) pair, shared by the batch)
+        terms.append(Term("cos, sin repeated for this layer's rotary",
+                          2 * _rotary_table_bytes(spec, p) * att.rotary_dim / batch))
     use_cache = uses_kv_cache(settings)
     # Under autocast the rotary tables follow the fp32 hidden states, so the rotated q and k are fp32.
     qk_bytes = p.residual if p.autocast and rotary and not spec.traits.rotary_in_input_dtype else c
@@ -480,6 +483,11 @@ def _bloom_forward(spec: ModelSpec, p: Precision, a: int, d: int, s: int, dropou
     at_dropout = c + w + 2 * c + MASK if dropout > 0 else 0
     at_end = c + w + c + (MASK if dropout > 0 else 0)
     return inputs + max(at_softmax * a * s, at_dropout * a * s, at_end * a * s + 3 * c * h + w * h)
+
+
+def _rotary_table_bytes(spec: ModelSpec, p: Precision) -> int:
+    """The dtype of the rotary cos and sin: the hidden states' (Llama's ``cos.to(dtype=x.dtype)``) or fp32."""
+    return FP32 if spec.traits.rotary_tables_fp32 else p.residual
 
 
 def _half_q(spec: ModelSpec, att: Attention) -> bool:
@@ -985,6 +993,7 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     r = p.residual
     att = layer.attention
     attn_dropout = spec.dropout.attention if settings.dropout is None else settings.dropout
+    attn_dropout = attn_dropout if spec.traits.attention_dropout else 0.0
     hidden_dropout = spec.dropout.hidden if settings.dropout is None else settings.dropout
     kernel = settings.attention
     terms: list[Term] = []
@@ -1320,7 +1329,8 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         # set(self.config.layer_types)``): a model whose layers all slide (or none do) builds one.
         kinds = {layer.sliding_window is not None for layer, _ in spec.layer_runs}
         tables = min(spec.traits.rotary_tables, len(kinds))
-        constant.append(Term("rotary cos, sin", tables * 2 * p.residual * s * max(rotary_dims)))
+        if not spec.traits.rotary_tables_per_layer or settings.checkpointing != "none":
+            constant.append(Term("rotary cos, sin", tables * 2 * _rotary_table_bytes(spec, p) * s * max(rotary_dims)))
 
     masks_built, masks_used = _mask_bytes(spec, settings, p)
     if masks_used and settings.checkpointing != "none":

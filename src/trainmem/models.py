@@ -246,6 +246,17 @@ class FamilyTraits:
     norm_centred_twice: bool = False
     """CohereLayerNorm computes ``hidden_states - mean`` twice (once for the variance, once to normalise), and
     ``pow`` and the product with the rsqrt each keep theirs: one more fp32 input-wide tensor than an RMSNorm."""
+    attention_dropout: bool = True
+    """Whether attention drops out its probabilities with the config's (or --dropout's) rate; Ernie4_5Attention sets
+    ``self.attention_dropout = 0.0`` whatever the config holds, so nothing is dropped there."""
+    rotary_tables_per_layer: bool = False
+    """apply_rotary_pos_emb builds each layer's own cos and sin from the model's tables
+    (``cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)``, the interleaved pairs of GLM-4 and ERNIE 4.5),
+    and the products keep those for backward: the model's tables then live only through the layer loop (and, under
+    checkpointing, as the checkpoints' arguments)."""
+    rotary_tables_fp32: bool = False
+    """The rotary embedding returns cos and sin in fp32 whatever the hidden states' dtype (Ernie4_5RotaryEmbedding and
+    Olmo3RotaryEmbedding end ``return cos, sin``, without Llama's ``.to(dtype=x.dtype)``)."""
     rms_norm_fp32_product: bool = False
     """The RMSNorm multiplies its weight by the fp32 normalised value and casts the product back
     (Olmo2RMSNorm: ``(self.weight * hidden_states).to(input_dtype)``), so the kept normalised value is fp32, as
@@ -1241,10 +1252,11 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "phi": FamilyTraits(q_built_by_cat=True, hidden_dropout="per_block", embedding_dropout=True,
                         rotary_split_locals=True),
     "smollm3": FamilyTraits(eager_masks_always_built=frozenset({False})),
-    "ernie4_5": FamilyTraits(rotary_in_input_dtype=True),
-    "glm4": FamilyTraits(q_built_by_cat=True),
+    "ernie4_5": FamilyTraits(rotary_in_input_dtype=True, rotary_tables_per_layer=True, rotary_tables_fp32=True,
+                             attention_dropout=False),
+    "glm4": FamilyTraits(q_built_by_cat=True, rotary_tables_per_layer=True),
     "olmo3": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True,
-                          rotary_tables=2, eager_masks_always_built=frozenset({False, True})),
+                          rotary_tables=2, eager_masks_always_built=frozenset({False, True}), rotary_tables_fp32=True),
     "cohere2": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True,
                             eager_masks_always_built=frozenset({False, True})),
 }
