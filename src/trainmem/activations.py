@@ -402,6 +402,20 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         matmul_backward = c * a * s + 2 * c * a * dv
         held_by_layer = dropout_bytes * a * s + (c * spec.hidden_size if gpt2_eager else 0)
         softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s)
+        if p.autocast and _half_q(spec, att):
+            # ``.to(query.dtype)`` of the fp32 softmax output, with q half: the cast is made while the softmax's fp32
+            # input is still bound, so the worst moment holds the cast beside both (as a checkpointed forward does)
+            softmax_extra += c * a * s
+        if (not att.fused_qkv and not q_by_cat and not gpt2_eager and spec.traits.block == "standard" and batch > 1
+                and a > 1):
+            # The attention forward's q (rotated, or q_proj's output viewed (b, a, s, d)) is laid out (b, s, a, d):
+            # the batched matmul copies it to (b * a, s, d) and keeps the copy, while the forward's local still holds
+            # q itself (traced: Llama, pure-bf16, the last layer's softmax, 512 bytes per token at 4 x 64 heads)
+            softmax_extra += qk_bytes * a * d
+            if qk_bytes != c and kv_passed != kv and not (kv == 1 and batch == 1):
+                # (under autocast k is fp32 after RoPE: repeat_kv's fp32 copy stays in eager_attention_forward's
+                # ``key_states`` while the matmul keeps its half cast)
+                softmax_extra += qk_bytes * a * d
         if spec.traits.block == "bloom":  # BloomAttention keeps the baddbmm scores in a local beside the masked ones
             softmax_extra += c * a * s
             bloom_forward = _bloom_forward(spec, p, a, d, s, dropout, settings.batch)

@@ -920,7 +920,7 @@ def _parse_glm4(c: _Config) -> dict[str, Any]:
     rotary (``partial_rotary_factor``, 0.5 by default) on separate q and k, joined to the passed part by cat."""
     spec = _llama_like(c, qkv_bias=bool(c.get("attention_bias")), o_bias=False, num_norms=4,
                        rotary_fraction=_rotary_fraction(c))
-    spec["layer_runs"] = tuple((replace(layer, mlp=replace(layer.mlp, fused_gate_up=True)), n)  # type: ignore[arg-type]
+    spec["layer_runs"] = tuple((replace(layer, mlp=replace(layer.mlp, fused_gate_up=True)), n)
                                for layer, n in spec["layer_runs"])
     return spec
 
