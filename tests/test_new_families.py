@@ -123,7 +123,7 @@ def test_granite_within_one_percent_of_the_trace(extra, recipe, checkpointing, a
 #   fp32 in every recipe) and the model's tables die with the layer loop; ERNIE drops nothing out in attention;
 # - GLM-4's four sandwich norms (-7% when only Gemma's were counted), fused gate_up, partial rotary;
 # - OLMo-3 and Cohere 2: sliding and full layers (windows the sequence reaches), Cohere 2's unrotated full layers.
-FAM_B = [
+NEWER_FAMILIES = [
     ("smollm3", dict(no_rope_layer_interval=2, vocab_size=1031), "amp-bf16", "full", "eager", 4, 1024, 0.0),
     ("smollm3", dict(use_sliding_window=True, sliding_window=128, no_rope_layer_interval=2, attention_bias=True),
      "pure-bf16", "none", "sdpa", 2, 256, 0.0),
@@ -142,8 +142,8 @@ FAM_B = [
 
 
 @slow
-@pytest.mark.parametrize("model_type, extra, recipe, checkpointing, attention, batch, seq, dropout", FAM_B)
-def test_fam_b_families_within_one_percent_of_the_trace(model_type, extra, recipe, checkpointing, attention, batch,
+@pytest.mark.parametrize("model_type, extra, recipe, checkpointing, attention, batch, seq, dropout", NEWER_FAMILIES)
+def test_newer_families_within_one_percent_of_the_trace(model_type, extra, recipe, checkpointing, attention, batch,
                                                          seq, dropout):
     _check(model_type, extra, recipe, checkpointing, attention, batch, seq, dropout)
 

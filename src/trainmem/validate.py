@@ -669,7 +669,7 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
                    attention_multiplier=pick("attention_multiplier", (1.0, 0.0078125)),
                    logits_scaling=pick("logits_scaling", (1.0, 16.0)))
     elif model_type in ("smollm3", "internlm3", "ernie4_5", "glm4", "olmo3", "cohere2"):
-        _fam_b_case(cfg, pick, model_type, llama_like, head_dim, bias, window)
+        _llama_variant_case(cfg, pick, model_type, llama_like, head_dim, bias, window)
     elif model_type == "phi":
         # (no explicit head_dim: PhiAttention's q/k LayerNorms are hidden_size // heads wide whatever head_dim says;
         # a rotary width int(head_dim * factor) that is odd breaks transformers' rotary tables, so no 0.4 here)
@@ -735,7 +735,7 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
     return cfg, settings
 
 
-def _fam_b_case(cfg: dict, pick, model_type: str, llama_like: dict, head_dim: int, bias: bool,
+def _llama_variant_case(cfg: dict, pick, model_type: str, llama_like: dict, head_dim: int, bias: bool,
                 window: int | None) -> None:
     """random_case's draw for SmolLM3 (NoPE every 1st, 2nd or 4th layer, sliding on the NoPE layers), InternLM3,
     ERNIE 4.5, GLM-4 (partial rotary), OLMo-3 and Cohere 2 (full attention every 1st, 2nd or 4th layer): their head
