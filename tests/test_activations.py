@@ -55,6 +55,7 @@ def test_whole_model_saved_bytes_match_pytorch(family, recipe):
 # parallel residuals, fused projections, LayerNorm, MoE routing).
 OTHER = ["qwen3", "qwen3_moe", "gemma", "gemma3_text", "phi3", "gpt_neox", "opt", "falcon-sequential", "olmo2",
          "olmo2-bias-tied", "cohere", "cohere-qk-norm-untied", "phi", "phi-gqa-qk-norm-tied", "granite"]
+OTHER += ["smollm3-window-bias-untied", "internlm3-bias", "ernie4_5", "glm4", "olmo3", "cohere2"]
 
 
 @pytest.mark.parametrize("name", OTHER)

@@ -43,6 +43,11 @@ _RESOLVED_BY_MODEL = {
     ("gpt2", "n_inner"): _gpt2_inner_width,
     **{(t, "head_dim"): _head_dim_of_built_model for t in ("mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "phi3", "olmo2", "cohere", "phi", "granite")},
 }
+_RESOLVED_BY_MODEL.update({
+    ("smollm3", "head_dim"): _head_dim_of_built_model, ("olmo3", "head_dim"): _head_dim_of_built_model,
+    # (Cohere2Config pops sliding_window_pattern from its kwargs into layer_types: the first full layer's place)
+    ("cohere2", "sliding_window_pattern"): lambda config: config.layer_types.index("full_attention") + 1,
+})
 # Keys a config class rewrites unless another one is set (Qwen drops sliding_window without use_sliding_window).
 _CONTEXT = {"sliding_window": {"qwen2": {"use_sliding_window": True}, "qwen2_moe": {"use_sliding_window": True},
                                "qwen3": {"use_sliding_window": True}, "qwen3_moe": {"use_sliding_window": True}}}

@@ -56,3 +56,24 @@ TINY_CONFIGS: dict[str, dict] = {
                                 kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_group=2,
                                 topk_group=1),
 }
+
+# SmolLM3, InternLM3, ERNIE 4.5, GLM-4, OLMo-3 and Cohere 2: each with the layer pattern that changes its modules
+# (NoPE layers, sliding and full layers) reached within four or five layers.
+TINY_CONFIGS.update({
+    "smollm3": dict(_BASE, model_type="smollm3", pad_token_id=0, num_hidden_layers=4),
+    "smollm3-window-bias-untied": dict(_BASE, model_type="smollm3", pad_token_id=0, num_hidden_layers=4,
+                                       use_sliding_window=True, sliding_window=16, no_rope_layer_interval=2,
+                                       attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+    "internlm3": dict(_BASE, model_type="internlm3", head_dim=16),
+    "internlm3-bias": dict(_BASE, model_type="internlm3", head_dim=24, qkv_bias=True, bias=True),
+    "ernie4_5": dict(_BASE, model_type="ernie4_5", head_dim=16),
+    "ernie4_5-bias-untied": dict(_BASE, model_type="ernie4_5", head_dim=24, use_bias=True, tie_word_embeddings=False),
+    "glm4": dict(_BASE, model_type="glm4", pad_token_id=0, head_dim=16),
+    "glm4-nobias-tied": dict(_BASE, model_type="glm4", pad_token_id=0, head_dim=32, attention_bias=False,
+                             tie_word_embeddings=True, partial_rotary_factor=0.25),
+    "olmo3": dict(_BASE, model_type="olmo3", num_hidden_layers=4, sliding_window=16),
+    "olmo3-bias-tied": dict(_BASE, model_type="olmo3", attention_bias=True, tie_word_embeddings=True, head_dim=24),
+    "cohere2": dict(_BASE, model_type="cohere2", num_hidden_layers=4, sliding_window=16),
+    "cohere2-bias-untied": dict(_BASE, model_type="cohere2", num_hidden_layers=5, attention_bias=True,
+                                tie_word_embeddings=False, sliding_window_pattern=2),
+})

@@ -296,6 +296,9 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             if spec.traits.norm_centred_twice:
                 terms.append(Term(f"{name}: input less its mean, again (fp32)", FP32 * heads * d, name, "input_fp32"))
     rotary = att.rotary_dim > 0
+    if rotary and spec.traits.rotary_tables_per_layer:  # (one (1, 1, s, rotary dim) pair, shared by the batch)
+        terms.append(Term("cos, sin repeated for this layer's rotary",
+                          2 * _rotary_table_bytes(spec, p) * att.rotary_dim / batch))
     use_cache = uses_kv_cache(settings)
     # Under autocast the rotary tables follow the fp32 hidden states, so the rotated q and k are fp32.
     qk_bytes = p.residual if p.autocast and rotary and not spec.traits.rotary_in_input_dtype else c
@@ -399,6 +402,20 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         matmul_backward = c * a * s + 2 * c * a * dv
         held_by_layer = dropout_bytes * a * s + (c * spec.hidden_size if gpt2_eager else 0)
         softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s)
+        if p.autocast and _half_q(spec, att):
+            # ``.to(query.dtype)`` of the fp32 softmax output, with q half: the cast is made while the softmax's fp32
+            # input is still bound, so the worst moment holds the cast beside both (as a checkpointed forward does)
+            softmax_extra += c * a * s
+        if (not att.fused_qkv and not q_by_cat and not gpt2_eager and spec.traits.block == "standard" and batch > 1
+                and a > 1):
+            # The attention forward's q (rotated, or q_proj's output viewed (b, a, s, d)) is laid out (b, s, a, d):
+            # the batched matmul copies it to (b * a, s, d) and keeps the copy, while the forward's local still holds
+            # q itself (traced: Llama, pure-bf16, the last layer's softmax, 512 bytes per token at 4 x 64 heads)
+            softmax_extra += qk_bytes * a * d
+            if qk_bytes != c and kv_passed != kv and not (kv == 1 and batch == 1):
+                # (under autocast k is fp32 after RoPE: repeat_kv's fp32 copy stays in eager_attention_forward's
+                # ``key_states`` while the matmul keeps its half cast)
+                softmax_extra += qk_bytes * a * d
         if spec.traits.block == "bloom":  # BloomAttention keeps the baddbmm scores in a local beside the masked ones
             softmax_extra += c * a * s
             bloom_forward = _bloom_forward(spec, p, a, d, s, dropout, settings.batch)
@@ -480,6 +497,19 @@ def _bloom_forward(spec: ModelSpec, p: Precision, a: int, d: int, s: int, dropou
     at_dropout = c + w + 2 * c + MASK if dropout > 0 else 0
     at_end = c + w + c + (MASK if dropout > 0 else 0)
     return inputs + max(at_softmax * a * s, at_dropout * a * s, at_end * a * s + 3 * c * h + w * h)
+
+
+def _rotary_table_bytes(spec: ModelSpec, p: Precision) -> int:
+    """The dtype of the rotary cos and sin: the hidden states' (Llama's ``cos.to(dtype=x.dtype)``) or fp32."""
+    return FP32 if spec.traits.rotary_tables_fp32 else p.residual
+
+
+def _half_q(spec: ModelSpec, att: Attention) -> bool:
+    """Whether q reaches attention in the projections' dtype under autocast: unrotated (OPT, SmolLM3's NoPE
+    layers, Cohere 2's full layers: nothing promotes the half projection output) or rotated and cast back
+    (OLMo-2, Cohere: rotary_in_input_dtype). Llama's rotary tables follow the fp32 hidden states instead, so its
+    rotated q is fp32. (GPT-2's eager attention takes its softmax in the scores' dtype, with no cast-back copy.)"""
+    return spec.traits.rotary_in_input_dtype or (att.rotary_dim == 0 and spec.traits.eager_attention == "llama")
 
 
 def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precision, s: int, dropout: float,
@@ -977,6 +1007,7 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     r = p.residual
     att = layer.attention
     attn_dropout = spec.dropout.attention if settings.dropout is None else settings.dropout
+    attn_dropout = attn_dropout if spec.traits.attention_dropout else 0.0
     hidden_dropout = spec.dropout.hidden if settings.dropout is None else settings.dropout
     kernel = settings.attention
     terms: list[Term] = []
@@ -1009,9 +1040,10 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         mlp_consumers = 1 + (2 if layer.moe.shared_intermediate_size else 0) + int(layer.moe.shared_expert_gate)
     else:
         mlp_consumers = 2 if (layer.mlp and layer.mlp.gated and not layer.mlp.fused_gate_up) else 1
-    if gemma and layer.num_norms == 4:
+    if layer.num_norms == 4:
         # Gemma 2/3 sandwich norms: post_attention_layernorm on the attention output (before the residual
-        # add), pre_feedforward_layernorm, and post_feedforward_layernorm on the MLP output.
+        # add), pre_feedforward_layernorm, and post_feedforward_layernorm on the MLP output (GLM-4's
+        # Glm4DecoderLayer has the same four: post_self_attn_layernorm, post_attention_layernorm, post_mlp_layernorm).
         terms += norm_terms("post-attention norm", p.compute, "post_attention_norm")
         terms += norm_terms("pre-feedforward norm", r, "pre_feedforward_norm")
         terms += norm_terms("post-feedforward norm", p.compute, "post_feedforward_norm")
@@ -1066,7 +1098,7 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention.kernel, attention.cache_extra,
                             attention.returned_extra, attention_bytes, attention.released, attention.backward,
                             max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout,
-                                                                        spec.traits.rotary_in_input_dtype),
+                                                                        _half_q(spec, att)),
                                 attention.rotary_forward),
                             attention.softmax_extra, attention.after_softmax, attention.returned_to_model,
                             attention.held_by_layer, matmul_backward=attention.matmul_backward,
@@ -1311,7 +1343,8 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         # set(self.config.layer_types)``): a model whose layers all slide (or none do) builds one.
         kinds = {layer.sliding_window is not None for layer, _ in spec.layer_runs}
         tables = min(spec.traits.rotary_tables, len(kinds))
-        constant.append(Term("rotary cos, sin", tables * 2 * p.residual * s * max(rotary_dims)))
+        if not spec.traits.rotary_tables_per_layer or settings.checkpointing != "none":
+            constant.append(Term("rotary cos, sin", tables * 2 * _rotary_table_bytes(spec, p) * s * max(rotary_dims)))
 
     masks_built, masks_used = _mask_bytes(spec, settings, p)
     if masks_used and settings.checkpointing != "none":

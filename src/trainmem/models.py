@@ -246,6 +246,17 @@ class FamilyTraits:
     norm_centred_twice: bool = False
     """CohereLayerNorm computes ``hidden_states - mean`` twice (once for the variance, once to normalise), and
     ``pow`` and the product with the rsqrt each keep theirs: one more fp32 input-wide tensor than an RMSNorm."""
+    attention_dropout: bool = True
+    """Whether attention drops out its probabilities with the config's (or --dropout's) rate; Ernie4_5Attention sets
+    ``self.attention_dropout = 0.0`` whatever the config holds, so nothing is dropped there."""
+    rotary_tables_per_layer: bool = False
+    """apply_rotary_pos_emb builds each layer's own cos and sin from the model's tables
+    (``cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)``, the interleaved pairs of GLM-4 and ERNIE 4.5),
+    and the products keep those for backward: the model's tables then live only through the layer loop (and, under
+    checkpointing, as the checkpoints' arguments)."""
+    rotary_tables_fp32: bool = False
+    """The rotary embedding returns cos and sin in fp32 whatever the hidden states' dtype (Ernie4_5RotaryEmbedding and
+    Olmo3RotaryEmbedding end ``return cos, sin``, without Llama's ``.to(dtype=x.dtype)``)."""
     rms_norm_fp32_product: bool = False
     """The RMSNorm multiplies its weight by the fp32 normalised value and casts the product back
     (Olmo2RMSNorm: ``(self.weight * hidden_states).to(input_dtype)``), so the kept normalised value is fp32, as
@@ -850,6 +861,98 @@ def _parse_granite(c: _Config) -> dict[str, Any]:
     return _llama_like(c, qkv_bias=bias, o_bias=bias, mlp_bias=bool(c.get("mlp_bias")))
 
 
+def _rotary_off(runs: tuple[tuple[Layer, int], ...], off: list[bool]) -> tuple[tuple[Layer, int], ...]:
+    """The layers with RoPE turned off (``rotary_dim=0``) where ``off[i]``: q and k go from their projections to
+    attention unrotated (SmolLM3's NoPE layers, Cohere 2's full-attention layers)."""
+    layers = [layer for layer, count in runs for _ in range(count)]
+    return runs_of(replace(layer, attention=replace(layer.attention, rotary_dim=0)) if no_rope else layer
+                   for layer, no_rope in zip(layers, off))
+
+
+def _parse_smollm3(c: _Config) -> dict[str, Any]:
+    """modeling_smollm3.py: Llama's modules; SmolLM3Attention rotates q and k only where ``no_rope_layers[i]`` is 1
+    (configuration_smollm3.py: every ``no_rope_layer_interval``-th layer is NoPE by default) and slides only with
+    ``use_sliding_window``, on the layers ``layer_types`` calls sliding (by default the NoPE ones, when a window is
+    set)."""
+    n_layers = c.req("num_hidden_layers")
+    rope = c.raw.get("no_rope_layers")
+    if rope is None:  # SmolLM3Config.__post_init__
+        interval = c.get("no_rope_layer_interval")
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+            raise ModelError(f"{c.origin}: no_rope_layer_interval is {_shown(interval)}; it must be a positive integer")
+        rope = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if not isinstance(rope, list) or len(rope) < n_layers or any(v not in (0, 1) or isinstance(v, bool)
+                                                                  for v in rope):
+        raise ModelError(f"{c.origin}: no_rope_layers is {_shown(rope)}; it must list a 1 (RoPE) or a 0 (NoPE) for "
+                         f"each of the {n_layers} layers")
+    window = c.get("sliding_window") if c.get("use_sliding_window") else None
+    bias = bool(c.get("attention_bias"))
+    spec = _llama_like(c, qkv_bias=bias, o_bias=bias, mlp_bias=bool(c.get("mlp_bias")),
+                       windows=lambda n: _layer_windows(c, n, window, lambda i: window is not None and not rope[i]))
+    spec["layer_runs"] = _rotary_off(spec["layer_runs"], [not rope[i] for i in range(n_layers)])
+    return spec
+
+
+def _parse_internlm3(c: _Config) -> dict[str, Any]:
+    """configuration_internlm3.py: InternLM3Config is a LlamaConfig built as LlamaForCausalLM (modeling_auto.py)
+    whose ``qkv_bias`` and ``bias`` are aliases (attribute_map) of ``attention_bias`` and ``mlp_bias``, the alias
+    winning; its validate_architecture refuses the two different."""
+    attention_bias = c.get("qkv_bias" if c.raw.get("qkv_bias") is not None else "attention_bias")
+    mlp_bias = c.get("bias" if c.raw.get("bias") is not None else "mlp_bias")
+    if not isinstance(attention_bias, bool) or not isinstance(mlp_bias, bool) or attention_bias != mlp_bias:
+        raise ModelError(f"{c.origin}: qkv_bias/attention_bias ({_shown(attention_bias)}) and bias/mlp_bias "
+                         f"({_shown(mlp_bias)}) must be the same true or false (InternLM3Config refuses them apart)")
+    return _llama_like(c, qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=mlp_bias)
+
+
+def _parse_ernie4_5(c: _Config) -> dict[str, Any]:
+    """modeling_ernie4_5.py: Llama's modules with ``use_bias`` on every Linear but the head, no attention dropout
+    (Ernie4_5Attention sets ``attention_dropout = 0.0`` whatever the config holds) and its own rotary (traits)."""
+    bias = bool(c.get("use_bias"))
+    return _llama_like(_Config(dict(c.raw, attention_dropout=0.0), c.origin), qkv_bias=bias, o_bias=bias,
+                       mlp_bias=bias)
+
+
+def _parse_glm4(c: _Config) -> dict[str, Any]:
+    """modeling_glm4.py: Glm4DecoderLayer normalises each block's input and output (input_layernorm,
+    post_self_attn_layernorm; post_attention_layernorm, post_mlp_layernorm: four RMSNorms, Gemma 2's sandwich);
+    Glm4MLP is Phi-3's one ``gate_up_proj`` chunked in two; q/k/v take ``attention_bias``, o_proj none; partial
+    rotary (``partial_rotary_factor``, 0.5 by default) on separate q and k, joined to the passed part by cat."""
+    spec = _llama_like(c, qkv_bias=bool(c.get("attention_bias")), o_bias=False, num_norms=4,
+                       rotary_fraction=_rotary_fraction(c))
+    spec["layer_runs"] = tuple((replace(layer, mlp=replace(layer.mlp, fused_gate_up=True)), n)
+                               for layer, n in spec["layer_runs"])
+    return spec
+
+
+def _parse_olmo3(c: _Config) -> dict[str, Any]:
+    """modeling_olmo3.py: OLMo-2's modules (_parse_olmo2), with sliding-window layers from ``layer_types``
+    (configuration_olmo3.py: every fourth layer full, the others sliding, by default) and one pair of rotary tables
+    per layer type (traits); rope_scaling applies to the full-attention layers."""
+    spec = _parse_olmo2(c)
+    layers = [layer for layer, n in spec["layer_runs"] for _ in range(n)]
+    windows = _layer_windows(c, len(layers), c.get("sliding_window"), lambda i: bool((i + 1) % 4))
+    spec["layer_runs"] = runs_of(replace(layer, sliding_window=w) for layer, w in zip(layers, windows))
+    nested = c.raw.get("rope_parameters")  # (transformers 5 saves one set per layer type)
+    if spec["rope_extension"] is None and isinstance(nested, dict) and isinstance(nested.get("full_attention"), dict):
+        spec["rope_extension"] = _rope_extension(_Config(dict(rope_parameters=nested["full_attention"]), c.origin))
+    return spec
+
+
+def _parse_cohere2(c: _Config) -> dict[str, Any]:
+    """modeling_cohere2.py: Cohere's parallel block (_parse_cohere) without q/k norms; layers slide by
+    ``layer_types`` (configuration_cohere2.py: every ``sliding_window_pattern``-th, 4 by default, full), and only the
+    sliding ones apply RoPE (``if self.sliding_window is not None``). Cohere2Config sets ``head_dim`` to
+    ``hidden_size // num_attention_heads`` whatever the config says."""
+    c = _Config({k: v for k, v in c.raw.items() if k != "head_dim"}, c.origin)
+    pattern, window, bias = c.get("sliding_window_pattern"), c.get("sliding_window"), bool(c.get("attention_bias"))
+    spec = _llama_like(c, qkv_bias=bias, o_bias=bias, num_norms=1,
+                       windows=lambda n: _layer_windows(c, n, window, lambda i: bool((i + 1) % pattern)))
+    layers = [replace(layer, parallel_residual=True) for layer, n in spec["layer_runs"] for _ in range(n)]
+    spec["layer_runs"] = _rotary_off(runs_of(layers), [layer.sliding_window is None for layer in layers])
+    return spec
+
+
 def _moe_fields(c: _Config, *, experts_keys: tuple[str, ...]) -> tuple[int, int]:
     """(routed experts, experts per token), validated."""
     experts = c.req(*experts_keys)
@@ -1112,6 +1215,12 @@ PARSERS: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "cohere": _parse_cohere,
     "phi": _parse_phi,
     "granite": _parse_granite,
+    "smollm3": _parse_smollm3,
+    "internlm3": _parse_internlm3,
+    "ernie4_5": _parse_ernie4_5,
+    "glm4": _parse_glm4,
+    "olmo3": _parse_olmo3,
+    "cohere2": _parse_cohere2,
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(PARSERS)
 
@@ -1142,6 +1251,14 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "cohere": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True),
     "phi": FamilyTraits(q_built_by_cat=True, hidden_dropout="per_block", embedding_dropout=True,
                         rotary_split_locals=True),
+    "smollm3": FamilyTraits(eager_masks_always_built=frozenset({False})),
+    "ernie4_5": FamilyTraits(rotary_in_input_dtype=True, rotary_tables_per_layer=True, rotary_tables_fp32=True,
+                             attention_dropout=False),
+    "glm4": FamilyTraits(q_built_by_cat=True, rotary_tables_per_layer=True),
+    "olmo3": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True,
+                          rotary_tables=2, eager_masks_always_built=frozenset({False, True}), rotary_tables_fp32=True),
+    "cohere2": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True,
+                            eager_masks_always_built=frozenset({False, True})),
 }
 """Each family's traits; a family not listed has Llama's. Gemma 2/3 and Qwen2-MoE build the full and the sliding
 eager mask whatever their layers use, Qwen2/Qwen3 the full one always; the others (Mistral, Mixtral, Phi-3,

@@ -183,6 +183,19 @@ def _shares_one_norm(spec: ModelSpec, layer) -> bool:
     return layer.parallel_residual and layer.num_norms == 1 and spec.traits.block == "standard"
 
 
+def _layer_input_saved(spec: ModelSpec, p: Precision) -> bool:
+    """Whether a layer's first module keeps the layer input itself for backward: a LayerNorm does (its input); an
+    RMSNorm's ``x.to(float32)`` is x itself only when x is fp32; CohereLayerNorm keeps only ``x - mean``; with
+    post-norms (OLMo-2) the q/k/v projections read it, keeping it unless autocast casts it for them."""
+    if spec.norm == "layer":
+        return True
+    if spec.traits.norm_centred_twice:
+        return False
+    if spec.traits.norm_placement == "post":
+        return not p.autocast
+    return p.residual == FP32
+
+
 def _down_projection_locals(spec: ModelSpec, la: LayerActivations, p: Precision) -> int:
     """Bytes per token alive beside the saved tensors while the down projection writes its output, none of them
     saved: the attention output a parallel block holds through its MLP (PhiDecoderLayer's ``attn_outputs``), and
@@ -1205,8 +1218,14 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             # what is saved, before the MLP block and the attention's later tensors exist.
             mlp_part = (last.bytes_per_token - last.attention_bytes_per_token) * tokens
             before = layers_saved - int(mlp_part + last.after_softmax * tokens)
+            # The last layer's input and the embedding's output (LlamaModel.forward's ``inputs_embeds``) are held
+            # by the forward's locals; where the first module reading them keeps a copy instead, they are tensors of
+            # their own beside what is saved (traced at the softmax: Llama in half precision, Cohere in any).
+            held = (min(2, spec.num_layers) * p.residual * h * tokens // spec.sequence_shards
+                    if not _layer_input_saved(spec, p) and finetune is None and spec.traits.block == "standard"
+                    and spec.has_embedding else 0)
             candidates_fw.append(Phase("forward", "last layer's attention softmax", weights, grads_in_forward,
-                                       states, before + acts.kv_cache_bytes + acts.mask_bytes
+                                       states, before + acts.kv_cache_bytes + acts.mask_bytes + held
                                        + int(last.softmax_extra * tokens), 0))
         returned = int(acts.layers[-1].returned_extra * tokens)
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,

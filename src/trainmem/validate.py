@@ -668,6 +668,8 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
                    residual_multiplier=pick("residual_multiplier", (1.0, 0.22)),
                    attention_multiplier=pick("attention_multiplier", (1.0, 0.0078125)),
                    logits_scaling=pick("logits_scaling", (1.0, 16.0)))
+    elif model_type in ("smollm3", "internlm3", "ernie4_5", "glm4", "olmo3", "cohere2"):
+        _llama_variant_case(cfg, pick, model_type, llama_like, head_dim, bias, window)
     elif model_type == "phi":
         # (no explicit head_dim: PhiAttention's q/k LayerNorms are hidden_size // heads wide whatever head_dim says;
         # a rotary width int(head_dim * factor) that is odd breaks transformers' rotary tables, so no 0.4 here)
@@ -731,6 +733,35 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
         attention=pick("attention", ("sdpa", "eager")), checkpointing=pick("checkpointing", checkpointing),
         dropout=pick("dropout", (None, 0.0, 0.1)), grad_accum=pick("grad_accum", (1, 1, 2)))
     return cfg, settings
+
+
+def _llama_variant_case(cfg: dict, pick, model_type: str, llama_like: dict, head_dim: int, bias: bool,
+                window: int | None) -> None:
+    """random_case's draw for SmolLM3 (NoPE every 1st, 2nd or 4th layer, sliding on the NoPE layers), InternLM3,
+    ERNIE 4.5, GLM-4 (partial rotary), OLMo-3 and Cohere 2 (full attention every 1st, 2nd or 4th layer): their head
+    width given, as their defaults (128) are too wide for a small model."""
+    cfg.update(llama_like, head_dim=head_dim)
+    if model_type == "smollm3":
+        cfg.update(attention_bias=bias, mlp_bias=pick("mlp_bias", (False, True)),
+                   no_rope_layer_interval=pick("no_rope_every", (1, 2, 4)))
+        if window is not None:
+            cfg.update(use_sliding_window=True, sliding_window=window)
+    elif model_type == "internlm3":
+        cfg.update(qkv_bias=bias, bias=bias)
+    elif model_type == "ernie4_5":
+        del cfg["attention_dropout"]  # (Ernie4_5Attention has none)
+        cfg["use_bias"] = bias
+    elif model_type == "glm4":
+        # (a rotary width int(head_dim * factor) that is odd breaks the interleaved rotate_half, so no 0.25)
+        cfg.update(attention_bias=bias, partial_rotary_factor=pick("partial_rotary", (0.5, 1.0)))
+    else:
+        full_every = pick("full_every", (1, 2, 4))
+        cfg.update(attention_bias=bias, sliding_window=window or 4096)
+        if model_type == "olmo3":
+            cfg["layer_types"] = ["sliding_attention" if (i + 1) % full_every else "full_attention"
+                                  for i in range(cfg["num_hidden_layers"])]
+        else:
+            cfg.update(sliding_window_pattern=full_every, logit_scale=pick("logit_scale", (0.0625, 0.25)))
 
 
 @dataclass(frozen=True)
