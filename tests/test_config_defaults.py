@@ -41,7 +41,8 @@ _READ = {
 # Values the config class leaves as None for the modeling file to resolve.
 _RESOLVED_BY_MODEL = {
     ("gpt2", "n_inner"): _gpt2_inner_width,
-    **{(t, "head_dim"): _head_dim_of_built_model for t in ("mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "phi3", "olmo2", "cohere", "phi", "granite")},
+    **{(t, "head_dim"): _head_dim_of_built_model for t in ("mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "phi3", "olmo2", "cohere", "phi", "granite",
+                                                            "starcoder2")},
 }
 # Keys a config class rewrites unless another one is set (Qwen drops sliding_window without use_sliding_window).
 _CONTEXT = {"sliding_window": {"qwen2": {"use_sliding_window": True}, "qwen2_moe": {"use_sliding_window": True},

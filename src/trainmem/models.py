@@ -1053,6 +1053,25 @@ def _parse_phi(c: _Config) -> dict[str, Any]:
     )
 
 
+def _parse_starcoder2(c: _Config) -> dict[str, Any]:
+    """modeling_starcoder2.py: Mistral's attention (separate q/k/v, full rotary, GQA, one sliding window for every
+    layer: ``create_sliding_window_causal_mask`` when ``config.sliding_window`` is set) with ``use_bias`` on q/k/v/o,
+    pre-norm LayerNorms (weight and bias), Starcoder2MLP c_fc -> act -> c_proj (plain, ``use_bias``),
+    ``residual_dropout`` on the attention and MLP outputs and ``embedding_dropout`` on the embeddings."""
+    hidden, heads, kv, d = _heads(c)
+    bias = bool(c.get("use_bias"))
+    att = Attention("mha", heads, kv, d, d, bias, bias, rotary_dim=d)
+    mlp = MLP(c.req("intermediate_size"), False, _act(c), bias=bias)
+    n_layers = c.req("num_hidden_layers")
+    layers = [Layer(att, mlp, None, 2, sliding_window=w) for w in _all_layers(c, c.get("sliding_window"))(n_layers)]
+    return dict(
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=runs_of(layers), norm="layer", norm_vectors=2,
+        tied_embeddings=bool(c.get("tie_word_embeddings")),
+        dropout=Dropout(c.get("attention_dropout"), c.get("residual_dropout"), c.get("embedding_dropout")),
+        **_positions(c),
+    )
+
+
 def _parse_opt(c: _Config) -> dict[str, Any]:
     hidden = c.req("hidden_size")
     heads = c.req("num_attention_heads")
@@ -1112,6 +1131,7 @@ PARSERS: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "cohere": _parse_cohere,
     "phi": _parse_phi,
     "granite": _parse_granite,
+    "starcoder2": _parse_starcoder2,
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(PARSERS)
 
@@ -1142,6 +1162,7 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "cohere": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True),
     "phi": FamilyTraits(q_built_by_cat=True, hidden_dropout="per_block", embedding_dropout=True,
                         rotary_split_locals=True),
+    "starcoder2": FamilyTraits(hidden_dropout="per_block", embedding_dropout=True),
 }
 """Each family's traits; a family not listed has Llama's. Gemma 2/3 and Qwen2-MoE build the full and the sliding
 eager mask whatever their layers use, Qwen2/Qwen3 the full one always; the others (Mistral, Mixtral, Phi-3,
