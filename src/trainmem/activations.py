@@ -988,10 +988,11 @@ def _router_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
 
 
 def _hidden_dropout_sites(spec: ModelSpec, layer: Layer) -> int:
-    """Residual dropouts per layer (each keeps a bool mask): GPT-2, OPT, Phi-3, NeoX, BLOOM: 2; Falcon: 1-2."""
+    """Residual dropouts per layer (each keeps a bool mask): GPT-2, OPT, Phi-3, NeoX, BLOOM: 2; Falcon: 1-2;
+    StableLM: 1 (the MLP output's)."""
     if spec.traits.hidden_dropout == "per_residual_add":
         return 1 if layer.parallel_residual else 2
-    return 2 if spec.traits.hidden_dropout == "per_block" else 0
+    return {"per_block": 2, "after_mlp": 1}.get(spec.traits.hidden_dropout, 0)
 
 
 def _sequence_sharded(terms: list[Term], shards: int) -> list[Term]:

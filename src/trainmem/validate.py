@@ -677,6 +677,12 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
         # (no explicit head_dim: Starcoder2Attention reads one only from the config, which the draw leaves out)
         cfg.update(llama_like, residual_dropout=dropout, embedding_dropout=dropout,
                    sliding_window=window, use_bias=bias, hidden_act=pick("activation", ("gelu_pytorch_tanh", "gelu")))
+    elif model_type == "stablelm":
+        # (head_dim is hidden_size // heads; an odd rotary width breaks transformers' rotary tables: 0.5 then)
+        rotary = pick("partial_rotary", (0.25, 0.5, 1.0))
+        cfg.update(llama_like, hidden_dropout=dropout, use_qkv_bias=bias,
+                   use_parallel_residual=pick("parallel_residual", (False, True)),
+                   partial_rotary_factor=rotary if int(head_dim * rotary) % 2 == 0 else 0.5)
     elif model_type == "phi3":
         cfg.update(resid_pdrop=dropout, embd_pdrop=dropout, sliding_window=window,
                    partial_rotary_factor=pick("partial_rotary", (1.0, 0.5)))
