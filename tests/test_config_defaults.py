@@ -41,7 +41,8 @@ _READ = {
 # Values the config class leaves as None for the modeling file to resolve.
 _RESOLVED_BY_MODEL = {
     ("gpt2", "n_inner"): _gpt2_inner_width,
-    **{(t, "head_dim"): _head_dim_of_built_model for t in ("mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "phi3", "olmo2", "cohere", "phi", "granite")},
+    **{(t, "head_dim"): _head_dim_of_built_model for t in ("mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "phi3", "olmo2", "cohere", "phi", "granite",
+                                                            "starcoder2")},
 }
 _RESOLVED_BY_MODEL.update({
     ("smollm3", "head_dim"): _head_dim_of_built_model, ("olmo3", "head_dim"): _head_dim_of_built_model,

@@ -76,6 +76,10 @@ PUBLISHED_ROUNDED = {
     "olmo-2-1124-7b": (7.30e9, None), "c4ai-command-r-v01": (35.0e9, None), "c4ai-command-r-plus": (104e9, None),
     # (the Hub model pages' safetensors counts: Phi-2 2.78B, Phi-1.5 1.42B)
     "phi-2": (2.78e9, None), "phi-1_5": (1.42e9, None),
+    # (the StarCoder2 paper and model cards: 3.03B and 7.17B)
+    "starcoder2-3b": (3.03e9, None), "starcoder2-7b": (7.17e9, None),
+    # (the model cards: StableLM-3B-4E1T 2,795,443,200, StableLM 2 1.6B 1,644,515,328)
+    "stablelm-3b-4e1t": (2.795e9, None), "stablelm-2-1_6b": (1.645e9, None),
 }
 
 

@@ -1,8 +1,9 @@
-"""OLMo-2 (``olmo2``), Cohere (``cohere``) and Phi-1.5 / Phi-2 (``phi``): a traced step of small models (the real
-transformers model on fake tensors, trace.py) against the estimate, every phase within 1% in total, in fp32 /
-amp-bf16 / mixed-bf16 / pure-bf16, with and without full checkpointing, eager and SDPA, with and without dropout.
-Exact parameter counts of the real checkpoints: each against the count transformers' own model has on the meta
-device and the figure written here (tests/test_models.py also checks tiny_configs.py and the whole catalog)."""
+"""OLMo-2 (``olmo2``), Cohere (``cohere``), Phi-1.5 / Phi-2 (``phi``), Granite, StarCoder2 and StableLM: a
+traced step of small models (the real transformers model on fake tensors, trace.py) against the estimate, every
+phase within 1% in total, in fp32 / amp-bf16 / mixed-bf16 / pure-bf16, with and without full checkpointing, eager
+and SDPA, with and without dropout. Exact parameter counts of the real checkpoints: each against the count
+transformers' own model has on the meta device and the figure written here (tests/test_models.py also checks
+tiny_configs.py and the whole catalog)."""
 
 import pytest
 
@@ -148,12 +149,63 @@ def test_newer_families_within_one_percent_of_the_trace(model_type, extra, recip
     _check(model_type, extra, recipe, checkpointing, attention, batch, seq, dropout)
 
 
+# StarCoder2 (modeling_starcoder2.py): Mistral's attention with biases and one sliding window for every layer,
+# LayerNorms, a plain c_fc -> gelu_pytorch_tanh -> c_proj MLP, residual and embedding dropout. Its narrow MLP puts
+# the forward's peak at the last layer's softmax, where the math kernel's and eager attention's locals (the caller's
+# rotated q beside the matmul's copy; the scaled q, the causal mask, k expanded to every head) were once 1.3-2.0%
+# short.
+STARCODER2 = [
+    ({}, "fp32", "none", "sdpa", 0.0),
+    ({}, "fp32", "none", "eager", 0.0),
+    ({}, "pure-bf16", "none", "eager", 0.0),
+    ({"sliding_window": 512}, "amp-bf16", "none", "eager", 0.1),
+    ({"sliding_window": 512, "use_bias": False}, "fp32", "full", "sdpa", 0.0),
+]
+
+
+@slow
+@pytest.mark.parametrize("extra, recipe, checkpointing, attention, dropout", STARCODER2)
+def test_starcoder2_within_one_percent_of_the_trace(extra, recipe, checkpointing, attention, dropout):
+    _check("starcoder2", dict({"vocab_size": 1031}, **extra), recipe, checkpointing, attention, 4, 1024, dropout)
+
+
+# StableLM (modeling_stablelm.py): Phi's attention (partial rotary joined by torch.cat, optional q/k/v biases),
+# Llama's gated MLP, LayerNorms, sequential or parallel residual, dropout on the MLP output only; the attention
+# output StableLmDecoderLayer holds through the MLP. (Not yet within 1%: dropout under autocast with eager
+# attention, -1.4% to -2.6%: docs/accuracy.md.)
+STABLELM = [
+    ({}, "amp-bf16", "full", "sdpa", 0.0),
+    ({"use_qkv_bias": True}, "fp32", "none", "eager", 0.1),
+    ({"use_parallel_residual": True}, "pure-bf16", "none", "sdpa", 0.0),
+    ({"use_parallel_residual": True, "partial_rotary_factor": 0.5}, "amp-bf16", "full", "eager", 0.0),
+]
+
+
+@slow
+@pytest.mark.parametrize("extra, recipe, checkpointing, attention, dropout", STABLELM)
+def test_stablelm_within_one_percent_of_the_trace(extra, recipe, checkpointing, attention, dropout):
+    _check("stablelm", dict({"vocab_size": 1031}, **extra), recipe, checkpointing, attention, 4, 1024, dropout)
+
+
+def test_stablelm_with_per_head_qk_layernorms_takes_the_traced_path():
+    from trainmem.models import UnsupportedModelType, spec_from_config
+
+    with pytest.raises(UnsupportedModelType, match="qk_layernorm"):
+        spec_from_config(dict(_SMALL, model_type="stablelm", qk_layernorm=True))
+
+
 # transformers' count of each checkpoint's parameters (sum of numel over a meta-device PhiForCausalLM built from the
 # catalog's config.json), written out so that the test fails if either side moves.
 EXACT_COUNTS = {
     "phi-2": 2_779_683_840,
     "phi-1_5": 1_418_270_720,
     "granite-3-8b-instruct": 8_170_864_640,
+    "starcoder2-3b": 3_030_371_328,
+    "starcoder2-7b": 7_173_923_840,
+    "starcoder2-15b": 15_655_899_136,
+    "stablelm-3b-4e1t": 2_795_443_200,
+    "stablelm-zephyr-3b": 2_795_443_200,
+    "stablelm-2-1_6b": 1_644_515_328,
 }
 EXACT_COUNTS.update({
     "smollm3-3b": 3_075_098_624,

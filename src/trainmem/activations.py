@@ -388,7 +388,11 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv, "o_input", "linear_input"))
         released, backward = math_backward_per_token(c, a, dv, s, dropout)
         matmul_backward = math_matmul_backward_per_token(c, a, dv, s)
-        softmax_extra = FP32 * a * s
+        softmax_extra = FP32 * a * s + math_softmax_locals(
+            c, qk_bytes, a, kv, kv_passed, d, dv, s, batch, has_mask=mask, use_cache=use_cache,
+            caller_q=c * (a * d + 2 * kv * d) if fused_views else qk_bytes * a * d, v_kept=v_kept,
+            q_copied=not q_by_cat and batch > 1 and a > 1,
+            cast=c * (a * d + kv_passed * d) if p.autocast and qk_bytes != c else 0)
         after_softmax = c * a * dv + ((MASK + FP32) * a * s if dropout > 0 else 0)
     else:  # eager
         gpt2_eager = spec.traits.eager_attention == "gpt2"
@@ -406,13 +410,15 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             # ``.to(query.dtype)`` of the fp32 softmax output, with q half: the cast is made while the softmax's fp32
             # input is still bound, so the worst moment holds the cast beside both (as a checkpointed forward does)
             softmax_extra += c * a * s
-        if (not att.fused_qkv and not q_by_cat and not gpt2_eager and spec.traits.block == "standard" and batch > 1
-                and a > 1):
-            # The attention forward's q (rotated, or q_proj's output viewed (b, a, s, d)) is laid out (b, s, a, d):
-            # the batched matmul copies it to (b * a, s, d) and keeps the copy, while the forward's local still holds
-            # q itself (traced: Llama, pure-bf16, the last layer's softmax, 512 bytes per token at 4 x 64 heads)
+        laid_out = batch > 1 and a > 1
+        if (not att.fused_qkv and not q_by_cat and not gpt2_eager and spec.traits.block == "standard"
+                and (laid_out or qk_bytes != c)):
+            # The attention forward's q (``query_states``: rotated, or q_proj's output viewed (b, a, s, d)) is laid
+            # out (b, s, a, d): the batched matmul copies it to (b * a, s, d) and keeps the copy, while the forward's
+            # local still holds q itself (or autocast's half cast of an fp32 q). Traced: Llama, pure-bf16, the last
+            # layer's softmax, 512 bytes per token at 4 x 64 heads; StarCoder2, fp32, 4 x 1,024, 4 MiB short
             softmax_extra += qk_bytes * a * d
-            if qk_bytes != c and kv_passed != kv and not (kv == 1 and batch == 1):
+            if laid_out and qk_bytes != c and kv_passed != kv and not (kv == 1 and batch == 1):
                 # (under autocast k is fp32 after RoPE: repeat_kv's fp32 copy stays in eager_attention_forward's
                 # ``key_states`` while the matmul keeps its half cast)
                 softmax_extra += qk_bytes * a * d
@@ -554,6 +560,31 @@ def math_forward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int, bat
     masks = c * s if has_mask else FP32 * s / batch
     scores = 2 * FP32 * a * s + (MASK * a * s if dropout > 0 else 0)
     return acc + repeats + FP32 * a * d + masks + scores
+
+
+def math_softmax_locals(c: int, qk: int, a: int, kv: int, kv_passed: int, d: int, dv: int, s: int, batch: int,
+                        has_mask: bool, use_cache: bool, caller_q: float, v_kept: bool, q_copied: bool,
+                        cast: float) -> float:
+    """Bytes per token alive at the math kernel's softmax without checkpointing beside what is saved and the masked
+    scores, none of them saved (aten/src/ATen/native/transformers/attention.cpp,
+    ``_scaled_dot_product_attention_math``: its locals live until it returns; traced tensor by tensor on a
+    StarCoder2 / Mistral layer, fp32, 4 x 1,024, where they were the forward's missing 16 MiB): the caller's q
+    (the attention forward's ``query_states``; ``caller_q``), and its k and v where no KV cache copied them; the
+    fp32 copies of half q, k, v (``query_acc`` and kin; the v the second matmul saves is not extra); the scaled q
+    (``query``), whose contiguous copy is what its matmul saves where q is laid out (b, s, a, d) and the batch
+    and head dimensions do not merge into a view (``q_copied``); under autocast the half casts of the fp32 rotated
+    q and k, which autocast's wrapper holds through the call (``cast``); the causal fp32
+    (s, s) mask or the float mask converted from a boolean one; k expanded to every head (``enable_gqa``); and k
+    and v repeated by transformers' ``repeat_kv`` (kv_passed > kv), locals of its sdpa_attention_forward."""
+    caller = caller_q + (0 if use_cache else qk * kv * d + (0 if v_kept else c * kv * dv))
+    if kv_passed > kv:  # repeat_kv's copies, passed as k and v (the fp32 v is then the saved one)
+        caller += qk * a * d + (c * a * dv if c != FP32 else 0)
+    gqa = kv_passed < a
+    acc = FP32 * (a * d + kv_passed * d + (kv_passed * dv if gqa else 0)) if c != FP32 else 0
+    scaled_q = FP32 * a * d if q_copied else 0
+    masks = c * s if has_mask else FP32 * s / batch
+    expanded_k = FP32 * a * d if gqa else 0
+    return caller + acc + scaled_q + masks + expanded_k + cast
 
 
 def flash_backward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int) -> float:
@@ -984,10 +1015,11 @@ def _router_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
 
 
 def _hidden_dropout_sites(spec: ModelSpec, layer: Layer) -> int:
-    """Residual dropouts per layer (each keeps a bool mask): GPT-2, OPT, Phi-3, NeoX, BLOOM: 2; Falcon: 1-2."""
+    """Residual dropouts per layer (each keeps a bool mask): GPT-2, OPT, Phi-3, NeoX, BLOOM: 2; Falcon: 1-2;
+    StableLM: 1 (the MLP output's)."""
     if spec.traits.hidden_dropout == "per_residual_add":
         return 1 if layer.parallel_residual else 2
-    return 2 if spec.traits.hidden_dropout == "per_block" else 0
+    return {"per_block": 2, "after_mlp": 1}.get(spec.traits.hidden_dropout, 0)
 
 
 def _sequence_sharded(terms: list[Term], shards: int) -> list[Term]:

@@ -109,6 +109,15 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "phi": {"num_key_value_heads": HEADS, "head_dim": HEAD_DIM, "hidden_act": "gelu_new", "tie_word_embeddings": False,
             "max_position_embeddings": 2048, "attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
             "partial_rotary_factor": 0.5, "qk_layernorm": False},
+    # configuration_starcoder2.py (Starcoder2Config; the head width is hidden_size // heads in Starcoder2Attention)
+    "starcoder2": {"num_key_value_heads": 2, "head_dim": HEAD_DIM, "hidden_act": "gelu_pytorch_tanh",
+                   "tie_word_embeddings": True, "max_position_embeddings": 4096, "sliding_window": None,
+                   "attention_dropout": 0.0, "residual_dropout": 0.0, "embedding_dropout": 0.0, "use_bias": True},
+    # configuration_stablelm.py (StableLmConfig; __post_init__ sets partial_rotary_factor 0.25)
+    "stablelm": {"num_key_value_heads": 32, "hidden_act": "silu", "tie_word_embeddings": False,
+                 "max_position_embeddings": 4096, "use_qkv_bias": False, "qk_layernorm": False,
+                 "use_parallel_residual": False, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+                 "partial_rotary_factor": 0.25},
 }
 """model_type -> {config key: the value transformers assumes when the key is missing (or a :class:`Derived`)}."""
 

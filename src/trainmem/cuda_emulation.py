@@ -239,8 +239,12 @@ def _cuda_sdpa(torch, query, key, value, attn_mask=None, dropout_p=0.0, is_causa
                 query, key, value, dropout_p, is_causal, False, scale=scale or head_dim ** -0.5)[0]
             return out[..., :head_dim] if pad else out
         if attn_mask is not None and attn_mask.dtype == torch.bool:
-            # convert_boolean_attn_mask: a float mask in the query's dtype (0 where attended, -inf elsewhere)
-            attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), 0.0).to(query.dtype)
+            # convert_boolean_attn_mask (aten/src/ATen/native/transformers/attention.cpp): one float mask made in
+            # the query's dtype, ``at::where(mask, 0.0, at::scalar_tensor(-inf, dtype))`` (the real CPU run makes the
+            # same); no fp32 mask cast afterwards, no logical_not (as was emulated: under autocast an fp32 s x s
+            # mask beside its half cast, 1.5x the bytes, at a checkpointed recompute's peak)
+            attn_mask = torch.where(attn_mask, 0.0, torch.scalar_tensor(float("-inf"), dtype=query.dtype,
+                                                                        device=attn_mask.device))
         if backend == EFFICIENT:
             if attn_mask is not None:
                 attn_mask = _mem_efficient_mask(torch, attn_mask, query, key)

@@ -210,9 +210,9 @@ class FamilyTraits:
     fused_qkv_layout: Literal["", "per_head", "blocks"] = ""
     """How a rotary family's fused q/k/v output is split: per head (GPT-NeoX: q, k, v of each head together) or
     in q, k, v blocks (Phi-3); "" where there is no such split."""
-    hidden_dropout: Literal["none", "per_block", "per_residual_add"] = "none"
-    """Residual dropouts: none; after attention and after the MLP (GPT-2, OPT, Phi-3, GPT-NeoX, BLOOM); or one per
-    residual add (Falcon: one with parallel attention, two without)."""
+    hidden_dropout: Literal["none", "per_block", "per_residual_add", "after_mlp"] = "none"
+    """Residual dropouts: none; after attention and after the MLP (GPT-2, OPT, Phi-3, GPT-NeoX, BLOOM); one per
+    residual add (Falcon: one with parallel attention, two without); or on the MLP output only (StableLM)."""
     embedding_dropout: bool = False
     """The base model drops out the embeddings (GPT2Model ``drop``, GPTNeoXModel ``emb_dropout``)."""
     bias_after_matmul: bool = False
@@ -243,6 +243,10 @@ class FamilyTraits:
     """Partial rotary on separate q and k projections whose attention forward keeps, as locals until it returns,
     the rotated parts (``query_rot, key_rot = apply_rotary_pos_emb(...)``) and the passed parts, views that hold
     the whole q_proj and k_proj outputs, beside q and k joined by ``torch.cat`` (PhiAttention, StableLmAttention)."""
+    attention_output_held: bool = False
+    """The decoder layer keeps the attention's output in a local of its own through the MLP, beside the residual
+    sum made from it (StableLmDecoderLayer: ``residual = residual + self_attn_output``, then the MLP), so it is
+    alive while the down projection writes its output, in the forward and at a checkpointed layer's recompute."""
     norm_centred_twice: bool = False
     """CohereLayerNorm computes ``hidden_states - mean`` twice (once for the variance, once to normalise), and
     ``pow`` and the product with the rsqrt each keep theirs: one more fp32 input-wide tensor than an RMSNorm."""
@@ -1156,6 +1160,53 @@ def _parse_phi(c: _Config) -> dict[str, Any]:
     )
 
 
+def _parse_starcoder2(c: _Config) -> dict[str, Any]:
+    """modeling_starcoder2.py: Mistral's attention (separate q/k/v, full rotary, GQA, one sliding window for every
+    layer: ``create_sliding_window_causal_mask`` when ``config.sliding_window`` is set) with ``use_bias`` on q/k/v/o,
+    pre-norm LayerNorms (weight and bias), Starcoder2MLP c_fc -> act -> c_proj (plain, ``use_bias``),
+    ``residual_dropout`` on the attention and MLP outputs and ``embedding_dropout`` on the embeddings."""
+    hidden, heads, kv, d = _heads(c)
+    bias = bool(c.get("use_bias"))
+    att = Attention("mha", heads, kv, d, d, bias, bias, rotary_dim=d)
+    mlp = MLP(c.req("intermediate_size"), False, _act(c), bias=bias)
+    n_layers = c.req("num_hidden_layers")
+    layers = [Layer(att, mlp, None, 2, sliding_window=w) for w in _all_layers(c, c.get("sliding_window"))(n_layers)]
+    return dict(
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=runs_of(layers), norm="layer", norm_vectors=2,
+        tied_embeddings=bool(c.get("tie_word_embeddings")),
+        dropout=Dropout(c.get("attention_dropout"), c.get("residual_dropout"), c.get("embedding_dropout")),
+        **_positions(c),
+    )
+
+
+def _parse_stablelm(c: _Config) -> dict[str, Any]:
+    """modeling_stablelm.py: StableLmAttention is PhiAttention's (q/k/v with ``use_qkv_bias``, o_proj without a
+    bias, partial rotary on the first ``partial_rotary_factor`` of hidden_size // heads, the rotated and passed
+    parts joined by ``torch.cat``), GQA; StableLmMLP is Llama's gated MLP without biases; LayerNorms with a bias;
+    ``use_parallel_residual`` runs attention and the MLP on the one input norm; ``hidden_dropout`` only on the MLP
+    output (StableLmDecoderLayer.dropout). Its per-head q/k LayerNorms (``qk_layernorm``, StableLM 2 12B:
+    StableLmLayerNormPerHead splits q into heads and normalises each with its own LayerNorm) are not described:
+    such a config takes the traced path."""
+    if c.get("qk_layernorm"):
+        raise UnsupportedModelType(f"{c.origin}: StableLM's per-head q/k LayerNorms (qk_layernorm=true) have no "
+                                   "analytic description")
+    hidden, heads = c.req("hidden_size"), c.req("num_attention_heads")
+    d = _split_heads(c, hidden, heads)  # (StableLmAttention: head_dim = hidden_size // num_heads, always)
+    kv = c.get("num_key_value_heads")
+    if heads % kv:
+        raise ModelError(f"{c.origin}: num_key_value_heads={kv} must divide num_attention_heads={heads}")
+    att = Attention("mha", heads, kv, d, d, bool(c.get("use_qkv_bias")), False,
+                    rotary_dim=int(d * _rotary_fraction(c)))
+    parallel = bool(c.get("use_parallel_residual"))
+    layer = Layer(att, MLP(c.req("intermediate_size"), True, _act(c)), None, 1 if parallel else 2,
+                  parallel_residual=parallel)
+    return dict(
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("num_hidden_layers")),),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings")),
+        dropout=Dropout(c.get("attention_dropout"), c.get("hidden_dropout")), **_positions(c),
+    )
+
+
 def _parse_opt(c: _Config) -> dict[str, Any]:
     hidden = c.req("hidden_size")
     heads = c.req("num_attention_heads")
@@ -1221,6 +1272,8 @@ PARSERS: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "glm4": _parse_glm4,
     "olmo3": _parse_olmo3,
     "cohere2": _parse_cohere2,
+    "starcoder2": _parse_starcoder2,
+    "stablelm": _parse_stablelm,
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(PARSERS)
 
@@ -1259,6 +1312,9 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
                           rotary_tables=2, eager_masks_always_built=frozenset({False, True}), rotary_tables_fp32=True),
     "cohere2": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True,
                             eager_masks_always_built=frozenset({False, True})),
+    "starcoder2": FamilyTraits(hidden_dropout="per_block", embedding_dropout=True),
+    "stablelm": FamilyTraits(q_built_by_cat=True, hidden_dropout="after_mlp", rotary_split_locals=True,
+                             attention_output_held=True),
 }
 """Each family's traits; a family not listed has Llama's. Gemma 2/3 and Qwen2-MoE build the full and the sliding
 eager mask whatever their layers use, Qwen2/Qwen3 the full one always; the others (Mistral, Mixtral, Phi-3,

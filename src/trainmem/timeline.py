@@ -202,7 +202,7 @@ def _down_projection_locals(spec: ModelSpec, la: LayerActivations, p: Precision)
     under autocast gelu_new's fp32 output, which fc2 reads and casts (the cast is what it saves; traced: Phi
     amp-bf16, the forward's peak at the last fc2)."""
     layer = la.layer
-    held = p.compute * spec.hidden_size if _shares_one_norm(spec, layer) else 0
+    held = p.compute * spec.hidden_size if _shares_one_norm(spec, layer) or spec.traits.attention_output_held else 0
     mlp = layer.mlp
     if p.autocast and mlp is not None and not mlp.gated and mlp.activation == "gelu_new":
         held += FP32 * mlp.intermediate_size
@@ -259,6 +259,8 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
         return int((per_token + p.compute * h) * tokens)
     if layer.mlp:
         per_token += (p.residual if p.autocast else 0) * h  # the MLP's argument
+        # (StableLM's self_attn_output, a local through the MLP: FamilyTraits.attention_output_held)
+        per_token += p.compute * h if spec.traits.attention_output_held else 0
     dropout = _mlp_output_dropout(spec, layer, settings)
     at_down = (p.compute * h if layer.mlp else 0) - (MASK * h if dropout else 0)  # its output; no mask yet
     if spec.traits.block != "falcon":

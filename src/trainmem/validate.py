@@ -675,6 +675,16 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
         # a rotary width int(head_dim * factor) that is odd breaks transformers' rotary tables, so no 0.4 here)
         cfg.update(llama_like, resid_pdrop=dropout, embd_pdrop=dropout,
                    partial_rotary_factor=pick("partial_rotary", (0.5, 1.0)), qk_layernorm=pick("qk_norm", (False, True)))
+    elif model_type == "starcoder2":
+        # (no explicit head_dim: Starcoder2Attention reads one only from the config, which the draw leaves out)
+        cfg.update(llama_like, residual_dropout=dropout, embedding_dropout=dropout,
+                   sliding_window=window, use_bias=bias, hidden_act=pick("activation", ("gelu_pytorch_tanh", "gelu")))
+    elif model_type == "stablelm":
+        # (head_dim is hidden_size // heads; an odd rotary width breaks transformers' rotary tables: 0.5 then)
+        rotary = pick("partial_rotary", (0.25, 0.5, 1.0))
+        cfg.update(llama_like, hidden_dropout=dropout, use_qkv_bias=bias,
+                   use_parallel_residual=pick("parallel_residual", (False, True)),
+                   partial_rotary_factor=rotary if int(head_dim * rotary) % 2 == 0 else 0.5)
     elif model_type == "phi3":
         cfg.update(resid_pdrop=dropout, embd_pdrop=dropout, sliding_window=window,
                    partial_rotary_factor=pick("partial_rotary", (1.0, 0.5)))
