@@ -82,12 +82,17 @@ class EstimateInput(BaseModel):
     compile: bool = Field(False, description="torch.compile each decoder layer.")
     offload_activations: bool = Field(False, description="Checkpointed layers' inputs in host memory until "
                                       "backward (needs checkpointing full).")
+    task: str = Field("causal-lm", description="causal-lm | masked-lm | seq-cls | seq2seq-lm: the head and loss "
+                      "trained (anything but causal-lm is traced).")
+    num_labels: int | None = Field(None, ge=1, le=1 << 20, description="seq-cls: the classifier's labels.")
     gpus: int = Field(1, ge=1, le=1 << 20)
     gpus_per_node: int = Field(0, ge=0, le=1 << 10, description="GPUs per node (0: 8, or gpus if fewer).")
     zero: int | None = Field(None, ge=0, le=3)
     fsdp: str | None = None
     offload: str = Field("none", description="none | optimizer | optimizer+params (ZeRO or FSDP2).")
     ddp_bucket_view: bool = Field(False, description="DDP with gradient_as_bucket_view=True.")
+    fsdp_embedding_groups: bool = Field(False, description="FSDP2: the embedding and the LM head groups of their "
+                                        "own, resharded after forward (torchtune's custom_sharded_layers).")
     tp: int = Field(1, ge=1, le=1 << 20, description="Tensor parallel degree.")
     sp: bool = Field(False, description="Sequence parallel on the tensor-parallel GPUs.")
     pp: int = Field(1, ge=1, le=1 << 20, description="Pipeline stages.")
@@ -109,6 +114,8 @@ class EstimateInput(BaseModel):
     qlora: bool = False
     base_quant: str | None = None
     double_quant: bool = False
+    bnb_version: str | None = Field(None, max_length=40, description="The run's bitsandbytes release (before "
+                                    "0.43.2 each 4-bit Linear keeps its input).")
     gpu: str | None = Field(None, description="A GPU name (GET /api/gpus): fits and max_batch answer for it.")
     gpu_memory: StrictStr | StrictInt | StrictFloat | None = Field(
         None, description="A GPU of this memory instead of (or with) a named one: text with a unit (\"48GiB\", "
@@ -149,8 +156,9 @@ class PlanInput(BaseModel):
 
 SETTINGS_FIELDS = ("recipe", "optimizer", "optimizer_impl", "batch", "seq", "grad_accum", "attention",
                    "checkpointing", "dropout", "loss", "activation_k", "optimizer_in_backward", "compile",
-                   "offload_activations")
-REQUEST_FIELDS = ("params", "gpus", "gpus_per_node", "zero", "fsdp", "offload", "ddp_bucket_view", "lora",
+                   "offload_activations", "task", "num_labels")
+REQUEST_FIELDS = ("params", "gpus", "gpus_per_node", "zero", "fsdp", "offload", "ddp_bucket_view",
+                  "fsdp_embedding_groups", "bnb_version", "lora",
                   "lora_alpha", "lora_dropout", "lora_targets", "dora", "train_modules", "adapter_dtype", "qlora",
                   "base_quant", "double_quant", "gpu", "headroom", "fragmentation", "alloc_conf", "cuda_overhead",
                   "tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep", "pp_layers")
