@@ -931,8 +931,11 @@ def _router_score_bytes(moe: MoE, p: Precision) -> int:
 def _router_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
     """What the router keeps. Softmax routers (MixtralTopKRouter, Qwen2MoeTopKRouter): the fp32 softmax, the top-k
     indices, and with normalisation the divided weights and their sum. DeepseekV3TopkRouter: its fp32 upcast input
-    (under autocast F.linear casts it back to half instead), the sigmoid scores, the per-group top-2 and group
-    indices, the group mask, the top-k indices, and with normalisation the divided weights and their sum."""
+    (under autocast F.linear casts it back to half instead), the sigmoid scores, the top-k indices, and with
+    normalisation the divided weights and their sum. Its group selection (``scores_for_choice``, the per-group
+    top-2, ``group_idx``, ``group_mask``, ``score_mask``) is off the differentiable path: only the integer
+    ``topk_indices`` leave it, the discarded top-k values free their autograd nodes, and what those nodes saved
+    goes with them (traced: nothing of it alive in backward, DeepSeek-V3 fp32 without checkpointing)."""
     e, k = moe.num_experts, moe.top_k
     scores = _router_score_bytes(moe, p)
     norm = [Term("top-k weights divided by their sum, and the sum (fp32)", scores * k + FP32)] \
@@ -942,8 +945,6 @@ def _router_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
     # Under autocast F.linear casts the fp32 upcast back to half: that copy is one of the MLP input's casts.
     upcast = FP32 * h if p.compute != FP32 and not p.autocast else 0
     terms = [Term("router input in fp32", upcast, input_of="router_input"), Term("router sigmoid scores", scores * e),
-             Term("per-group top-2 indices, selected groups, group mask",
-                  INDEX * 2 * moe.groups + INDEX * moe.top_groups + MASK * e),
              Term("top-k indices (int64)", INDEX * k)]
     return [t for t in terms if t.bytes_per_token] + norm
 

@@ -146,18 +146,43 @@ def _weighted_bytes(moe, p: Precision) -> int:
 
 
 def _shared_first(layer) -> bool:
-    """Whether the shared experts' backward runs before the routed experts' (DeepSeek-V3's order)."""
-    return bool(layer.moe and layer.moe.shared_intermediate_size and layer.moe.router == "sigmoid_grouped")
+    """Whether the shared experts' backward runs before the routed experts' (DeepSeek-V3's order:
+    DeepseekV3MoE.forward adds ``self.shared_experts(residuals)`` after the routed experts). DeepSeek builds its
+    shared-expert MLP even with ``n_shared_experts`` 0 (``shared_always_built``): zero wide, its backward still
+    makes the MoE input's h-wide gradient first (traced: DeepSeek-V3, fp32, no shared experts, full checkpointing,
+    -2.4% at the router weighting's backward without it)."""
+    moe = layer.moe
+    return bool(moe and (moe.shared_intermediate_size or moe.shared_always_built) and moe.router == "sigmoid_grouped")
 
 
 def _experts_weighting_freed(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
     """See _LayerBytes.experts_weighting_freed."""
     layer = la.layer
-    if layer.moe and layer.moe.shared_expert_gate:
-        return p.compute * spec.hidden_size * tokens
+    if layer.moe is None:
+        return 0
+    # grouped_mm_experts_forward's gather back to token order (``weighted_out[inv_perm]``) runs its backward first
+    # and frees the int64 ``inv_perm`` it saved (traced: 8 bytes per (token, expert) pair over without it, Mixtral,
+    # Qwen-MoE and DeepSeek-V3 alike)
+    inv_perm = INDEX * layer.moe.top_k * tokens
+    if layer.moe.shared_expert_gate:
+        return inv_perm + p.compute * spec.hidden_size * tokens
     if _shared_first(layer):
-        return int(_term_bytes(la.terms, "shared_expert") * tokens)
-    return 0
+        return inv_perm + _shared_experts_freed(spec, la, p, tokens)
+    return inv_perm
+
+
+def _shared_experts_freed(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
+    """What DeepSeek-V3's shared-expert MLP (DeepseekV3MLP, gate_proj/up_proj/down_proj on the MoE input) frees
+    by its backward, which runs before the routed experts' (_shared_first): its own saved tensors; the copies of
+    its input only it keeps (under autocast the gate's and up's half casts; in a half recipe without autocast the
+    norm output itself, of which the router keeps its fp32 upcast; in fp32 the router keeps the same tensor); and
+    under autocast the half copies of its three weights. Traced: DeepSeek-V3 with 1 and 0 shared experts (zero
+    wide, still built), full checkpointing, fp32, pure-bf16, amp-bf16: 12-90 kB over at the router weighting's
+    backward without the copies and casts."""
+    h = spec.hidden_size
+    copies = 2 * p.compute * h if p.autocast else p.compute * h if p.compute != FP32 else 0
+    casts = p.compute * _numel(layer_tensors(la.layer, h, spec.norm_vectors), "shared_expert") if p.autocast else 0
+    return int((_term_bytes(la.terms, "shared_expert") + copies) * tokens) + casts
 
 
 def _norm_moment(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Recipe, tensors, tokens: int,
@@ -806,6 +831,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # The experts' weighted outputs and each (token, expert) pair's weight and index are freed by the
             # backward of the router-weighted sum, which runs before the experts' down_proj backward (traced).
             freed_before_mlp += int(layer.moe.top_k * (p.experts * spec.hidden_size + INDEX + FP32) * tokens)
+        if _shared_first(layer):  # and DeepSeek's shared experts have run their backward before the routed ones'
+            freed_before_mlp += _shared_experts_freed(spec, la, p, tokens)
         # The attention moment: the MLP block has run its backward; the attention block's input projections have
         # not (their half weight copies under autocast are still held), o_proj has.
         projections = _numel(tensors, "attention_input")
@@ -835,7 +862,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             forward_transient=_forward_transient(spec, la, p, tokens,
                                                  _layer_casts(spec, la, p) if cached else (0, 0))
             + (_adapter_forward_transients(spec, la, p, tokens, finetune) if finetune is not None else ()),
-            experts_freed=int(_term_bytes(la.terms, "routed_experts", "intermediate") * tokens),
+            experts_freed=int(_term_bytes(la.terms, "routed_experts", "intermediate") * tokens)
+            + (_shared_experts_freed(spec, la, p, tokens) if _shared_first(layer) else 0),
             experts_transient=_experts_transient(spec, la, p, gradients_of, tokens, frozen=finetune is not None and
                                                  "mlp.experts.gate_up_proj" not in adapted and p.experts != FP32),
             experts_weighting_transient=_experts_weighting_transient(spec, layer, p, tokens),
