@@ -1438,4 +1438,6 @@ def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tu
         built = used | spec.traits.eager_masks_always_built
         return len(built) * p.residual * b * s * s, len(used) * p.residual * b * s * s
     used = {layer.sliding_window is not None for layer, _ in spec.layer_runs if sdpa_mask(spec, layer, s)}
-    return len(used) * MASK * s * s, len(used) * MASK * s * s
+    # a sliding mask built for no layer (ModelSpec.sliding_mask_window; sdpa_mask's rule: kv_length >= window)
+    built = used | ({True} if spec.sliding_mask_window is not None and s >= spec.sliding_mask_window else set())
+    return len(built) * MASK * s * s, len(used) * MASK * s * s

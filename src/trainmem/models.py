@@ -292,6 +292,10 @@ class ModelSpec:
     with transformers (unknown model_type) or a nominal size (``--params 7e9``). Such a spec has no
     architecture, so activations cannot be derived from it."""
     # One rank's share of a model-parallel layout (modelparallel.py builds these; a whole model has the defaults).
+    sliding_mask_window: int | None = None
+    """The window of a sliding mask the base model builds whatever its layers use (Qwen2MoeModel.forward builds
+    ``create_sliding_window_causal_mask`` always, with ``config.sliding_window``, which configuration_qwen2_moe.py
+    sets to 0 without ``use_sliding_window``); None: built only where a layer slides."""
     has_embedding: bool = True
     """False on a pipeline stage after the first: no token embedding, its input is the previous stage's output."""
     has_head: bool = True
@@ -879,7 +883,7 @@ def _parse_qwen2_moe(c: _Config) -> dict[str, Any]:
         c, qkv_bias=bool(c.get("qkv_bias")), o_bias=False,
         moe_for_layer=lambda i: moe if _sparse_layer(c, i) else None,
         windows=lambda n: _layer_windows(c, n, window, lambda i: use_window and bool((i + 1) % 2) and i < first),
-    )
+    ) | {"sliding_mask_window": window or 0}
 
 
 def _parse_qwen3_moe(c: _Config) -> dict[str, Any]:

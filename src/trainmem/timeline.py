@@ -263,8 +263,7 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
     h = spec.hidden_size
     per_token = la.returned_extra
     if layer.moe:
-        # the routed experts' recompute ends at the gather back to token order: the weighted outputs exist
-        return int((per_token + layer.moe.top_k * _weighted_bytes(layer.moe, p) * h) * tokens)
+        return _moe_recompute_end(spec, la, p, tokens)
     if layer.mlp and _has_output_norm(la):
         # Gemma 2/3: the recompute goes on into the post-feedforward norm, whose input (the MLP's output) it holds;
         # the MLP's argument is gone by then
@@ -284,6 +283,42 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
         at_down += p.residual * h + p.residual * layer.mlp.intermediate_size  # output plus bias; the fp32 GELU
     at_dropout = 2 * out * h if dropout else at_down  # the MLP's output and its dropped copy (the mask exists)
     return int((per_token + max(at_down, at_dropout)) * tokens)
+
+
+def _routing_weight_bytes(moe, p: Precision) -> int:
+    """The routing weights' dtype (``top_k_weights``, ``sample_weights_g``): cast to the router logits' (Qwen-MoE)
+    or the scores' (fp32 softmax; DeepSeek's sigmoid)."""
+    return p.compute if moe.weights_in_compute_dtype else _router_score_bytes(moe, p)
+
+
+def _routing_locals(moe, p: Precision) -> int:
+    """Bytes per token that the MoE block and transformers' grouped_mm_experts_forward (integrations/moe.py) hold
+    in locals while the routed experts run, and no backward keeps: the router logits (the ``_`` of
+    ``_, top_k_weights, top_k_index = self.gate(hidden_states)``, MixtralSparseMoeBlock and kin; the logits of
+    an fp32 upcast in DeepseekV3TopkRouter, half under autocast), the top-k weights themselves (the in-place
+    division saves a clone, the gathers only indices), the sorted expert ids ``expert_ids_g`` and ``histc``'s
+    input (fp32 on the CPU, int32 on CUDA: 4 bytes either way)."""
+    logits = p.compute if moe.router == "softmax" else _router_score_bytes(moe, p)
+    return moe.num_experts * logits + moe.top_k * (_routing_weight_bytes(moe, p) + INDEX + FP32)
+
+
+def _moe_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
+    """See _LayerBytes.recompute_end, for a MoE layer. The routed experts' recompute reaches the gather back to
+    token order (``weighted_out[inv_perm]``, whose saved ``inv_perm`` is the layer's last saved tensor): the
+    weighted outputs exist, ``torch.arange`` is being written into ``inv_perm``, the routing locals are alive
+    (_routing_locals) and so is the block's argument, the norm output, where nothing saved it (under autocast
+    the router keeps a half cast; in DeepSeek's half recipes its fp32 upcast). DeepSeek's shared experts run after
+    the routed ones: not yet recomputed at that moment (_shared_experts_freed), they end the recompute later,
+    beside the routed output. Traced: Mixtral amp-bf16, eager, full checkpointing, -2.58% at the backward peak
+    without the locals (seed 9191 case 7 of ``validate --random``)."""
+    layer, h = la.layer, spec.hidden_size
+    moe = layer.moe
+    weighted = la.returned_extra + moe.top_k * _weighted_bytes(moe, p) * h
+    argument = p.residual * h if p.autocast else p.compute * h if _shared_first(layer) and p.compute != FP32 else 0
+    routed = int((weighted + _routing_locals(moe, p) + moe.top_k * INDEX + argument) * tokens)
+    if not _shared_first(layer):
+        return routed
+    return max(routed - _shared_experts_freed(spec, la, p, tokens), int(weighted * tokens))
 
 
 def _frozen_down_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> int:
@@ -332,6 +367,10 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     mlp = wide * _mlp_bytes(layer, p) * _mlp_width(layer)
     if layer.moe:  # grouped_mm_experts_forward holds the gathered tokens in a local until it returns
         mlp += layer.moe.top_k * p.experts * h
+        # and the routing beside them, none of it saved here: the top-k indices, the sort's permutation and the
+        # permuted weights, with what no backward keeps either (_routing_locals; traced: Mixtral, fp32, full
+        # checkpointing, -1.1% at the forward peak without them)
+        mlp += _routing_locals(layer.moe, p) + layer.moe.top_k * (2 * INDEX + _routing_weight_bytes(layer.moe, p))
     mlp += la.held_by_layer  # the attention weights eager attention returned, held in the block's locals
     attn = la.attention_forward or c * (2 * att.num_heads * att.head_dim + 2 * att.num_kv_heads * att.head_dim)
     # Beside, in the MLP: the layer input (the caller's variable), the residual and the norm output; in attention,
