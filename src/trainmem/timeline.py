@@ -374,7 +374,13 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
         # and the routing beside them, none of it saved here: the top-k indices, the sort's permutation and the
         # permuted weights, with what no backward keeps either (_routing_locals; traced: Mixtral, fp32, full
         # checkpointing, -1.1% at the forward peak without them)
-        mlp += _routing_locals(layer.moe, p) + layer.moe.top_k * (2 * INDEX + _routing_weight_bytes(layer.moe, p))
+        moe = layer.moe
+        routing = _routing_locals(moe, p) + moe.top_k * (2 * INDEX + _routing_weight_bytes(moe, p))
+        # The gather back to token order (``weighted_out[inv_perm]``) is the other candidate: the gathered tokens,
+        # the down projection's output, the weighted outputs and their permuted copy, k x h wide each, with
+        # inv_perm (traced: Qwen3-MoE, experts narrower than the width, -4.1% at the forward peak without it)
+        gather_back = 2 * moe.top_k * (p.experts + _weighted_bytes(moe, p)) * h + moe.top_k * INDEX
+        mlp = max(mlp, gather_back) + routing
     mlp += la.held_by_layer  # the attention weights eager attention returned, held in the block's locals
     attn = la.attention_forward or c * (2 * att.num_heads * att.head_dim + 2 * att.num_kv_heads * att.head_dim)
     # Beside, in the MLP: the layer input (the caller's variable), the residual and the norm output; in attention,
