@@ -208,6 +208,16 @@ RANDOM_MISSES = {
         # (the scaled-down Qwen3-MoE row of `trainmem validate`, -4.13% at the forward peak: with experts narrower
         # than the width the checkpointed forward's worst moment is the gather back to token order, not the product)
     ),
+    "opt-softmax-cast-beside-the-scores": (
+        {"model_type": "opt", "vocab_size": 576, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2, "hidden_size": 36, "num_attention_heads": 1, "num_hidden_layers": 2, "ffn_dim": 96,
+         "max_position_embeddings": 4096, "do_layer_norm_before": False, "enable_bias": False, "dropout": 0.0,
+         "attention_dropout": 0.0, "word_embed_proj_dim": None, "activation_function": "relu"},
+        {"recipe": "amp-bf16", "optimizer": "sgd", "batch": 1, "seq": 1000, "attention": "eager",
+         "checkpointing": "none", "dropout": 0.0, "grad_accum": 1},
+        # (seed 4711 case 24, here at batch 1: -7.7% at the forward peak; ``softmax(attn_weights, dtype=float32)
+        # .to(query.dtype)`` makes the half copy while the fp32 scores are still bound, q being the half q_proj output)
+    ),
 }
 
 

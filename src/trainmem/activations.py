@@ -398,7 +398,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             released += c * a * dv  # the batched matmul's copy of v (a strided view of c_attn's output)
         matmul_backward = c * a * s + 2 * c * a * dv
         held_by_layer = dropout_bytes * a * s + (c * spec.hidden_size if gpt2_eager else 0)
-        softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s)
+        softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s, 0 if gpt2_eager else qk_bytes)
         if spec.traits.block == "bloom":  # BloomAttention keeps the baddbmm scores in a local beside the masked ones
             softmax_extra += c * a * s
             bloom_forward = _bloom_forward(spec, p, a, d, s, dropout, settings.batch)
@@ -552,14 +552,20 @@ def math_matmul_backward_per_token(c: int, a: int, dv: int, s: int) -> float:
     return c * a * dv + (FP32 * a * dv if c != FP32 else 0) + FP32 * a * (s + dv)
 
 
-def eager_softmax_moment(terms: list[Term], p: Precision, a: int, s: int) -> tuple[float, float]:
+def eager_softmax_moment(terms: list[Term], p: Precision, a: int, s: int, cast_to: int = 0) -> tuple[float, float]:
     """Eager attention's forward at its softmax, without checkpointing: the scores (its input, in the scores' dtype:
     fp32 under autocast or in fp32, where the fp32 mask promotes them) and, for an fp32 softmax of half scores, the
-    upcast copy are alive beside what is saved; the terms after the softmax do not exist yet."""
+    upcast copy are alive beside what is saved; the terms after the softmax do not exist yet. ``cast_to``: the
+    bytes of q's dtype where ``softmax(attn_weights, dtype=torch.float32).to(query.dtype)`` (eager_attention_forward
+    of modeling_llama.py and kin, OPT, BLOOM) makes a half copy while ``attn_weights``, the scores, is still bound
+    (traced: OPT under autocast, whose q is the half q_proj output, -8% at the forward peak without it); 0 where q
+    is fp32 (rotated by fp32 tables under autocast: ``.to`` returns the same tensor)."""
     c = p.compute
     probs = next(t.bytes_per_token for t in terms if t.kind == SOFTMAX_PROBABILITIES) / (a * s)
     scores = FP32 if p.autocast or c == FP32 else c
-    extra = scores + (FP32 if probs == FP32 and scores != FP32 else 0)
+    upcast = FP32 if probs == FP32 and scores != FP32 else 0  # (freed before the cast: the larger of the two)
+    cast = cast_to if probs == FP32 and cast_to and cast_to != FP32 else 0
+    extra = scores + max(upcast, cast)
     after = sum(t.bytes_per_token for t in terms if t.kind in (COMPUTE_PROBABILITIES, DROPOUT_MASK,
                                                                 CONTIGUOUS_OUTPUT))
     return extra * a * s, after
