@@ -194,7 +194,7 @@ RANDOM_MISSES = {
          "mlp_only_layers": [], "norm_topk_prob": False, "shared_expert_intermediate_size": 32, "qkv_bias": True},
         {"recipe": "amp-bf16", "optimizer": "sgd", "batch": 2, "seq": 128, "attention": "sdpa",
          "checkpointing": "full", "dropout": 0.0, "grad_accum": 1},
-        # (+1.40% at the backward peak: shared_expert_gate's backward frees its half input cast before the routed
+        # (+1.57% at the backward peak: shared_expert_gate's backward frees its half input cast before the routed
         # experts' weighting)
     ),
     "qwen3-moe-gather-back-in-checkpointed-forward": (
