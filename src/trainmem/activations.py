@@ -1318,7 +1318,9 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         # set(self.config.layer_types)``): a model whose layers all slide (or none do) builds one.
         kinds = {layer.sliding_window is not None for layer, _ in spec.layer_runs}
         tables = min(spec.traits.rotary_tables, len(kinds))
-        constant.append(Term("rotary cos, sin", tables * 2 * p.residual * s * max(rotary_dims)))
+        # (in fp32 where the family's rotary embedding returns them uncast: FamilyTraits.rotary_tables_fp32)
+        table = FP32 if spec.traits.rotary_tables_fp32 else p.residual
+        constant.append(Term("rotary cos, sin", tables * 2 * table * s * max(rotary_dims)))
 
     masks_built, masks_used = _mask_bytes(spec, settings, p)
     if masks_used and settings.checkpointing != "none":

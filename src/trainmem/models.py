@@ -235,6 +235,9 @@ class FamilyTraits:
     """Where a layer's two norms sit: before attention and before the MLP (Llama), or on the attention output and
     on the MLP output, each before its residual add, with no norm before either block (OLMo-2's
     Olmo2DecoderLayer: ``post_attention_layernorm`` and ``post_feedforward_layernorm``)."""
+    rotary_tables_fp32: bool = False
+    """The rotary embedding returns its cos and sin tables in fp32, not cast to the hidden states' dtype
+    (Olmo2RotaryEmbedding.forward: ``return cos, sin``; Llama's and Cohere's return ``cos.to(dtype=x.dtype)``)."""
     rotary_in_input_dtype: bool = False
     """apply_rotary_pos_emb casts the rotated q and k back to q's dtype (OLMo-2: ``q_embed.to(q_type)``; Cohere
     rotates in fp32 and casts back), so under autocast they are half, not fp32 as Llama's (whose tables follow
@@ -1141,7 +1144,8 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "qwen2_moe": FamilyTraits(eager_masks_always_built=frozenset({False, True})),
     "qwen2": FamilyTraits(eager_masks_always_built=frozenset({False})),
     "qwen3": FamilyTraits(eager_masks_always_built=frozenset({False})),
-    "olmo2": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True),
+    "olmo2": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True,
+                          rotary_tables_fp32=True),
     # (CohereForCausalLM's ``logits * logit_scale`` saves nothing and its transient is under the traced peaks)
     "cohere": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True),
     "phi": FamilyTraits(q_built_by_cat=True, hidden_dropout="per_block", embedding_dropout=True,
