@@ -141,6 +141,92 @@ RANDOM_MISSES = {
         # (seed 6262 case 6: -1.57% at the forward peak; inside a checkpointed layer the memory-efficient kernel's
         # float mask and its padded copy are alive at once)
     ),
+    "mixtral-recompute-routing-locals": (
+        {"model_type": "mixtral", "vocab_size": 263, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2, "hidden_size": 32, "num_attention_heads": 1, "num_key_value_heads": 1,
+         "num_hidden_layers": 1, "intermediate_size": 64, "max_position_embeddings": 4096, "attention_dropout": 0.1,
+         "sliding_window": None, "num_local_experts": 2, "num_experts_per_tok": 2},
+        {"recipe": "amp-bf16", "optimizer": "sgd", "batch": 4, "seq": 128, "attention": "eager",
+         "checkpointing": "full", "dropout": None, "grad_accum": 1},
+        # (seed 9191 case 7: -2.58% at the backward peak; the recompute of the routed experts ends at the gather back
+        # to token order, with the router logits, the top-k weights, the sorted expert ids, histc's input, the arange
+        # written into inv_perm and the block's fp32 argument alive in locals)
+    ),
+    "deepseek-v3-zero-width-shared-experts-first": (
+        {"model_type": "deepseek_v3", "vocab_size": 263, "tie_word_embeddings": True, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
+         "num_hidden_layers": 1, "intermediate_size": 128, "max_position_embeddings": 4096, "attention_dropout": 0.0,
+         "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 0,
+         "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "q_lora_rank": None, "kv_lora_rank": 16,
+         "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "attention_bias": False},
+        {"recipe": "fp32", "optimizer": "sgd", "batch": 2, "seq": 128, "attention": "sdpa", "checkpointing": "full",
+         "dropout": 0.0, "grad_accum": 1},
+        # (tiny MoE draw: -2.40% at the backward peak; the zero-wide shared-expert MLP DeepSeek builds anyway runs its
+        # backward before the routed experts', making the MoE input's gradient; its group selection saves nothing)
+    ),
+    "deepseek-v3-shared-experts-free-their-casts": (
+        {"model_type": "deepseek_v3", "vocab_size": 263, "tie_word_embeddings": True, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
+         "num_hidden_layers": 1, "intermediate_size": 128, "max_position_embeddings": 4096, "attention_dropout": 0.0,
+         "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+         "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "q_lora_rank": None, "kv_lora_rank": 16,
+         "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "attention_bias": False},
+        {"recipe": "amp-bf16", "optimizer": "sgd", "batch": 2, "seq": 128, "attention": "sdpa",
+         "checkpointing": "full", "dropout": 0.0, "grad_accum": 1},
+        # (+4.38% at the backward peak: the shared experts' backward, first, frees their input and weight casts)
+    ),
+    "qwen2-moe-unused-sliding-mask": (
+        {"model_type": "qwen2_moe", "vocab_size": 263, "tie_word_embeddings": True, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "num_hidden_layers": 1, "intermediate_size": 128, "max_position_embeddings": 4096, "attention_dropout": 0.0,
+         "num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1,
+         "mlp_only_layers": [], "norm_topk_prob": False, "shared_expert_intermediate_size": 32, "qkv_bias": True},
+        {"recipe": "fp32", "optimizer": "sgd", "batch": 2, "seq": 128, "attention": "sdpa", "checkpointing": "full",
+         "dropout": 0.0, "grad_accum": 1},
+        # (-1.11% at the forward peak: Qwen2MoeModel builds the sliding SDPA mask, window 0 without
+        # use_sliding_window, for no layer)
+    ),
+    "qwen2-moe-shared-gate-cast": (
+        {"model_type": "qwen2_moe", "vocab_size": 263, "tie_word_embeddings": True, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "num_hidden_layers": 1, "intermediate_size": 128, "max_position_embeddings": 4096, "attention_dropout": 0.0,
+         "num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1,
+         "mlp_only_layers": [], "norm_topk_prob": False, "shared_expert_intermediate_size": 32, "qkv_bias": True},
+        {"recipe": "amp-bf16", "optimizer": "sgd", "batch": 2, "seq": 128, "attention": "sdpa",
+         "checkpointing": "full", "dropout": 0.0, "grad_accum": 1},
+        # (+1.57% at the backward peak: shared_expert_gate's backward frees its half input cast before the routed
+        # experts' weighting)
+    ),
+    "qwen3-moe-gather-back-in-checkpointed-forward": (
+        {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 96,
+         "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+         "num_experts_per_tok": 2, "decoder_sparse_step": 1, "norm_topk_prob": True, "vocab_size": 512,
+         "max_position_embeddings": 256, "attention_bias": False, "hidden_act": "silu", "rms_norm_eps": 1e-06,
+         "rope_theta": 1000000.0, "tie_word_embeddings": False, "router_aux_loss_coef": 0.001, "pad_token_id": 0},
+        {"recipe": "amp-bf16", "optimizer": "sgd", "batch": 2, "seq": 64, "attention": "eager",
+         "checkpointing": "full", "dropout": None, "grad_accum": 1},
+        # (the scaled-down Qwen3-MoE row of `trainmem validate`, -4.13% at the forward peak: with experts narrower
+        # than the width the checkpointed forward's worst moment is the gather back to token order, not the product)
+    ),
+    "opt-softmax-cast-beside-the-scores": (
+        {"model_type": "opt", "vocab_size": 576, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2, "hidden_size": 36, "num_attention_heads": 1, "num_hidden_layers": 2, "ffn_dim": 96,
+         "max_position_embeddings": 4096, "do_layer_norm_before": False, "enable_bias": False, "dropout": 0.0,
+         "attention_dropout": 0.0, "word_embed_proj_dim": None, "activation_function": "relu"},
+        {"recipe": "amp-bf16", "optimizer": "sgd", "batch": 1, "seq": 1000, "attention": "eager",
+         "checkpointing": "none", "dropout": 0.0, "grad_accum": 1},
+        # (seed 4711 case 24, here at batch 1: -7.7% at the forward peak; ``softmax(attn_weights, dtype=float32)
+        # .to(query.dtype)`` makes the half copy while the fp32 scores are still bound, q being the half q_proj output)
+    ),
+    "olmo2-fp32-rotary-tables": (
+        {"model_type": "olmo2", "vocab_size": 1600, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2, "hidden_size": 100, "num_attention_heads": 1, "num_key_value_heads": 1,
+         "num_hidden_layers": 1, "intermediate_size": 256, "max_position_embeddings": 4096, "attention_dropout": 0.1,
+         "attention_bias": True},
+        {"recipe": "pure-bf16", "optimizer": "adam", "batch": 1, "seq": 1000, "attention": "sdpa",
+         "checkpointing": "selective", "dropout": 0.1, "grad_accum": 2},
+        # (seed 1234 case 83: -1.88% at the forward peak; Olmo2RotaryEmbedding returns fp32 cos and sin, uncast)
+    ),
 }
 
 

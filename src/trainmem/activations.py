@@ -405,11 +405,8 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             released += c * a * dv  # the batched matmul's copy of v (a strided view of c_attn's output)
         matmul_backward = c * a * s + 2 * c * a * dv
         held_by_layer = dropout_bytes * a * s + (c * spec.hidden_size if gpt2_eager else 0)
-        softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s)
-        if p.autocast and _half_q(spec, att):
-            # ``.to(query.dtype)`` of the fp32 softmax output, with q half: the cast is made while the softmax's fp32
-            # input is still bound, so the worst moment holds the cast beside both (as a checkpointed forward does)
-            softmax_extra += c * a * s
+        # (the cast back to q's dtype under autocast: eager_softmax_moment's cast_to)
+        softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s, 0 if gpt2_eager else qk_bytes)
         laid_out = batch > 1 and a > 1
         if (not att.fused_qkv and not q_by_cat and not gpt2_eager and spec.traits.block == "standard"
                 and (laid_out or qk_bytes != c)):
@@ -613,14 +610,20 @@ def math_matmul_backward_per_token(c: int, a: int, dv: int, s: int) -> float:
     return c * a * dv + (FP32 * a * dv if c != FP32 else 0) + FP32 * a * (s + dv)
 
 
-def eager_softmax_moment(terms: list[Term], p: Precision, a: int, s: int) -> tuple[float, float]:
+def eager_softmax_moment(terms: list[Term], p: Precision, a: int, s: int, cast_to: int = 0) -> tuple[float, float]:
     """Eager attention's forward at its softmax, without checkpointing: the scores (its input, in the scores' dtype:
     fp32 under autocast or in fp32, where the fp32 mask promotes them) and, for an fp32 softmax of half scores, the
-    upcast copy are alive beside what is saved; the terms after the softmax do not exist yet."""
+    upcast copy are alive beside what is saved; the terms after the softmax do not exist yet. ``cast_to``: the
+    bytes of q's dtype where ``softmax(attn_weights, dtype=torch.float32).to(query.dtype)`` (eager_attention_forward
+    of modeling_llama.py and kin, OPT, BLOOM) makes a half copy while ``attn_weights``, the scores, is still bound
+    (traced: OPT under autocast, whose q is the half q_proj output, -8% at the forward peak without it); 0 where q
+    is fp32 (rotated by fp32 tables under autocast: ``.to`` returns the same tensor)."""
     c = p.compute
     probs = next(t.bytes_per_token for t in terms if t.kind == SOFTMAX_PROBABILITIES) / (a * s)
     scores = FP32 if p.autocast or c == FP32 else c
-    extra = scores + (FP32 if probs == FP32 and scores != FP32 else 0)
+    upcast = FP32 if probs == FP32 and scores != FP32 else 0  # (freed before the cast: the larger of the two)
+    cast = cast_to if probs == FP32 and cast_to and cast_to != FP32 else 0
+    extra = scores + max(upcast, cast)
     after = sum(t.bytes_per_token for t in terms if t.kind in (COMPUTE_PROBABILITIES, DROPOUT_MASK,
                                                                 CONTIGUOUS_OUTPUT))
     return extra * a * s, after
@@ -992,8 +995,11 @@ def _router_score_bytes(moe: MoE, p: Precision) -> int:
 def _router_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
     """What the router keeps. Softmax routers (MixtralTopKRouter, Qwen2MoeTopKRouter): the fp32 softmax, the top-k
     indices, and with normalisation the divided weights and their sum. DeepseekV3TopkRouter: its fp32 upcast input
-    (under autocast F.linear casts it back to half instead), the sigmoid scores, the per-group top-2 and group
-    indices, the group mask, the top-k indices, and with normalisation the divided weights and their sum."""
+    (under autocast F.linear casts it back to half instead), the sigmoid scores, the top-k indices, and with
+    normalisation the divided weights and their sum. Its group selection (``scores_for_choice``, the per-group
+    top-2, ``group_idx``, ``group_mask``, ``score_mask``) is off the differentiable path: only the integer
+    ``topk_indices`` leave it, the discarded top-k values free their autograd nodes, and what those nodes saved
+    goes with them (traced: nothing of it alive in backward, DeepSeek-V3 fp32 without checkpointing)."""
     e, k = moe.num_experts, moe.top_k
     scores = _router_score_bytes(moe, p)
     norm = [Term("top-k weights divided by their sum, and the sum (fp32)", scores * k + FP32)] \
@@ -1003,8 +1009,6 @@ def _router_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
     # Under autocast F.linear casts the fp32 upcast back to half: that copy is one of the MLP input's casts.
     upcast = FP32 * h if p.compute != FP32 and not p.autocast else 0
     terms = [Term("router input in fp32", upcast, input_of="router_input"), Term("router sigmoid scores", scores * e),
-             Term("per-group top-2 indices, selected groups, group mask",
-                  INDEX * 2 * moe.groups + INDEX * moe.top_groups + MASK * e),
              Term("top-k indices (int64)", INDEX * k)]
     return [t for t in terms if t.bytes_per_token] + norm
 
@@ -1502,4 +1506,6 @@ def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tu
         built = used | spec.traits.eager_masks_always_built
         return len(built) * p.residual * b * s * s, len(used) * p.residual * b * s * s
     used = {layer.sliding_window is not None for layer, _ in spec.layer_runs if sdpa_mask(spec, layer, s)}
-    return len(used) * MASK * s * s, len(used) * MASK * s * s
+    # a sliding mask built for no layer (ModelSpec.sliding_mask_window; sdpa_mask's rule: kv_length >= window)
+    built = used | ({True} if spec.sliding_mask_window is not None and s >= spec.sliding_mask_window else set())
+    return len(built) * MASK * s * s, len(used) * MASK * s * s

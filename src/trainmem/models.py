@@ -235,6 +235,10 @@ class FamilyTraits:
     """Where a layer's two norms sit: before attention and before the MLP (Llama), or on the attention output and
     on the MLP output, each before its residual add, with no norm before either block (OLMo-2's
     Olmo2DecoderLayer: ``post_attention_layernorm`` and ``post_feedforward_layernorm``)."""
+    rotary_tables_fp32: bool = False
+    """The rotary embedding returns its cos and sin tables in fp32, not cast to the hidden states' dtype
+    (Olmo2RotaryEmbedding, Olmo3RotaryEmbedding and Ernie4_5RotaryEmbedding end ``return cos, sin``; Llama's and
+    Cohere's return ``cos.to(dtype=x.dtype)``)."""
     rotary_in_input_dtype: bool = False
     """apply_rotary_pos_emb casts the rotated q and k back to q's dtype (OLMo-2: ``q_embed.to(q_type)``; Cohere
     rotates in fp32 and casts back), so under autocast they are half, not fp32 as Llama's (whose tables follow
@@ -258,9 +262,6 @@ class FamilyTraits:
     (``cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)``, the interleaved pairs of GLM-4 and ERNIE 4.5),
     and the products keep those for backward: the model's tables then live only through the layer loop (and, under
     checkpointing, as the checkpoints' arguments)."""
-    rotary_tables_fp32: bool = False
-    """The rotary embedding returns cos and sin in fp32 whatever the hidden states' dtype (Ernie4_5RotaryEmbedding and
-    Olmo3RotaryEmbedding end ``return cos, sin``, without Llama's ``.to(dtype=x.dtype)``)."""
     rms_norm_fp32_product: bool = False
     """The RMSNorm multiplies its weight by the fp32 normalised value and casts the product back
     (Olmo2RMSNorm: ``(self.weight * hidden_states).to(input_dtype)``), so the kept normalised value is fp32, as
@@ -307,6 +308,10 @@ class ModelSpec:
     with transformers (unknown model_type) or a nominal size (``--params 7e9``). Such a spec has no
     architecture, so activations cannot be derived from it."""
     # One rank's share of a model-parallel layout (modelparallel.py builds these; a whole model has the defaults).
+    sliding_mask_window: int | None = None
+    """The window of a sliding mask the base model builds whatever its layers use (Qwen2MoeModel.forward builds
+    ``create_sliding_window_causal_mask`` always, with ``config.sliding_window``, which configuration_qwen2_moe.py
+    sets to 0 without ``use_sliding_window``); None: built only where a layer slides."""
     has_embedding: bool = True
     """False on a pipeline stage after the first: no token embedding, its input is the previous stage's output."""
     has_head: bool = True
@@ -986,7 +991,7 @@ def _parse_qwen2_moe(c: _Config) -> dict[str, Any]:
         c, qkv_bias=bool(c.get("qkv_bias")), o_bias=False,
         moe_for_layer=lambda i: moe if _sparse_layer(c, i) else None,
         windows=lambda n: _layer_windows(c, n, window, lambda i: use_window and bool((i + 1) % 2) and i < first),
-    )
+    ) | {"sliding_mask_window": window or 0}
 
 
 def _parse_qwen3_moe(c: _Config) -> dict[str, Any]:
@@ -1299,7 +1304,8 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "qwen2_moe": FamilyTraits(eager_masks_always_built=frozenset({False, True})),
     "qwen2": FamilyTraits(eager_masks_always_built=frozenset({False})),
     "qwen3": FamilyTraits(eager_masks_always_built=frozenset({False})),
-    "olmo2": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True),
+    "olmo2": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True,
+                          rotary_tables_fp32=True),
     # (CohereForCausalLM's ``logits * logit_scale`` saves nothing and its transient is under the traced peaks)
     "cohere": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True),
     "phi": FamilyTraits(q_built_by_cat=True, hidden_dropout="per_block", embedding_dropout=True,

@@ -146,18 +146,47 @@ def _weighted_bytes(moe, p: Precision) -> int:
 
 
 def _shared_first(layer) -> bool:
-    """Whether the shared experts' backward runs before the routed experts' (DeepSeek-V3's order)."""
-    return bool(layer.moe and layer.moe.shared_intermediate_size and layer.moe.router == "sigmoid_grouped")
+    """Whether the shared experts' backward runs before the routed experts' (DeepSeek-V3's order:
+    DeepseekV3MoE.forward adds ``self.shared_experts(residuals)`` after the routed experts). DeepSeek builds its
+    shared-expert MLP even with ``n_shared_experts`` 0 (``shared_always_built``): zero wide, its backward still
+    makes the MoE input's h-wide gradient first (traced: DeepSeek-V3, fp32, no shared experts, full checkpointing,
+    -2.4% at the router weighting's backward without it)."""
+    moe = layer.moe
+    return bool(moe and (moe.shared_intermediate_size or moe.shared_always_built) and moe.router == "sigmoid_grouped")
 
 
 def _experts_weighting_freed(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
     """See _LayerBytes.experts_weighting_freed."""
     layer = la.layer
-    if layer.moe and layer.moe.shared_expert_gate:
-        return p.compute * spec.hidden_size * tokens
+    if layer.moe is None:
+        return 0
+    # grouped_mm_experts_forward's gather back to token order (``weighted_out[inv_perm]``) runs its backward first
+    # and frees the int64 ``inv_perm`` it saved (traced: 8 bytes per (token, expert) pair over without it, Mixtral,
+    # Qwen-MoE and DeepSeek-V3 alike)
+    inv_perm = INDEX * layer.moe.top_k * tokens
+    if layer.moe.shared_expert_gate:
+        # Qwen2-MoE's ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` runs its backward before the routed
+        # experts' too (made after them): the shared output it saved goes, and under autocast shared_expert_gate's
+        # half cast of its input (traced: amp-bf16, full checkpointing, +1.4% at the router weighting without it)
+        gate_input = p.compute * spec.hidden_size if p.autocast else 0
+        return inv_perm + (p.compute * spec.hidden_size + gate_input) * tokens
     if _shared_first(layer):
-        return int(_term_bytes(la.terms, "shared_expert") * tokens)
-    return 0
+        return inv_perm + _shared_experts_freed(spec, la, p, tokens)
+    return inv_perm
+
+
+def _shared_experts_freed(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
+    """What DeepSeek-V3's shared-expert MLP (DeepseekV3MLP, gate_proj/up_proj/down_proj on the MoE input) frees
+    by its backward, which runs before the routed experts' (_shared_first): its own saved tensors; the copies of
+    its input only it keeps (under autocast the gate's and up's half casts; in a half recipe without autocast the
+    norm output itself, of which the router keeps its fp32 upcast; in fp32 the router keeps the same tensor); and
+    under autocast the half copies of its three weights. Traced: DeepSeek-V3 with 1 and 0 shared experts (zero
+    wide, still built), full checkpointing, fp32, pure-bf16, amp-bf16: 12-90 kB over at the router weighting's
+    backward without the copies and casts."""
+    h = spec.hidden_size
+    copies = 2 * p.compute * h if p.autocast else p.compute * h if p.compute != FP32 else 0
+    casts = p.compute * _numel(layer_tensors(la.layer, h, spec.norm_vectors), "shared_expert") if p.autocast else 0
+    return int((_term_bytes(la.terms, "shared_expert") + copies) * tokens) + casts
 
 
 def _norm_moment(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Recipe, tensors, tokens: int,
@@ -251,8 +280,7 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
     h = spec.hidden_size
     per_token = la.returned_extra
     if layer.moe:
-        # the routed experts' recompute ends at the gather back to token order: the weighted outputs exist
-        return int((per_token + layer.moe.top_k * _weighted_bytes(layer.moe, p) * h) * tokens)
+        return _moe_recompute_end(spec, la, p, tokens)
     if layer.mlp and _has_output_norm(la):
         # Gemma 2/3: the recompute goes on into the post-feedforward norm, whose input (the MLP's output) it holds;
         # the MLP's argument is gone by then
@@ -274,6 +302,42 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
         at_down += p.residual * h + p.residual * layer.mlp.intermediate_size  # output plus bias; the fp32 GELU
     at_dropout = 2 * out * h if dropout else at_down  # the MLP's output and its dropped copy (the mask exists)
     return int((per_token + max(at_down, at_dropout)) * tokens)
+
+
+def _routing_weight_bytes(moe, p: Precision) -> int:
+    """The routing weights' dtype (``top_k_weights``, ``sample_weights_g``): cast to the router logits' (Qwen-MoE)
+    or the scores' (fp32 softmax; DeepSeek's sigmoid)."""
+    return p.compute if moe.weights_in_compute_dtype else _router_score_bytes(moe, p)
+
+
+def _routing_locals(moe, p: Precision) -> int:
+    """Bytes per token that the MoE block and transformers' grouped_mm_experts_forward (integrations/moe.py) hold
+    in locals while the routed experts run, and no backward keeps: the router logits (the ``_`` of
+    ``_, top_k_weights, top_k_index = self.gate(hidden_states)``, MixtralSparseMoeBlock and kin; the logits of
+    an fp32 upcast in DeepseekV3TopkRouter, half under autocast), the top-k weights themselves (the in-place
+    division saves a clone, the gathers only indices), the sorted expert ids ``expert_ids_g`` and ``histc``'s
+    input (fp32 on the CPU, int32 on CUDA: 4 bytes either way)."""
+    logits = p.compute if moe.router == "softmax" else _router_score_bytes(moe, p)
+    return moe.num_experts * logits + moe.top_k * (_routing_weight_bytes(moe, p) + INDEX + FP32)
+
+
+def _moe_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int) -> int:
+    """See _LayerBytes.recompute_end, for a MoE layer. The routed experts' recompute reaches the gather back to
+    token order (``weighted_out[inv_perm]``, whose saved ``inv_perm`` is the layer's last saved tensor): the
+    weighted outputs exist, ``torch.arange`` is being written into ``inv_perm``, the routing locals are alive
+    (_routing_locals) and so is the block's argument, the norm output, where nothing saved it (under autocast
+    the router keeps a half cast; in DeepSeek's half recipes its fp32 upcast). DeepSeek's shared experts run after
+    the routed ones: not yet recomputed at that moment (_shared_experts_freed), they end the recompute later,
+    beside the routed output. Traced: Mixtral amp-bf16, eager, full checkpointing, -2.58% at the backward peak
+    without the locals (seed 9191 case 7 of ``validate --random``)."""
+    layer, h = la.layer, spec.hidden_size
+    moe = layer.moe
+    weighted = la.returned_extra + moe.top_k * _weighted_bytes(moe, p) * h
+    argument = p.residual * h if p.autocast else p.compute * h if _shared_first(layer) and p.compute != FP32 else 0
+    routed = int((weighted + _routing_locals(moe, p) + moe.top_k * INDEX + argument) * tokens)
+    if not _shared_first(layer):
+        return routed
+    return max(routed - _shared_experts_freed(spec, la, p, tokens), int(weighted * tokens))
 
 
 def _frozen_down_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> int:
@@ -322,6 +386,16 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     mlp = wide * _mlp_bytes(layer, p) * _mlp_width(layer)
     if layer.moe:  # grouped_mm_experts_forward holds the gathered tokens in a local until it returns
         mlp += layer.moe.top_k * p.experts * h
+        # and the routing beside them, none of it saved here: the top-k indices, the sort's permutation and the
+        # permuted weights, with what no backward keeps either (_routing_locals; traced: Mixtral, fp32, full
+        # checkpointing, -1.1% at the forward peak without them)
+        moe = layer.moe
+        routing = _routing_locals(moe, p) + moe.top_k * (2 * INDEX + _routing_weight_bytes(moe, p))
+        # The gather back to token order (``weighted_out[inv_perm]``) is the other candidate: the gathered tokens,
+        # the down projection's output, the weighted outputs and their permuted copy, k x h wide each, with
+        # inv_perm (traced: Qwen3-MoE, experts narrower than the width, -4.1% at the forward peak without it)
+        gather_back = 2 * moe.top_k * (p.experts + _weighted_bytes(moe, p)) * h + moe.top_k * INDEX
+        mlp = max(mlp, gather_back) + routing
     mlp += la.held_by_layer  # the attention weights eager attention returned, held in the block's locals
     attn = la.attention_forward or c * (2 * att.num_heads * att.head_dim + 2 * att.num_kv_heads * att.head_dim)
     # Beside, in the MLP: the layer input (the caller's variable), the residual and the norm output; in attention,
@@ -821,6 +895,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # The experts' weighted outputs and each (token, expert) pair's weight and index are freed by the
             # backward of the router-weighted sum, which runs before the experts' down_proj backward (traced).
             freed_before_mlp += int(layer.moe.top_k * (p.experts * spec.hidden_size + INDEX + FP32) * tokens)
+        if _shared_first(layer):  # and DeepSeek's shared experts have run their backward before the routed ones'
+            freed_before_mlp += _shared_experts_freed(spec, la, p, tokens)
         # The attention moment: the MLP block has run its backward; the attention block's input projections have
         # not (their half weight copies under autocast are still held), o_proj has.
         projections = _numel(tensors, "attention_input")
@@ -850,7 +926,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             forward_transient=_forward_transient(spec, la, p, tokens,
                                                  _layer_casts(spec, la, p) if cached else (0, 0))
             + (_adapter_forward_transients(spec, la, p, tokens, finetune) if finetune is not None else ()),
-            experts_freed=int(_term_bytes(la.terms, "routed_experts", "intermediate") * tokens),
+            experts_freed=int(_term_bytes(la.terms, "routed_experts", "intermediate") * tokens)
+            + (_shared_experts_freed(spec, la, p, tokens) if _shared_first(layer) else 0),
             experts_transient=_experts_transient(spec, la, p, gradients_of, tokens, frozen=finetune is not None and
                                                  "mlp.experts.gate_up_proj" not in adapted and p.experts != FP32),
             experts_weighting_transient=_experts_weighting_transient(spec, layer, p, tokens),
