@@ -164,6 +164,12 @@ class StepModel:
             reason = compile_modelled(spec, self.recipe, settings)
             if reason:
                 raise ConfigError(f"--compile is not modelled for {reason}")
+        if settings.checkpointing == "op" and spec.has_architecture:
+            from .opsac import unmodelled
+
+            reason = unmodelled(spec, settings)
+            if reason:
+                raise ConfigError(reason)
         self.static = single
         self._static_bytes = {c.name: c.bytes for c in self.static}
         self.unchecked = validation_notes(spec, settings) + (self.rank.notes if self.rank else ())

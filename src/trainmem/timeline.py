@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import (COMPILED_LOSS_BACKWARD, FP32, INDEX, MASK, ActivationEstimate, LayerActivations, Precision,
+from .activations import (COMPILED_LOSS_BACKWARD, FP32, INDEX, MASK, OP_SAVED, ActivationEstimate, LayerActivations,
+                          Precision,
                           _hidden_dropout_sites, _router_score_bytes)
 from .models import MLP_ROLES, ModelSpec, layer_tensors
 from .optimizers import Optimizer
@@ -794,6 +795,10 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # No input norm (OLMo-2): q/k/v save the layer input itself unless autocast casts it for each of them
             shared_input = 0 if p.autocast else p.residual * spec.hidden_size * tokens
         full -= shared_input
+        # --checkpointing op: the recompute takes the saved ops' outputs back from the cache (opsac.py): each is
+        # then one of the recomputed activations, or dies in the recompute (q before rotary), so in backward the
+        # layer holds them once, beyond its kept bytes only what full checkpointing recreates less them
+        full -= int(sum(t.bytes_per_token for t in la.checkpoint_terms if t.kind == OP_SAVED) * tokens)
         # (grouped_mm experts are not autocast: their weights get no half copy)
         down_copy = p.compute * down if p.autocast and layer.mlp is not None else 0
         # A norm on the layer's output (Gemma's post-feedforward norm) has run its backward, and freed what it

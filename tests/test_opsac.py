@@ -1,0 +1,47 @@
+"""--checkpointing op: torchtitan's per-op selective activation checkpointing (opsac.py), estimated from the saved
+ops' outputs and traced with torchtitan's own policy through torch.utils.checkpoint's selective contexts."""
+
+import pytest
+
+from trainmem.catalog import catalog_config, catalog_spec
+from trainmem.errors import ConfigError
+from trainmem.models import spec_from_config
+from trainmem.settings import make_settings
+from trainmem.stepmodel import estimate_model
+
+TINY = dict(num_hidden_layers=3, vocab_size=512, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64)
+
+
+@pytest.mark.parametrize("model,recipe", [
+    ("llama-3.2-1b", "pure-bf16"),   # q, v, gate, down saved (the 1st, 3rd, 5th, 7th aten.mm)
+    ("qwen2.5-0.5b", "mixed-bf16"),  # biased q/k/v run aten.addmm: o and up saved
+])
+def test_op_checkpointing_matches_its_trace(model, recipe):
+    from trainmem.trace import trace_step
+
+    config = dict(catalog_config(model), **TINY)
+    spec = spec_from_config(config)
+    settings = make_settings(recipe=recipe, batch=2, seq=512, dropout=0.0, checkpointing="op")
+    est = estimate_model(spec, settings)
+    traced = trace_step(config, settings, spec)
+    for e, t in zip(est.phases, traced.phases, strict=True):
+        assert abs(e.allocated_bytes / t.allocated_bytes - 1) <= 0.01, (e, t)
+
+
+def test_op_sits_between_full_and_none():
+    spec = catalog_spec("llama-3-8b")
+    acts = {c: estimate_model(spec, make_settings(recipe="pure-bf16", seq=4096, checkpointing=c)).activations
+            for c in ("none", "op", "full")}
+    assert acts["full"].layers_bytes < acts["op"].layers_bytes < acts["none"].layers_bytes
+
+
+@pytest.mark.parametrize("model,options,says", [
+    ("llama-3.2-1b", dict(recipe="amp-bf16"), "checkpointing 'op' is modelled for recipes without autocast"),
+    ("llama-3.2-1b", dict(recipe="pure-bf16", compile=True), "checkpointing 'op' with --compile"),
+    ("llama-3.2-1b", dict(recipe="pure-bf16", attention="eager"), "modelled with --attention sdpa"),
+    ("gpt2", dict(recipe="pure-bf16"), "modelled for Llama-like layers"),
+])
+def test_what_op_does_not_model_is_refused(model, options, says):
+    with pytest.raises(ConfigError, match=says):
+        estimate_model(catalog_spec(model), make_settings(checkpointing="op", **options))
