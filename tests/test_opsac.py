@@ -13,16 +13,18 @@ TINY = dict(num_hidden_layers=3, vocab_size=512, hidden_size=256, intermediate_s
             num_key_value_heads=2, head_dim=64)
 
 
-@pytest.mark.parametrize("model,recipe", [
-    ("llama-3.2-1b", "pure-bf16"),   # q, v, gate, down saved (the 1st, 3rd, 5th, 7th aten.mm)
-    ("qwen2.5-0.5b", "mixed-bf16"),  # biased q/k/v run aten.addmm: o and up saved
+@pytest.mark.parametrize("model,recipe,layers,batch,seq", [
+    ("llama-3.2-1b", "pure-bf16", 3, 2, 512),   # q, v, gate, down saved (the 1st, 3rd, 5th, 7th aten.mm); flash
+    ("llama-3.2-1b", "fp32", 2, 1, 1000),       # the memory-efficient kernel (its logsumexp padded to 32 rows);
+                                                # the forward's peak at the last layer's attention
+    ("qwen2.5-0.5b", "mixed-bf16", 3, 2, 512),  # biased q/k/v run aten.addmm: o and up saved
 ])
-def test_op_checkpointing_matches_its_trace(model, recipe):
+def test_op_checkpointing_matches_its_trace(model, recipe, layers, batch, seq):
     from trainmem.trace import trace_step
 
-    config = dict(catalog_config(model), **TINY)
+    config = dict(catalog_config(model), **dict(TINY, num_hidden_layers=layers))
     spec = spec_from_config(config)
-    settings = make_settings(recipe=recipe, batch=2, seq=512, dropout=0.0, checkpointing="op")
+    settings = make_settings(recipe=recipe, batch=batch, seq=seq, dropout=0.0, checkpointing="op")
     est = estimate_model(spec, settings)
     traced = trace_step(config, settings, spec)
     for e, t in zip(est.phases, traced.phases, strict=True):

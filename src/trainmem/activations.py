@@ -1196,6 +1196,25 @@ def runs_dropout(spec: ModelSpec, settings: TrainingSettings) -> bool:
     return bool(spec.dropout.attention or spec.dropout.hidden)
 
 
+def op_checkpointing_unmodelled(spec: ModelSpec, settings: TrainingSettings) -> str | None:
+    """Why --checkpointing op is not modelled for this set-up, or None: Llama-like dense layers (llama, mistral,
+    qwen2 and the like), SDPA."""
+    if not llama_style_layers(spec) or any(
+            lay.attention.fused_qkv or lay.mlp.fused_gate_up or lay.attention.qk_norm or lay.attention.kind != "mha"
+            for lay, _ in spec.layer_runs) or spec.traits.norm_placement == "post" or \
+            spec.traits.rms_norm_fp32_plus_one:
+        return (f"checkpointing 'op' (torchtitan's per-op SAC) is modelled for Llama-like layers (llama, mistral, "
+                f"qwen2: separate q/k/v and gate/up Linears, no q/k norm); {spec.model_type}'s are not")
+    if settings.attention != "sdpa":
+        return f"checkpointing 'op' is modelled with --attention sdpa (torchtitan's); got {settings.attention!r}"
+    if any(sdpa_mask(spec, lay, settings.seq) for lay, _ in spec.layer_runs):
+        return ("checkpointing 'op' is modelled with causal SDPA, no mask (a sliding window the sequence reaches "
+                "gives the kernel a mask); give a shorter --seq or --checkpointing full")
+    if runs_dropout(spec, settings):
+        return "checkpointing 'op' is modelled without dropout (torchtitan's Llama has none); give --dropout 0"
+    return None
+
+
 def compile_modelled(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings) -> str | None:
     """Why --compile's layers are not modelled for this set-up, or None: Llama-style layers with separate q, k, v,
     full rotary, two RMSNorms, no q/k norms, SDPA, half precision without autocast, no dropout (checked against
@@ -1266,13 +1285,14 @@ def op_sac_terms(layer: Layer, h: int, p: Precision, kernel: str, seq: int) -> t
     # the policy (q before rotary). The recompute stops once the last tensor autograd saves exists
     # (torch.utils.checkpoint's early stop), at down_proj's matmul, before it runs: a saved down_proj output is
     # never taken back and stays in the cache until the layer's backward has run (traced).
-    terms = [Term(f"{name} output (saved by the op policy)", c * width, kind=OP_SAVED if name != "down_proj"
+    # (``module``: the Linear whose output it is, or "attention": the timeline's forward moments read it)
+    terms = [Term(f"{name} output (saved by the op policy)", c * width, name, OP_SAVED if name != "down_proj"
                   else OP_SAVED_UNTAKEN) for name, width in saved]
     if kernel in SDPA_KERNELS:
         dv = flash_head_dim(att.v_head_dim) if kernel == FLASH else att.v_head_dim
         lse = FP32 * att.num_heads if kernel == FLASH else efficient_lse_per_token(att.num_heads, seq)
-        terms += [Term("attention output (saved by the op policy)", c * att.num_heads * dv, kind=OP_SAVED),
-                  Term("softmax logsumexp (saved by the op policy)", lse, kind=OP_SAVED)]
+        terms += [Term("attention output (saved by the op policy)", c * att.num_heads * dv, "attention", OP_SAVED),
+                  Term("softmax logsumexp (saved by the op policy)", lse, "attention", OP_SAVED)]
     return tuple(terms)
 
 

@@ -1,7 +1,8 @@
 """--checkpointing op: torchtitan's per-op selective activation checkpointing, as data in one place.
 
-torchtitan's ``selective_ac_option = "op"`` (torchtitan/parallelisms/parallelize_llama.py at 4d88a8a, 2024-12-03,
-the code of docs/performance.md's Llama 3.1 runs; lines 241-303: ``_save_list`` and ``_apply_ac_to_transformer_block``)
+torchtitan's ``selective_ac_option = "op"`` (torchtitan/parallelisms/parallelize_llama.py at 9dec370, 2024-12-26, the
+commit of its benchmarks/llama3_h100_202412_torchtitan.md runs: lines 214-223 ``_save_list``, 226-283
+``_apply_ac_to_transformer_block``; the same at 4d88a8a, lines 241-303)
 wraps every TransformerBlock in ``ptd_checkpoint_wrapper(module, context_fn=selective_checkpointing_context_fn,
 preserve_rng_state=False)`` (non-reentrant ``torch.utils.checkpoint``), whose context is
 ``create_selective_checkpoint_contexts(_custom_policy)`` with a fresh ``meta = defaultdict(int)`` per call. The
@@ -26,7 +27,9 @@ from typing import Any
 
 SAVED_ATEN_OPS = ("mm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention", "abs",
                   "max")
-"""torchtitan's ``_save_list`` (parallelize_llama.py at 4d88a8a, lines 241-250), the aten part."""
+"""torchtitan's ``_save_list`` (parallelize_llama.py at 9dec370, lines 214-223), the aten part. (Today's
+torchtitan/distributed/activation_checkpoint.py, ``_get_default_save_ops``, saves every compute-intensive op of the
+partitioner's list, aten.addmm and aten.bmm too, and aten.linear: not what those runs ran.)"""
 SAVED_C10D_OPS = ("reduce_scatter_tensor",)
 """The rest of ``_save_list``: torch.ops._c10d_functional.reduce_scatter_tensor (sequence parallelism's)."""
 COUNTED_OP = "mm"
@@ -35,7 +38,7 @@ SDPA_KERNELS = ("flash", "efficient")
 """The attention kernels (kernels.sdpa_backend's names) whose outputs ``_save_list`` names."""
 
 
-def projection_order(layer: Any) -> tuple[tuple[str, int, bool], ...]:
+def projection_order(layer: Any) -> tuple[tuple[str, int | None, bool], ...]:
     """(name, output width, runs aten.mm) of a Llama-like layer's Linears in the order its forward calls them
     (LlamaAttention: q, k, v, o; LlamaMLP: ``down(act(gate(x)) * up(x))``, gate before up)."""
     att, mlp = layer.attention, layer.mlp
@@ -58,22 +61,6 @@ def saved_projections(layer: Any, hidden: int) -> tuple[tuple[str, int], ...]:
         if count % 2:
             saved.append((name, hidden if width is None else width))
     return tuple(saved)
-
-
-def unmodelled(spec: Any, settings: Any) -> str | None:
-    """Why --checkpointing op is not modelled for this set-up, or None: Llama-like dense layers (llama, mistral,
-    qwen2 and the like), SDPA."""
-    from .activations import llama_style_layers
-
-    if not llama_style_layers(spec) or any(
-            lay.attention.fused_qkv or lay.mlp.fused_gate_up or lay.attention.qk_norm or lay.attention.kind != "mha"
-            for lay, _ in spec.layer_runs) or spec.traits.norm_placement == "post" or \
-            spec.traits.rms_norm_fp32_plus_one:
-        return (f"checkpointing 'op' (torchtitan's per-op SAC) is modelled for Llama-like layers (llama, mistral, "
-                f"qwen2: separate q/k/v and gate/up Linears, no q/k norm); {spec.model_type}'s are not")
-    if settings.attention != "sdpa":
-        return f"checkpointing 'op' is modelled with --attention sdpa (torchtitan's); got {settings.attention!r}"
-    return None
 
 
 def policy(torch: Any):

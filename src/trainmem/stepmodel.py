@@ -165,9 +165,9 @@ class StepModel:
             if reason:
                 raise ConfigError(f"--compile is not modelled for {reason}")
         if settings.checkpointing == "op" and spec.has_architecture:
-            from .opsac import unmodelled
+            from .activations import op_checkpointing_unmodelled
 
-            reason = unmodelled(spec, settings)
+            reason = op_checkpointing_unmodelled(spec, settings)
             if reason:
                 raise ConfigError(reason)
         self.static = single
