@@ -164,6 +164,9 @@ class StepModel:
             reason = compile_modelled(spec, self.recipe, settings)
             if reason:
                 raise ConfigError(f"--compile is not modelled for {reason}")
+        if settings.checkpointing == "op" and finetune is not None:
+            raise ConfigError("checkpointing 'op' is modelled for full fine-tuning (LoRA's adapter matmuls are "
+                              "aten.mm calls too and move which ones the policy saves); give --checkpointing full")
         if settings.checkpointing == "op" and spec.has_architecture:
             from .activations import op_checkpointing_unmodelled
 
