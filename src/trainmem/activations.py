@@ -1131,6 +1131,8 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         if att.qk_norm:
             constant += FP32 * 2 * att.head_dim
     checkpoint = tuple(_sequence_sharded([Term("layer input (checkpoint)", r * h)], sp))
+    if settings.checkpointing == "op":
+        checkpoint += op_sac_terms(layer, h, p, attention.kernel, s)
     return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention.kernel, attention.cache_extra,
                             attention.returned_extra, attention_bytes, attention.released, attention.backward,
                             max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout,
@@ -1262,6 +1264,25 @@ def runs_dropout(spec: ModelSpec, settings: TrainingSettings) -> bool:
     return bool(spec.dropout.attention or spec.dropout.hidden)
 
 
+def op_checkpointing_unmodelled(spec: ModelSpec, settings: TrainingSettings) -> str | None:
+    """Why --checkpointing op is not modelled for this set-up, or None: Llama-like dense layers (llama, mistral,
+    qwen2 and the like), SDPA."""
+    if not llama_style_layers(spec) or any(
+            lay.attention.fused_qkv or lay.mlp.fused_gate_up or lay.attention.qk_norm or lay.attention.kind != "mha"
+            for lay, _ in spec.layer_runs) or spec.traits.norm_placement == "post" or \
+            spec.traits.rms_norm_fp32_plus_one:
+        return (f"checkpointing 'op' (torchtitan's per-op SAC) is modelled for Llama-like layers (llama, mistral, "
+                f"qwen2: separate q/k/v and gate/up Linears, no q/k norm); {spec.model_type}'s are not")
+    if settings.attention != "sdpa":
+        return f"checkpointing 'op' is modelled with --attention sdpa (torchtitan's); got {settings.attention!r}"
+    if any(sdpa_mask(spec, lay, settings.seq) for lay, _ in spec.layer_runs):
+        return ("checkpointing 'op' is modelled with causal SDPA, no mask (a sliding window the sequence reaches "
+                "gives the kernel a mask); give a shorter --seq or --checkpointing full")
+    if runs_dropout(spec, settings):
+        return "checkpointing 'op' is modelled without dropout (torchtitan's Llama has none); give --dropout 0"
+    return None
+
+
 def compile_modelled(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings) -> str | None:
     """Why --compile's layers are not modelled for this set-up, or None: Llama-style layers with separate q, k, v,
     full rotary, two RMSNorms, no q/k norms, SDPA, half precision without autocast, no dropout (checked against
@@ -1318,13 +1339,42 @@ def compiled_layer(la: LayerActivations, h: int, p: Precision) -> LayerActivatio
                    attention_bytes_per_token=sum(t.bytes_per_token for t in attention_terms))
 
 
+def op_sac_terms(layer: Layer, h: int, p: Precision, kernel: str, seq: int) -> tuple[Term, ...]:
+    """What torchtitan's per-op SAC (--checkpointing op) keeps of a layer beyond its input: the outputs of the
+    ops in its save list (opsac.py), i.e. the saved matmuls' outputs in the compute dtype and the SDPA kernel's
+    output and fp32 logsumexp (the flash kernel's at the head dim padded to 8, the memory-efficient one's
+    logsumexp padded to 32 rows, as the kernel keeps them for its own backward: _attention_terms)."""
+    from .opsac import SDPA_KERNELS, saved_projections
+
+    c, att = p.compute, layer.attention
+    saved = saved_projections(layer, h)
+    # In backward the recompute takes each saved output back from SAC's cache (_CachedTorchDispatchMode pops it):
+    # then it is one of the recomputed activations (SDPA's v, SiLU's gate) or dies in the recompute as without
+    # the policy (q before rotary). The recompute stops once the last tensor autograd saves exists
+    # (torch.utils.checkpoint's early stop), at down_proj's matmul, before it runs: a saved down_proj output is
+    # never taken back and stays in the cache until the layer's backward has run (traced).
+    # (``module``: the Linear whose output it is, or "attention": the timeline's forward moments read it)
+    terms = [Term(f"{name} output (saved by the op policy)", c * width, name, OP_SAVED if name != "down_proj"
+                  else OP_SAVED_UNTAKEN) for name, width in saved]
+    if kernel in SDPA_KERNELS:
+        dv = flash_head_dim(att.v_head_dim) if kernel == FLASH else att.v_head_dim
+        lse = FP32 * att.num_heads if kernel == FLASH else efficient_lse_per_token(att.num_heads, seq)
+        terms += [Term("attention output (saved by the op policy)", c * att.num_heads * dv, "attention", OP_SAVED),
+                  Term("softmax logsumexp (saved by the op policy)", lse, "attention", OP_SAVED)]
+    return tuple(terms)
+
+
+OP_SAVED, OP_SAVED_UNTAKEN = "op_saved", "op_saved_untaken"
+"""Term kinds of what --checkpointing op keeps beyond the layer input: taken back by the recompute, or not."""
+
+
 def checkpointed_runs(spec: ModelSpec, checkpointing: str) -> list[tuple[Layer, int, bool]]:
     """The layer runs split where checkpointing starts or stops: (layer, count, checkpointed). Selective
     checkpointing takes layers 0, 2, 4, ... (settings.SELECTIVE_EVERY)."""
     from .settings import SELECTIVE_EVERY
 
     if checkpointing != "selective":
-        return [(layer, count, checkpointing == "full") for layer, count in spec.layer_runs]
+        return [(layer, count, checkpointing in ("full", "op")) for layer, count in spec.layer_runs]
     flagged = runs_of((layer, i % SELECTIVE_EVERY == 0) for i, layer in enumerate(spec.layers))
     return [(layer, count, flag) for (layer, flag), count in flagged]
 

@@ -230,7 +230,8 @@ def _workload_options(f):
                      help="Gradient accumulation steps."),
         click.option("--attention", default="sdpa", show_default=True, help="eager | sdpa | flash."),
         click.option("--checkpointing", default="none", show_default=True,
-                     help="none | selective (every second decoder layer, torchtitan's layer SAC) | full (every one)."),
+                     help="none | selective (every second decoder layer, torchtitan's layer SAC) | op (torchtitan's "
+                          "per-op SAC of every layer) | full (every one)."),
         click.option("--dropout", type=float, default=None, help="Dropout probability (default: the config's)."),
         click.option("--loss", default="standard", show_default=True,
                      help="standard | chunked (Liger's fused linear CE) | chunked-output (torchtune's 8-slice CE)."),

@@ -708,6 +708,9 @@ def run_plan(model, gpu: str, gpus: int | None = None, seq: int = 2048, global_b
 
     if recipe:
         written_recipe(recipe)
+    if checkpointing == "op":
+        raise ConfigError("--checkpointing op: plan searches the checkpointing the engines' files write; accepted: "
+                          "none, full (estimate it with trainmem estimate --checkpointing op)")
     if checkpointing == "selective":
         raise ConfigError("--checkpointing selective: no engine's file sets layer-selective checkpointing (torchtitan "
                           "0.3.0's SelectiveAC is per-op), so plan does not offer it; accepted: none, full (estimate "

@@ -213,15 +213,22 @@ def _dora_weight_without_module_calls(model) -> None:
             module.get_lora_weight = lora_weight
 
 
-def enable_checkpointing(model, every: int = 1) -> None:
+def enable_checkpointing(model, every: int = 1, op_sac: bool = False) -> None:
     """Non-reentrant activation checkpointing of every decoder layer, or with ``every`` = N of layers 0, N, 2N, ...
     (torchtitan's layer-selective checkpointing: transformers' GradientCheckpointingLayer checks its own
     ``gradient_checkpointing``, so the others are switched back off). transformers renamed
-    ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` in 5.x and deprecated the old name."""
+    ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` in 5.x and deprecated the old name.
+    ``op_sac``: torchtitan's per-op selective checkpointing of every layer (opsac.context_fn), with its
+    ``preserve_rng_state=False``."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if op_sac:
+        from .opsac import context_fn
+
+        kwargs.update(context_fn=context_fn, preserve_rng_state=False)
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if every > 1:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         layers: Any = getattr(decoder, "layers", None) or getattr(decoder, "h", None)

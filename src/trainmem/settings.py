@@ -15,12 +15,13 @@ from .optimizers import get_optimizer
 from .recipes import get_recipe
 
 ATTENTION_KERNELS = ("eager", "sdpa", "flash")
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "op", "full")
 SELECTIVE_EVERY = 2
 """--checkpointing selective checkpoints every second decoder layer (0, 2, 4, ...): torchtitan's selective
 activation checkpointing with its default ``selective_ac_option = "2"`` (torchtitan/distributed/
 activation_checkpoint.py, ``_apply_layer_sac``), not Megatron's recompute of the attention core, which flash
-attention already leaves nothing to save for."""
+attention already leaves nothing to save for. --checkpointing op is torchtitan's per-op selective checkpointing
+(``selective_ac_option = "op"``) of every decoder layer: opsac.py."""
 LOSSES = ("standard", "chunked", "chunked-output")
 OFFLOAD_MIN_BYTES = 1024
 """torchtune's OffloadActivations min_offload_size: smaller saved tensors stay on the device."""
@@ -62,8 +63,9 @@ class TrainingSettings:
     attention: str = "sdpa"
     """Attention kernel: eager (materialises the s x s scores), sdpa (transformers' default) or flash."""
     checkpointing: str = "none"
-    """Activation checkpointing: none, selective (every second decoder layer, torchtitan's layer SAC) or full
-    (transformers' gradient_checkpointing_enable: every decoder layer)."""
+    """Activation checkpointing: none, selective (every second decoder layer, torchtitan's layer SAC), op
+    (torchtitan's per-op SAC of every layer: opsac.py) or full (transformers' gradient_checkpointing_enable: every
+    decoder layer)."""
     dropout: float | None = None
     """Dropout probability override; None keeps the config's."""
     loss: str = "standard"
@@ -130,13 +132,13 @@ class TrainingSettings:
             raise ConfigError("--activation-k replaces the activation model with one number; --compile, "
                               "--offload-activations and --loss change what that model computes: give one or the "
                               "other")
-        if self.checkpointing == "selective" and get_recipe(self.recipe).autocast:
-            raise ConfigError("checkpointing 'selective' is modelled for recipes without autocast (fp32, mixed-*, "
-                              "pure-*): autocast's cast cache under a part-checkpointed model is not; give "
+        if self.checkpointing in ("selective", "op") and get_recipe(self.recipe).autocast:
+            raise ConfigError(f"checkpointing {self.checkpointing!r} is modelled for recipes without autocast (fp32, "
+                              "mixed-*, pure-*): autocast's cast cache under a part-checkpointed model is not; give "
                               "--checkpointing full or none")
-        if self.checkpointing == "selective" and self.compile:
-            raise ConfigError("checkpointing 'selective' with --compile is not modelled; give --checkpointing full "
-                              "or none")
+        if self.checkpointing in ("selective", "op") and self.compile:
+            raise ConfigError(f"checkpointing {self.checkpointing!r} with --compile is not modelled; give "
+                              "--checkpointing full or none")
         if self.offload_activations and self.checkpointing != "full":
             raise ConfigError("--offload-activations is modelled with --checkpointing full (torchtune: it should be "
                               "used alongside activation checkpointing)")
@@ -194,7 +196,7 @@ def _check_task(s: TrainingSettings) -> None:
     unrun = [flag for flag, on in (("--activation-k", s.activation_k is not None), ("--compile", s.compile),
                                    ("--offload-activations", s.offload_activations),
                                    (f"--loss {s.loss}", s.loss != "standard"),
-                                   ("--checkpointing selective", s.checkpointing == "selective")) if on]
+                                   (f"--checkpointing {s.checkpointing}", s.checkpointing in ("selective", "op"))) if on]
     if unrun:
         raise ConfigError(f"--task {s.task} is traced with transformers' own head and loss; {', '.join(unrun)} "
                           "applies to causal LMs only (drop it, or give --task causal-lm)")

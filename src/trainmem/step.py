@@ -239,7 +239,8 @@ class TrainingStep:
         if settings.checkpointing != "none":
             from .settings import SELECTIVE_EVERY
 
-            enable_checkpointing(self.model, SELECTIVE_EVERY if settings.checkpointing == "selective" else 1)
+            enable_checkpointing(self.model, SELECTIVE_EVERY if settings.checkpointing == "selective" else 1,
+                                 op_sac=settings.checkpointing == "op")
             self._mark_recomputes()
         elif settings.compile:
             self._compile_layers()

@@ -164,6 +164,15 @@ class StepModel:
             reason = compile_modelled(spec, self.recipe, settings)
             if reason:
                 raise ConfigError(f"--compile is not modelled for {reason}")
+        if settings.checkpointing == "op" and finetune is not None:
+            raise ConfigError("checkpointing 'op' is modelled for full fine-tuning (LoRA's adapter matmuls are "
+                              "aten.mm calls too and move which ones the policy saves); give --checkpointing full")
+        if settings.checkpointing == "op" and spec.has_architecture:
+            from .activations import op_checkpointing_unmodelled
+
+            reason = op_checkpointing_unmodelled(spec, settings)
+            if reason:
+                raise ConfigError(reason)
         self.static = single
         self._static_bytes = {c.name: c.bytes for c in self.static}
         self.unchecked = validation_notes(spec, settings) + (self.rank.notes if self.rank else ())

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import (COMPILED_LOSS_BACKWARD, FP32, INDEX, MASK, ActivationEstimate, LayerActivations, Precision,
-                          _hidden_dropout_sites, _router_score_bytes)
+from .activations import (COMPILED_LOSS_BACKWARD, FP32, INDEX, MASK, OP_SAVED, OP_SAVED_UNTAKEN, ActivationEstimate,
+                          LayerActivations, Precision, _hidden_dropout_sites, _router_score_bytes)
 from .models import MLP_ROLES, ModelSpec, layer_tensors
 from .optimizers import Optimizer
 from .recipes import Recipe
@@ -403,6 +403,19 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     # Both moments are returned, not their maximum: which is larger depends on the batch (the casts are constant),
     # and every candidate must stay linear in the batch for the compiled step model (stepmodel.py).
     return int((mlp + 3 * w * h) * tokens + casts[1]), int((attn + w * h) * tokens + casts[0])
+
+
+def _op_saved_in_forward(la: LayerActivations, tokens: int) -> tuple[int, int]:
+    """--checkpointing op: what SAC's cache holds of the layer beyond what _forward_transient counts at its two
+    moments (the MLP product being formed; attention's kernel). At the product: every saved output made by then
+    (q, v, attention's output and logsumexp, gate: the three I-wide tensors there are SiLU's output, up's and the
+    product) but up's, already among them; at the kernel: q and k as their matmuls made them, beside the rotated
+    copies attention reads (v is read as it is, the kernel's outputs are counted). (0, 0) without the policy."""
+    def saved(*modules: str, but: tuple[str, ...] = ()) -> int:
+        return int(sum(t.bytes_per_token for t in la.checkpoint_terms if t.kind in (OP_SAVED, OP_SAVED_UNTAKEN)
+                       and (not modules or t.module in modules) and t.module not in but) * tokens)
+
+    return saved(but=("up_proj", "down_proj")), saved("q_proj", "k_proj")
 
 
 def _adapter_forward_transients(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
@@ -883,6 +896,10 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # No input norm (OLMo-2): q/k/v save the layer input itself unless autocast casts it for each of them
             shared_input = 0 if p.autocast else p.residual * spec.hidden_size * tokens
         full -= shared_input
+        # --checkpointing op: the recompute takes the saved ops' outputs back from the cache (opsac.py): each is
+        # then one of the recomputed activations, or dies in the recompute (q before rotary), so in backward the
+        # layer holds them once, beyond its kept bytes only what full checkpointing recreates less them
+        full -= int(sum(t.bytes_per_token for t in la.checkpoint_terms if t.kind == OP_SAVED) * tokens)
         # (grouped_mm experts are not autocast: their weights get no half copy)
         down_copy = p.compute * down if p.autocast and layer.mlp is not None else 0
         # A norm on the layer's output (Gemma's post-feedforward norm) has run its backward, and freed what it
@@ -923,8 +940,9 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                 if down_copy else (0, 0)),
             grads=_param_bytes(sum(t.numel for t in tensors), gradients_of.gradient_bytes),
             transient=_mlp_transient(spec, la, p, tokens, settings) + dora_transient,
-            forward_transient=_forward_transient(spec, la, p, tokens,
-                                                 _layer_casts(spec, la, p) if cached else (0, 0))
+            forward_transient=tuple(moment + extra for moment, extra in zip(
+                _forward_transient(spec, la, p, tokens, _layer_casts(spec, la, p) if cached else (0, 0)),
+                _op_saved_in_forward(la, tokens), strict=True))
             + (_adapter_forward_transients(spec, la, p, tokens, finetune) if finetune is not None else ()),
             experts_freed=int(_term_bytes(la.terms, "routed_experts", "intermediate") * tokens)
             + (_shared_experts_freed(spec, la, p, tokens) if _shared_first(layer) else 0),

@@ -479,6 +479,8 @@ def check_fsdp_traceable(settings: TrainingSettings, parallel) -> None:
         raise ConfigError("trace --fsdp runs adamw, adam or sgd, without gradient accumulation")
     if settings.attention == "flash" or settings.loss != "standard":
         raise ConfigError("trace --fsdp runs sdpa or eager attention and the standard loss")
+    if settings.checkpointing == "selective":
+        raise ConfigError("trace --fsdp runs --checkpointing none, op or full; selective is traced on one GPU")
     for flag, on in (("--optimizer-in-backward", settings.optimizer_in_backward), ("--compile", settings.compile),
                      ("--offload-activations", settings.offload_activations)):
         if on:
@@ -502,8 +504,8 @@ def _fsdp_model(config: dict[str, Any], settings: TrainingSettings, parallel, me
         model = build_model(config, get_recipe("fp32") if half else recipe, settings.attention, settings.dropout)
     else:
         model = build_lora_model(config, recipe, settings.attention, settings.dropout, finetune, spec)
-    if settings.checkpointing == "full":
-        enable_checkpointing(model)
+    if settings.checkpointing in ("full", "op"):
+        enable_checkpointing(model, op_sac=settings.checkpointing == "op")
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, half), reduce_dtype=torch.float32) if half \
         else MixedPrecisionPolicy()
     lm = causal_lm(model)
