@@ -273,7 +273,10 @@ QLORA_REMARK = ("bitsandbytes 0.42.0 (litgpt's pin): its MatMul4Bit keeps each f
                 "backward (ctx.tensors = (A, B))")
 FABRIC_FSDP_REMARK = ("Fabric's FSDP1 (flat parameters; the embedding and head in the root unit) asked for as FSDP2; "
                       "not modelled: the full state-dict checkpoint of model and optimizer that state_dict_type='full' "
-                      "gathers every save_interval steps")
+                      "gathers every save_interval steps, nor FSDP1's no_sync: litgpt/finetune/full.py@00af8b0d runs "
+                      "the accumulation steps (global_batch_size 8 over micro-batch 1 x devices) in "
+                      "fabric.no_backward_sync, i.e. FSDP1's no_sync, which holds each unit's unsharded gradient "
+                      "(the whole model's, not a shard) until the sync")
 BELOW_STATES = ("partly specified: below the run's own model states (bf16 weights, gradients and AdamW's two bf16 "
                 "states are 8 bytes per parameter), so the run was not the YAML's plain AdamW step as listed")
 
