@@ -184,9 +184,14 @@ LG_MODELS = {"phi-1.5": (PHI, 1044), "StableLM Alpha 3B": (STABLELM, 1034), "Lla
              "Llama 2 13B": ("llama-2-13b", 1304)}
 LG_BNB = "0.41"  # requirements-all.txt@8641822: bitsandbytes unpinned, Oct 2023: the 0.41 releases
 LG_REMARK = "lit-gpt's own model code; its 128-token head chunks mapped to torchtune's 8-slice chunked loss"
-LG_FSDP_REMARK = ("below, and published above the same run on one GPU: lit-gpt's FSDP1 wraps each Block whole, the "
-                  "frozen base and the adapters in one flat parameter, so its gradient and all-gathers are the "
-                  "whole layer's; trainmem's --fsdp is FSDP2's per-parameter sharding, which has no such mode")
+LG_FSDP_REMARK = ("below, and published above the same run on one GPU; mechanism read in the sources, not modelled "
+                  "yet: lit-gpt's finetune/lora.py@0cc02afa wraps each Block (auto_wrap_policy={Block}), Fabric "
+                  "2.1's FSDPStrategy sets use_orig_params=True (fabric/strategies/fsdp.py@71aed751, __init__), so "
+                  "the frozen base and the LoRA matrices share one FlatParameter whose gradient is the whole "
+                  "Block's (torch fsdp/_wrap_utils.py warns so); and the 128/micro-batch accumulation steps run in "
+                  "fabric.no_backward_sync, i.e. FSDP1's no_sync, which keeps every unit's unsharded gradient "
+                  "(FullyShardedDataParallel.no_sync docstring): the whole model's bf16 gradient on each rank, "
+                  "about 25 GB for 13B; trainmem's --fsdp is FSDP2 and has no FSDP1 no_sync mode")
 
 
 def _litgpt(model: str, quant: str, batch: int, gb: float, gpus: int = 1) -> Row:
@@ -268,7 +273,10 @@ QLORA_REMARK = ("bitsandbytes 0.42.0 (litgpt's pin): its MatMul4Bit keeps each f
                 "backward (ctx.tensors = (A, B))")
 FABRIC_FSDP_REMARK = ("Fabric's FSDP1 (flat parameters; the embedding and head in the root unit) asked for as FSDP2; "
                       "not modelled: the full state-dict checkpoint of model and optimizer that state_dict_type='full' "
-                      "gathers every save_interval steps")
+                      "gathers every save_interval steps, nor FSDP1's no_sync: litgpt/finetune/full.py@00af8b0d runs "
+                      "the accumulation steps (global_batch_size 8 over micro-batch 1 x devices) in "
+                      "fabric.no_backward_sync, i.e. FSDP1's no_sync, which holds each unit's unsharded gradient "
+                      "(the whole model's, not a shard) until the sync")
 BELOW_STATES = ("partly specified: below the run's own model states (bf16 weights, gradients and AdamW's two bf16 "
                 "states are 8 bytes per parameter), so the run was not the YAML's plain AdamW step as listed")
 
