@@ -546,7 +546,7 @@ def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precis
 
 
 def math_forward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int, batch: int, has_mask: bool,
-                           enable_gqa: bool, dropout: float) -> float:
+                           enable_gqa: bool, dropout: float, mask_copy: float | None = None) -> float:
     """The math kernel's worst forward moment beside its inputs, per token (aten/src/ATen/native/transformers/
     attention.cpp, ``_scaled_dot_product_attention_math``, a composite whose ops were traced on plain tensors):
     half q, k, v are first copied to fp32 (``query_acc`` and kin, locals until it returns); q is scaled; with
@@ -554,10 +554,11 @@ def math_forward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int, bat
     (``repeat_interleave``); then the scores and the masked scores (``attn.add(mask)``, out of place) coexist, or,
     with dropout, the probabilities, their dropped copy and its bool mask (the scaled k and the matmul's copies
     are freed once the scores exist, as nothing is saved). A boolean mask from the caller is first converted to a
-    float one in q's dtype (``convert_boolean_attn_mask``), alive for the call."""
+    float one in q's dtype (``convert_boolean_attn_mask``), alive for the call; ``mask_copy`` replaces it where the
+    caller's mask is a float one (Falcon's ALiBi bias: autocast's half cast of it, or nothing)."""
     acc = FP32 * (a * d + kv * (d + dv)) if c != FP32 else 0
     repeats = FP32 * a * (d + dv) if enable_gqa else 0
-    masks = c * s if has_mask else FP32 * s / batch
+    masks = (c * s if mask_copy is None else mask_copy) if has_mask else FP32 * s / batch
     scores = 2 * FP32 * a * s + (MASK * a * s if dropout > 0 else 0)
     return acc + repeats + FP32 * a * d + masks + scores
 
@@ -818,7 +819,9 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
     forward = _falcon_forward_inputs(spec, layer, p, v_bytes, qk_bytes) \
         + sdpa_autocast_casts(p, a, kv_heads, d, d, qk_bytes, v_bytes) \
         + math_forward_per_token(c, a, kv_heads, d, d, s, settings.batch, has_mask=True, enable_gqa=False,
-                                 dropout=sdpa_dropout)
+                                 dropout=sdpa_dropout,
+                                 # ALiBi: the float (b, a, s, s) bias in the hidden states' dtype, cast by autocast
+                                 mask_copy=None if rotary else (c * a * s if p.autocast and r != c else 0))
     terms += [Term("q scaled (fp32)", FP32 * a * d), Term("k scaled (fp32)", FP32 * kv_kept * d),
               Term("v (fp32)", FP32 * kv_kept * d), Term("softmax probabilities (fp32)", FP32 * a * s)]
     if sdpa_dropout > 0:
@@ -1394,6 +1397,10 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     if emb_dropout > 0 and spec.traits.embedding_dropout and spec.has_embedding:
         embedding.append(Term("embedding dropout mask", MASK * h))
     rotary_dims = {layer.attention.rotary_dim for layer, _ in spec.layer_runs if layer.attention.rotary_dim}
+    if not rotary_dims and spec.traits.rotary_tables_without_rotary and settings.checkpointing != "none":
+        # (no layer saves them: they outlive the base model's forward only where checkpoints keep the layers'
+        # keyword arguments for the recompute; traced: Falcon with ALiBi, amp-fp16, 1 x 1,000, 0.76 MiB short)
+        rotary_dims = {layer.attention.head_dim for layer, _ in spec.layer_runs}
     if rotary_dims:
         # cos and sin, (1, s, rotary dim) in the residual dtype, shared by every layer; Gemma 3 has one pair per
         # layer type the config lists (modeling_gemma3.py, Gemma3TextModel.forward: ``for layer_type in
