@@ -392,7 +392,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             c, qk_bytes, a, kv, kv_passed, d, dv, s, batch, has_mask=mask, use_cache=use_cache,
             caller_q=c * (a * d + 2 * kv * d) if fused_views else qk_bytes * a * d, v_kept=v_kept,
             q_copied=not q_by_cat and batch > 1 and a > 1,
-            cast=c * (a * d + kv_passed * d) if p.autocast and qk_bytes != c else 0)
+            cast=sdpa_autocast_casts(p, a, kv_passed, d, dv, qk_bytes, c))
         after_softmax = c * a * dv + ((MASK + FP32) * a * s if dropout > 0 else 0)
     else:  # eager
         gpt2_eager = spec.traits.eager_attention == "gpt2"
@@ -467,8 +467,11 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         rotary_forward = (argument + c * (a * d + kv * (d + dv))
                           + qk_bytes * max(3 * a * d, a * d + 3 * kv * d))
     if kernel == MATH:
+        # (with the half casts of an fp32 rotated q and k autocast's wrapper holds through the call; traced:
+        # Mistral, amp-fp16, head dim 100, a sliding window, full checkpointing, 1 x 2,000: -1.76% without them)
         forward = inputs + math_forward_per_token(c, a, kv_passed, d, dv, s, batch, has_mask=mask,
-                                                  enable_gqa=kv_passed < a, dropout=dropout)
+                                                  enable_gqa=kv_passed < a, dropout=dropout) \
+            + sdpa_autocast_casts(p, a, kv_passed, d, dv, qk_bytes, c)
     elif kernel == EFFICIENT and mask and not forward:
         # The memory-efficient kernel converts the boolean mask to a float (b, 1, s, s) one and pads its columns
         # to a multiple of 16 (F.pad, a copy, where s is not one): both are alive at once, before the output
@@ -543,7 +546,7 @@ def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precis
 
 
 def math_forward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int, batch: int, has_mask: bool,
-                           enable_gqa: bool, dropout: float) -> float:
+                           enable_gqa: bool, dropout: float, mask_copy: float | None = None) -> float:
     """The math kernel's worst forward moment beside its inputs, per token (aten/src/ATen/native/transformers/
     attention.cpp, ``_scaled_dot_product_attention_math``, a composite whose ops were traced on plain tensors):
     half q, k, v are first copied to fp32 (``query_acc`` and kin, locals until it returns); q is scaled; with
@@ -551,12 +554,24 @@ def math_forward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int, bat
     (``repeat_interleave``); then the scores and the masked scores (``attn.add(mask)``, out of place) coexist, or,
     with dropout, the probabilities, their dropped copy and its bool mask (the scaled k and the matmul's copies
     are freed once the scores exist, as nothing is saved). A boolean mask from the caller is first converted to a
-    float one in q's dtype (``convert_boolean_attn_mask``), alive for the call."""
+    float one in q's dtype (``convert_boolean_attn_mask``), alive for the call; ``mask_copy`` replaces it where the
+    caller's mask is a float one (Falcon's ALiBi bias: autocast's half cast of it, or nothing)."""
     acc = FP32 * (a * d + kv * (d + dv)) if c != FP32 else 0
     repeats = FP32 * a * (d + dv) if enable_gqa else 0
-    masks = c * s if has_mask else FP32 * s / batch
+    masks = (c * s if mask_copy is None else mask_copy) if has_mask else FP32 * s / batch
     scores = 2 * FP32 * a * s + (MASK * a * s if dropout > 0 else 0)
     return acc + repeats + FP32 * a * d + masks + scores
+
+
+def sdpa_autocast_casts(p: Precision, a: int, kv: int, d: int, dv: int, qk: int, v: int) -> float:
+    """Bytes per token of the half copies autocast makes of SDPA's fp32 arguments (SDPA is on CUDA's
+    lower-precision list, aten/src/ATen/autocast_mode.cpp; ``cached_cast`` copies a tensor that is no leaf) and
+    holds through the kernel call: q and k in ``qk``'s dtype (fp32 after RoPE under autocast), v in ``v``'s
+    (fp32 where Falcon's Linear adds its bias after the matmul); ``kv`` heads of k and v as passed."""
+    if not p.autocast:
+        return 0.0
+    c = p.compute
+    return (c * (a * d + kv * d) if qk != c else 0) + (c * kv * dv if v != c else 0)
 
 
 def math_softmax_locals(c: int, qk: int, a: int, kv: int, kv_passed: int, d: int, dv: int, s: int, batch: int,
@@ -798,13 +813,22 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         return AttentionTerms(tuple(terms), EFFICIENT, extra, 0.0, 0.0, c * 4 * a * d)  # dq, dk, dv, d(output)
     # A single key/value head broadcast over one sequence's heads reshapes without a copy (stride 0)
     kv_kept = 1 if kv_heads == 1 and settings.batch == 1 else a
+    # A checkpointed forward keeps nothing: its worst moment is the kernel's scores beside FalconAttention's
+    # locals, autocast's half casts of its fp32 q, k, v and the math kernel's own (math_forward_per_token; traced:
+    # amp-fp16, head dim 100, 1 x 1,000, -17.9% without them, the generic q/k/v-and-scores fallback)
+    forward = _falcon_forward_inputs(spec, layer, p, v_bytes, qk_bytes) \
+        + sdpa_autocast_casts(p, a, kv_heads, d, d, qk_bytes, v_bytes) \
+        + math_forward_per_token(c, a, kv_heads, d, d, s, settings.batch, has_mask=True, enable_gqa=False,
+                                 dropout=sdpa_dropout,
+                                 # ALiBi: the float (b, a, s, s) bias in the hidden states' dtype, cast by autocast
+                                 mask_copy=None if rotary else (c * a * s if p.autocast and r != c else 0))
     terms += [Term("q scaled (fp32)", FP32 * a * d), Term("k scaled (fp32)", FP32 * kv_kept * d),
               Term("v (fp32)", FP32 * kv_kept * d), Term("softmax probabilities (fp32)", FP32 * a * s)]
     if sdpa_dropout > 0:
         terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
     terms.append(Term("attention output copied contiguous (dense input)", c * a * d, input_of="o_input"))
     released, backward = math_backward_per_token(c, a, d, s, sdpa_dropout)
-    return AttentionTerms(tuple(terms), MATH, k_cache + v_cache, 0.0, released, backward,
+    return AttentionTerms(tuple(terms), MATH, k_cache + v_cache, 0.0, released, backward, forward=forward,
                           matmul_backward=math_matmul_backward_per_token(c, a, d, s))
 
 
@@ -1423,6 +1447,10 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     if emb_dropout > 0 and spec.traits.embedding_dropout and spec.has_embedding:
         embedding.append(Term("embedding dropout mask", MASK * h))
     rotary_dims = {layer.attention.rotary_dim for layer, _ in spec.layer_runs if layer.attention.rotary_dim}
+    if not rotary_dims and spec.traits.rotary_tables_without_rotary and settings.checkpointing != "none":
+        # (no layer saves them: they outlive the base model's forward only where checkpoints keep the layers'
+        # keyword arguments for the recompute; traced: Falcon with ALiBi, amp-fp16, 1 x 1,000, 0.76 MiB short)
+        rotary_dims = {layer.attention.head_dim for layer, _ in spec.layer_runs}
     if rotary_dims:
         # cos and sin, (1, s, rotary dim) in the residual dtype, shared by every layer; Gemma 3 has one pair per
         # layer type the config lists (modeling_gemma3.py, Gemma3TextModel.forward: ``for layer_type in

@@ -239,6 +239,9 @@ class FamilyTraits:
     """The rotary embedding returns its cos and sin tables in fp32, not cast to the hidden states' dtype
     (Olmo2RotaryEmbedding, Olmo3RotaryEmbedding and Ernie4_5RotaryEmbedding end ``return cos, sin``; Llama's and
     Cohere's return ``cos.to(dtype=x.dtype)``)."""
+    rotary_tables_without_rotary: bool = False
+    """The base model builds its rotary cos and sin, at the full head dim, even where its attention applies no
+    rotary (FalconModel.forward calls ``self.rotary_emb`` with ALiBi too and hands the tables to every layer)."""
     rotary_in_input_dtype: bool = False
     """apply_rotary_pos_emb casts the rotated q and k back to q's dtype (OLMo-2: ``q_embed.to(q_type)``; Cohere
     rotates in fp32 and casts back), so under autocast they are half, not fp32 as Llama's (whose tables follow
@@ -1297,7 +1300,8 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "phi3": FamilyTraits(q_built_by_cat=True, fused_qkv_layout="blocks", hidden_dropout="per_block"),
     "bloom": FamilyTraits(block="bloom", sdpa_supported=False, hidden_dropout="per_block"),
     "falcon": FamilyTraits(block="falcon", sdpa_mask_always=True, hidden_dropout="per_residual_add",
-                           bias_after_matmul=True, weight_casts_cached=False),
+                           bias_after_matmul=True, weight_casts_cached=False,
+                           rotary_tables_without_rotary=True),
     "gemma": _GEMMA,
     "gemma2": replace(_GEMMA, sdpa_supported=False, eager_masks_always_built=frozenset({False, True})),
     "gemma3_text": replace(_GEMMA, rotary_tables=2, eager_masks_always_built=frozenset({False, True})),
