@@ -9,9 +9,10 @@ from trainmem import recorded
 from trainmem.recorded import LayerPlan, extrapolate, find_period, per_layer_lists, plan_layers, reduced_config
 from trainmem.timeline import Phase
 
-DENSE = {"model_type": "starcoder2", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
-         "num_attention_heads": 4, "vocab_size": 211, "max_position_embeddings": 64}
-"""A dense model_type without a hand-written description (period 1; phi had none until it got one)."""
+DENSE = {"model_type": "ministral", "hidden_size": 64, "intermediate_size": 104, "num_hidden_layers": 4,
+         "head_dim": 16, "num_key_value_heads": 2, "num_attention_heads": 4, "vocab_size": 211, "max_position_embeddings": 64}
+"""A dense model_type without a hand-written description (period 1; phi, then starcoder2 had none until each got
+one; widths of its own: tests/test_tracedstep.py records a Ministral too)."""
 OLMO3 = {"model_type": "olmo3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 211, "max_position_embeddings": 64,
          "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 3, "pad_token_id": 0}
@@ -80,7 +81,7 @@ def _spec(config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, counts", [(DENSE, (1, 2)), (OLMO3, (2, 4))], ids=["starcoder2", "olmo3-hybrid"])
+@pytest.mark.parametrize("config, counts", [(DENSE, (1, 2)), (OLMO3, (2, 4))], ids=["ministral", "olmo3-hybrid"])
 def test_the_extrapolated_step_equals_a_full_trace(config, counts):
     """Two reduced traces and the full one: the full is a third point, on the line the two make, in every phase
     and every category, byte for byte (and the parameter count is the full model's)."""

@@ -425,10 +425,10 @@ PHI_2 = {"architectures": ["PhiForCausalLM"], "model_type": "phi", "hidden_size"
 """microsoft/phi-2's config.json (model_type phi)."""
 
 
-STARCODER2_SMALL = {"model_type": "starcoder2", "hidden_size": 64, "intermediate_size": 88, "num_hidden_layers": 4,
-                    "num_attention_heads": 4, "vocab_size": 211, "max_position_embeddings": 64}
+TRACED_SMALL = {"model_type": "ministral", "hidden_size": 64, "intermediate_size": 88, "num_hidden_layers": 4,
+                "head_dim": 16, "num_key_value_heads": 2, "num_attention_heads": 4, "vocab_size": 211, "max_position_embeddings": 64}
 """A model_type without a hand-written description, small enough to trace in seconds (widths of its own: the
-session shares one cache, and test_recorded.py records a StarCoder2 too)."""
+session shares one cache, and test_recorded.py and test_tracedstep.py record a Ministral too)."""
 
 
 def test_phi_2_uploaded_is_counted_exactly_by_its_description(client):
@@ -442,8 +442,8 @@ def test_phi_2_uploaded_is_counted_exactly_by_its_description(client):
 def test_an_uploaded_config_of_any_model_type_the_cli_takes_is_taken(client, run_cli, tmp_path):
     pytest.importorskip("transformers", reason="counting a model type without a description needs transformers")
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(STARCODER2_SMALL))
-    response = client.post("/api/estimate", json={"config": STARCODER2_SMALL, "seq": 32, "gpu": "A100-80GB"})
+    path.write_text(json.dumps(TRACED_SMALL))
+    response = client.post("/api/estimate", json={"config": TRACED_SMALL, "seq": 32, "gpu": "A100-80GB"})
     code, out, err = run_cli("estimate", str(path), "--seq", "32", "--gpu", "A100-80GB", "--json")
     assert response.status_code == 200 and code == 0, (response.text, err)
     api, cli = response.json(), json.loads(out)
