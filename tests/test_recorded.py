@@ -10,7 +10,8 @@ from trainmem.recorded import LayerPlan, extrapolate, find_period, per_layer_lis
 from trainmem.timeline import Phase
 
 DENSE = {"model_type": "ministral", "hidden_size": 64, "intermediate_size": 104, "num_hidden_layers": 4,
-         "head_dim": 16, "num_key_value_heads": 2, "num_attention_heads": 4, "vocab_size": 211, "max_position_embeddings": 64}
+         "head_dim": 16, "num_key_value_heads": 2, "num_attention_heads": 4, "vocab_size": 211,
+         "max_position_embeddings": 64}
 """A dense model_type without a hand-written description (period 1; phi, then starcoder2 had none until each got
 one; widths of its own: tests/test_tracedstep.py records a Ministral too)."""
 OLMO3 = {"model_type": "olmo3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,

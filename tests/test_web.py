@@ -426,7 +426,8 @@ PHI_2 = {"architectures": ["PhiForCausalLM"], "model_type": "phi", "hidden_size"
 
 
 TRACED_SMALL = {"model_type": "ministral", "hidden_size": 64, "intermediate_size": 88, "num_hidden_layers": 4,
-                "head_dim": 16, "num_key_value_heads": 2, "num_attention_heads": 4, "vocab_size": 211, "max_position_embeddings": 64}
+                "head_dim": 16, "num_key_value_heads": 2, "num_attention_heads": 4, "vocab_size": 211,
+                "max_position_embeddings": 64}
 """A model_type without a hand-written description, small enough to trace in seconds (widths of its own: the
 session shares one cache, and test_recorded.py and test_tracedstep.py record a Ministral too)."""
 
