@@ -111,7 +111,7 @@ def test_recipes_table(run_cli):
         (["trace", "--params", "7e9"], "trace needs a model config"),
         (["estimate", "gpt2", "--checkpointing", "selective", "--recipe", "amp-bf16"],
          "checkpointing 'selective' is modelled for recipes without autocast"),
-        (["estimate", "gpt2", "--checkpointing", "some"], "unknown checkpointing 'some'; accepted: none, selective, full"),
+        (["estimate", "gpt2", "--checkpointing", "some"], "unknown checkpointing 'some'; accepted: none, selective, op, full"),
         (["estimate", "--params", "7B", "--activation-k", "34"], "--activation-k needs the hidden size and layer count"),
         (["sweep", "--params", "7B", "--activation-k", "34", "--batch", "1,8", "--seq", "1024"],
          "--activation-k needs the hidden size"),
