@@ -169,8 +169,8 @@ def trace_module(build: Callable[[], Any], settings=None, make_batch: Callable |
     from torch.distributed._tools import mem_tracker
 
     from .settings import TrainingSettings
-    from .trace import TraceResult, _cuda_block_sizes, _device_snapshot, _module_peaks, _phase, _rank_phases, \
-        _recompute_aware_tracker, _track, fake_gpu
+    from .trace import TraceResult, _cuda_block_sizes, _device_snapshot, _phase, _rank_phases, _track, fake_gpu, \
+        tracked_micro_batch
 
     settings = settings or TrainingSettings(recipe="fp32")
     check_module_settings(settings)
@@ -185,14 +185,7 @@ def trace_module(build: Callable[[], Any], settings=None, make_batch: Callable |
         _track(load_tracker, mem_tracker, run)
         with load_tracker:
             load = _device_snapshot(load_tracker.get_tracker_snapshot("current"))
-        tracker = _recompute_aware_tracker(mem_tracker, run)
-        _track(tracker, mem_tracker, run)
-        with tracker:
-            run.micro_batch()
-        stats = tracker.memory_tracking[run.model].snapshots
-        forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
-        backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
-        peaks = _module_peaks(tracker, mem_tracker, run.model)
+        forward, backward, peaks = tracked_micro_batch(mem_tracker, run)
         step_tracker = mem_tracker.MemTracker()
         _track(step_tracker, mem_tracker, run)
         with step_tracker:

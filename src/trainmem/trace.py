@@ -350,14 +350,7 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
                 run.micro_batch()
             else:
                 _recorded_micro_batch(mem_tracker, run)
-        tracker = _recompute_aware_tracker(mem_tracker, run)
-        _track(tracker, mem_tracker, run)
-        with tracker:
-            run.micro_batch()
-        stats = tracker.memory_tracking[run.model].snapshots
-        forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
-        backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
-        peaks = _module_peaks(tracker, mem_tracker, run.model) if module_peaks else None
+        forward, backward, peaks = tracked_micro_batch(mem_tracker, run, module_peaks)
 
         step_tracker = mem_tracker.MemTracker()
         _track(step_tracker, mem_tracker, run)
@@ -382,6 +375,19 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
     )
     return TraceResult(phases, time.perf_counter() - started, round_to_cuda, run.offloaded_peak_bytes,
                        recorder.log() if recorder is not None else None, peaks)
+
+
+def tracked_micro_batch(mem_tracker, run, module_peaks: bool = True):
+    """One micro-batch of ``run`` under a recompute-aware MemTracker: the device's bytes at the forward and the
+    backward peak, and each module's peaks (None unless ``module_peaks``)."""
+    tracker = _recompute_aware_tracker(mem_tracker, run)
+    _track(tracker, mem_tracker, run)
+    with tracker:
+        run.micro_batch()
+    stats = tracker.memory_tracking[run.model].snapshots
+    forward = _device_snapshot(stats[mem_tracker._ModState.PEAK_FW][-1])
+    backward = _device_snapshot(stats[mem_tracker._ModState.PEAK_BW][-1])
+    return forward, backward, _module_peaks(tracker, mem_tracker, run.model) if module_peaks else None
 
 
 def _module_peaks(tracker, mem_tracker, model) -> dict[str, tuple[Phase | None, Phase | None]]:
