@@ -76,7 +76,7 @@ files; `model` is a catalog name or the uploaded config), the network (--hub), a
 
 
 def test_every_estimate_flag_of_the_cli_is_a_field_of_the_api():
-    from trainmem.cli import estimate
+    from trainmem.commands.estimate import estimate
     from trainmem.web import EstimateInput
 
     flags = {p.name for p in estimate.params}
