@@ -6,6 +6,10 @@ The core (estimate, models, recipes, timeline, planner, report, cli) imports nei
 
 __version__ = "0.1.0"
 
+from .dataclass_cache import install as _install_dataclass_cache  # noqa: E402
+
+_install_dataclass_cache()  # (before the modules below define their dataclasses: dataclass_cache.py)
+
 from .catalog import catalog_names, resolve_model  # noqa: E402
 from .errors import ConfigError, ModelError, TrainmemError  # noqa: E402
 from .estimate import Estimate  # noqa: E402

@@ -98,11 +98,12 @@ class _Walker:
         self.moments = 0
 
     def _alloc(self, size: int, label: str) -> int:
-        self.key += 1
-        self.events.append(AllocEvent(self.key, size, label))
-        self.total += size
-        self.peak = max(self.peak, self.total)
-        return self.key
+        self.key = key = self.key + 1
+        self.events.append(AllocEvent(key, size, label))
+        self.total = total = self.total + size
+        if total > self.peak:
+            self.peak = total
+        return key
 
     def _free(self, key: int, size: int, category: str, transient: bool = False) -> None:
         self.events.append(AllocEvent(key))
@@ -132,9 +133,11 @@ class _Walker:
                 self._free(*temps.pop(), c, transient=True)
         label = f"{phase.name}: {phase.moment}"
         for c in CATEGORIES:
-            for size in fills[c]:
-                self.live[c].append((self._alloc(size, f"{c} ({phase.name})"), size))
-                self.held[c] += size
+            if fills[c]:
+                structural, live = f"{c} ({phase.name})", self.live[c]
+                for size in fills[c]:
+                    live.append((self._alloc(size, structural), size))
+                self.held[c] += sum(fills[c])
             rest = targets[c] - self.held[c] - self.temp[c]
             parts = (_split(rest, splits[c]) if splits and c in splits else
                      _pieces(rest, pieces[c]) if pieces and c in pieces and rest > 0 else [rest] if rest > 0 else [])
