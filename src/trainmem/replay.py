@@ -28,12 +28,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 from .allocator import DEFAULT_CONFIG, AllocationLog, AllocatorConfig, AllocEvent, ReplayReport, replay
 from .hardware import DEFAULT_FRAGMENTATION
 from .timeline import CATEGORIES, Phase, step_candidates
 from .units import format_bytes
 
+_event = partial(tuple.__new__, AllocEvent)
+"""AllocEvent((key, nbytes, label)) without the named tuple's Python-level __new__ (7,000 events an estimate)."""
 MAX_TENSORS = 4096
 """Models with more parameter tensors than this (DeepSeek-V3: 47,000, one per expert matrix) are not replayed: the
 Python allocator model handles about 50,000 events a second, and their estimate keeps the flat factor."""
@@ -99,38 +102,42 @@ class _Walker:
 
     def _alloc(self, size: int, label: str) -> int:
         self.key = key = self.key + 1
-        self.events.append(AllocEvent(key, size, label))
+        self.events.append(_event((key, size, label)))
         self.total = total = self.total + size
         if total > self.peak:
             self.peak = total
         return key
 
-    def _free(self, key: int, size: int, category: str, transient: bool = False) -> None:
-        self.events.append(AllocEvent(key))
-        self.total -= size
-        (self.temp if transient else self.held)[category] -= size
+    def _free_down_to(self, tensors: list[tuple[int, int]], held: int, target: int) -> int:
+        """Free ``tensors`` last made first while ``held`` (their bytes) is above ``target``; what is held then."""
+        events = self.events
+        while tensors and held > target:
+            key, size = tensors.pop()
+            events.append(_event((key, 0, "")))
+            self.total -= size
+            held -= size
+        return held
 
     def to(self, phase: Phase, splits: dict[str, list[int]] | None = None,
            pieces: dict[str, list[int]] | None = None) -> None:
         """Reach ``phase``'s bytes. First the frees: each category's structural tensors down to its bytes, then
         its transients (last made first) down to what the structural tensors its queue can now add leave; then
         the allocations: those structural tensors, and what is still missing as one transient (or, per
-        ``splits``, transients in those proportions; per ``pieces``, tensors of those sizes: _pieces). A transient that still fits is kept, as the tensor it
-        stands for (the logits, a recomputed layer) lives on from moment to moment."""
+        ``splits``, transients in those proportions; per ``pieces``, tensors of those sizes: _pieces). A transient
+        that still fits is kept, as the tensor it stands for (the logits, a recomputed layer) lives on from moment
+        to moment."""
         self.moments += 1
         targets = phase.by_category()
         fills: dict[str, list[int]] = {}
         for c in CATEGORIES:
-            live, temps, queue = self.live[c], self.transients[c], self.queue[c]
-            while live and self.held[c] > targets[c]:
-                self._free(*live.pop(), c)
-            held, fills[c] = self.held[c], []
-            while queue and held + queue[0] <= targets[c]:
-                fills[c].append(queue.popleft())
-                held += fills[c][-1]
-            keep = 0 if splits and c in splits else targets[c] - held
-            while temps and self.temp[c] > keep:
-                self._free(*temps.pop(), c, transient=True)
+            target, queue = targets[c], self.queue[c]
+            self.held[c] = held = self._free_down_to(self.live[c], self.held[c], target)
+            fill = fills[c] = []
+            while queue and held + queue[0] <= target:
+                fill.append(queue.popleft())
+                held += fill[-1]
+            keep = 0 if splits and c in splits else target - held
+            self.temp[c] = self._free_down_to(self.transients[c], self.temp[c], keep)
         label = f"{phase.name}: {phase.moment}"
         for c in CATEGORIES:
             if fills[c]:
@@ -141,9 +148,11 @@ class _Walker:
             rest = targets[c] - self.held[c] - self.temp[c]
             parts = (_split(rest, splits[c]) if splits and c in splits else
                      _pieces(rest, pieces[c]) if pieces and c in pieces and rest > 0 else [rest] if rest > 0 else [])
-            for size in parts:
-                self.transients[c].append((self._alloc(size, f"{c} at {label}"), size))
-                self.temp[c] += size
+            if parts:
+                transient, temps = f"{c} at {label}", self.transients[c]
+                for size in parts:
+                    temps.append((self._alloc(size, transient), size))
+                self.temp[c] += sum(parts)
 
 
 def _layer_terms(acts) -> list[list[int]]:
