@@ -248,7 +248,8 @@ class LayoutStep:
         view = parallel.data_parallel_view()
         micro = parallel.in_flight_micro_batches if parallel.pp > 1 else 1
         # a pipeline's micro-batches accumulate their gradients as --grad-accum does
-        stage_settings = replace(settings, grad_accum=max(settings.grad_accum, micro))
+        stage_settings = (settings if settings.grad_accum >= micro else  # (a search builds hundreds: no copy to
+                          replace(settings, grad_accum=micro))            # make where nothing changes)
         self._stages: list[_Stage] = []
         compiled: dict[ModelSpec, Any] = {}
         for name, stage, s in _distinct_stages(spec, parallel, cache):
