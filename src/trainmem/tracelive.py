@@ -290,7 +290,7 @@ def recording(recorder: LiveRecorder):
         return saved["__exit__"](self, *args)
 
     def dispatch(self, func, types, args=(), kwargs=None):
-        outer, recorder.op = recorder.op, str(func).removeprefix("aten.")
+        outer, recorder.op = recorder.op, str(func).removeprefix("aten.").removesuffix(".default")
         try:
             result = saved["__torch_dispatch__"](self, func, types, args, kwargs)
         finally:

@@ -1,0 +1,300 @@
+"""``trainmem diff``: what is alive at each traced phase's peak that the estimate lacks or adds, group by group.
+
+A group is (phase, category, owner): the traced side is every storage alive at the phase's traced peak
+(tracelive.py), by the owner it belongs to; the estimate side is the estimate's peak moment of the same phase,
+split by owner where the estimate says whose its bytes are:
+
+- parameters, gradients and optimizer states (with fp32 masters): each parameter tensor's bytes at its owner
+  (models.parameter_groups, optimizers.Optimizer.state_bytes), where the moment holds all of them (a backward peak
+  before the last gradient exists holds only some: one "all" row then);
+- forward's activations when its peak is the moment "at the loss" (timeline.step_candidates' last forward moment):
+  each layer's saved tensors, the embedding's, the final norm's, the head's (its input, the logits), the loss's, the
+  shared constants; what that moment holds beyond them (autocast's cached casts, held hidden states) is one
+  "rest of the moment" row;
+- the optimizer step's temporaries at the optimizer;
+- anything else as one "all" row of its category, against the traced tensors of that category together.
+
+Each group's difference is estimated - traced ("lacks" below zero, "adds" above); a phase's groups sum to the
+estimate's phase total less the trace's, the error ``trainmem validate`` reports. No torch at import.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .models import ModelSpec, ParamGroup
+from .owners import Owner, OwnerKind
+from .timeline import CATEGORIES, Phase
+
+PHASES = ("forward", "backward", "optimizer")
+"""The phases whose peak a trace's tracker measures (load and between_steps are the static state)."""
+TOP_TENSORS = 3
+ALL = Owner(OwnerKind.ALL)
+REST = Owner(OwnerKind.ALL, -1)
+"""The part of an attributed moment the owners' sum leaves ("rest of the moment")."""
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """Traced tensors alike (same op, dtype, shape, making module) within a group."""
+
+    op: str
+    dtype: str
+    shape: tuple[int, ...]
+    module: str
+    count: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class DiffRow:
+    phase: str
+    category: str
+    owner: Owner
+    traced: int
+    estimated: int
+    tensors: tuple[TensorGroup, ...] = ()
+    """The traced side's largest alike tensors (TOP_TENSORS of them)."""
+
+    @property
+    def difference(self) -> int:
+        return self.estimated - self.traced
+
+    @property
+    def verdict(self) -> str:
+        return "lacks" if self.difference < 0 else "adds" if self.difference > 0 else ""
+
+
+@dataclass(frozen=True)
+class PhaseDiff:
+    phase: str
+    traced: Phase
+    estimated: Phase
+    rows: tuple[DiffRow, ...]
+
+    @property
+    def difference(self) -> int:
+        """The estimate's total less the trace's: ``trainmem validate``'s error of this phase, in bytes."""
+        return self.estimated.allocated_bytes - self.traced.allocated_bytes
+
+    @property
+    def relative_error(self) -> float:
+        t = self.traced.allocated_bytes
+        return self.difference / t if t else 0.0
+
+
+# -- the estimate's side --------------------------------------------------------------------------------------
+
+
+def _group_owner(group: ParamGroup) -> Owner | None:
+    """The owner of a non-layer parameter group, by its tensors' roles (None where they are not known)."""
+    roles = {t.role for t in group.tensors}
+    if roles & {"embedding", "position_embedding"}:
+        return Owner(OwnerKind.EMBEDDING)
+    if "head" in roles:
+        return Owner(OwnerKind.HEAD)
+    if roles and roles <= {"norm", "input_norm"}:
+        return Owner(OwnerKind.FINAL_NORM)
+    return None
+
+
+def _owned_groups(spec: ModelSpec) -> list[tuple[Owner, ParamGroup]] | None:
+    """Each parameter group's tensors once per owner (a run of layers: one per layer)."""
+    out, first = [], 0
+    for group in spec.param_groups:
+        if group.is_layer:
+            out += [(Owner(OwnerKind.LAYER, first + i), replace(group, repeat=1)) for i in range(group.repeat)]
+            first += group.repeat
+            continue
+        owner = _group_owner(group)
+        if owner is None:
+            return None
+        out.append((owner, group))
+    return out
+
+
+def static_by_owner(spec: ModelSpec, settings, finetune=None) -> dict[str, dict[Owner, int]]:
+    """Parameters, gradients and optimizer states (masters included) of the whole step, by owner; {} where the
+    owners are not known (a model counted by transformers, LoRA's frozen base)."""
+    from .optimizers import get_optimizer
+    from .recipes import get_recipe
+
+    owned = _owned_groups(spec) if finetune is None else None
+    if not owned:
+        return {}
+    recipe, optimizer = get_recipe(settings.recipe), get_optimizer(settings.optimizer)
+    state_bytes = recipe.state_bytes_for(optimizer.name)
+    out: dict[str, dict[Owner, int]] = {c: defaultdict(int) for c in ("parameters", "gradients", "optimizer_states")}
+    for owner, group in owned:
+        out["parameters"][owner] += group.numel * recipe.weight_bytes
+        out["gradients"][owner] += group.numel * recipe.gradient_bytes
+        states = (optimizer.state_bytes((group,), state_bytes) - optimizer.fixed_bytes
+                  - optimizer.paged_bytes((group,), state_bytes))
+        out["optimizer_states"][owner] += states + group.numel * recipe.master_bytes
+    if optimizer.fixed_bytes:
+        out["optimizer_states"][Owner(OwnerKind.OPTIMIZER)] += optimizer.fixed_bytes
+    return {c: dict(v) for c, v in out.items()}
+
+
+def _term_owner(term, default: OwnerKind) -> Owner:
+    if term.owner is not None:
+        return Owner(term.owner)
+    if term.module == "final_norm":
+        return Owner(OwnerKind.FINAL_NORM)
+    if term.module == "lm_head":
+        return Owner(OwnerKind.HEAD)
+    return Owner(default)
+
+
+def forward_activations_by_owner(spec: ModelSpec, acts) -> dict[Owner, int]:
+    """The activations of forward's moment "at the loss" (timeline.step_candidates) that the estimate knows the
+    owner of: what each layer, the embedding, the final norm, the head and the loss saved, the logits, the loss's
+    fp32 upcast, the KV cache each layer returns, the shared constants."""
+    out: dict[Owner, int] = defaultdict(int)
+    index = 0
+    for la in acts.layers:
+        for _ in range(la.count):
+            out[Owner(OwnerKind.LAYER, index)] += acts.layer_saved_bytes(la) + int(la.cache_extra * acts.tokens)
+            index += 1
+    if acts.embedding_terms:
+        out[Owner(OwnerKind.EMBEDDING)] += acts.embedding_bytes
+    for term in acts.head_terms:
+        out[_term_owner(term, OwnerKind.HEAD)] += int(term.bytes_per_token * acts.tokens)
+    for term in acts.constant_terms:
+        out[_term_owner(term, OwnerKind.MODEL)] += int(term.bytes_per_token)
+    out[Owner(OwnerKind.HEAD)] += acts.logits_bytes
+    out[Owner(OwnerKind.LOSS)] += acts.loss_transient_bytes
+    return {o: b for o, b in out.items() if b}
+
+
+def _category_parts(name: str, category: str, phase: Phase, static: dict, forward: dict | None) -> dict[Owner, int]:
+    total = getattr(phase, category)
+    parts: dict[Owner, int] | None = None
+    if category in static and sum(static[category].values()) == total:
+        parts = dict(static[category])
+    elif name == "forward" and category == "activations" and forward is not None \
+            and 0 <= total - sum(forward.values()):
+        parts = dict(forward)
+        if total > sum(forward.values()):
+            parts[REST] = total - sum(forward.values())
+    elif name == "optimizer" and category == "temporaries":
+        parts = {Owner(OwnerKind.OPTIMIZER): total}
+    if parts is None:
+        parts = {ALL: total}
+    return {o: b for o, b in parts.items() if b}
+
+
+def estimated_groups(spec: ModelSpec, settings, est, finetune=None) -> dict[str, dict[tuple[str, Owner], int]]:
+    """Per phase, the estimate's peak moment by (category, owner)."""
+    from .stepmodel import compile_step
+
+    phases = {p.name: p for p in est.phases}
+    static = static_by_owner(spec, settings, finetune)
+    acts, candidates = compile_step(spec, settings, est.device, est.parallel, finetune).candidates(
+        settings.batch, settings.seq)
+    # forward's peak is the moment at the loss, its last (step_candidates lists them in the order they happen),
+    # when the two agree in every category
+    at_loss = acts is not None and finetune is None and bool(candidates[1]) \
+        and candidates[1][-1].by_category() == phases["forward"].by_category()
+    forward = forward_activations_by_owner(spec, acts) if at_loss else None
+    out = {}
+    for name in PHASES:
+        out[name] = {(c, o): b for c in CATEGORIES
+                     for o, b in _category_parts(name, c, phases[name], static, forward).items()}
+    return out
+
+
+# -- the match ------------------------------------------------------------------------------------------------
+
+
+def _top(tensors) -> tuple[TensorGroup, ...]:
+    alike: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    for t in tensors:
+        entry = alike[(t.op, t.dtype, t.shape, t.module)]
+        entry[0] += 1
+        entry[1] += t.nbytes
+    ranked = sorted(alike.items(), key=lambda kv: -kv[1][1])[:TOP_TENSORS]
+    return tuple(TensorGroup(op, dtype, shape, module, n, b) for (op, dtype, shape, module), (n, b) in ranked)
+
+
+def match(phase: str, traced_phase: Phase, estimated_phase: Phase, tensors,
+          estimated: dict[tuple[str, Owner], int]) -> PhaseDiff:
+    """One phase's rows: the traced tensors grouped as the estimate's side is (a category the estimate gives as one
+    "all" row is one on the traced side too)."""
+    whole = {c for (c, o) in estimated if o == ALL}
+    whole |= {c for c in CATEGORIES if not any(k[0] == c for k in estimated)}
+    by_key: dict[tuple[str, Owner], list] = defaultdict(list)
+    for t in tensors:
+        by_key[(t.category, ALL if t.category in whole else t.owner)].append(t)
+    keys = set(by_key) | set(estimated)
+    rows = [DiffRow(phase, c, o, sum(t.nbytes for t in by_key.get((c, o), ())), estimated.get((c, o), 0),
+                    _top(by_key.get((c, o), ()))) for c, o in keys]
+    rows.sort(key=lambda r: (CATEGORIES.index(r.category), r.owner.sort_key()))
+    return PhaseDiff(phase, traced_phase, estimated_phase, tuple(rows))
+
+
+def diff_step(config: dict, spec: ModelSpec, settings, est, round_to_cuda: bool = False,
+              finetune=None) -> tuple[PhaseDiff, ...]:
+    """Trace ``config``'s step (tracelive.live_sets) and match it with the estimate ``est`` of the same set-up."""
+    from .tracelive import live_sets
+
+    result, live = live_sets(config, settings, spec, round_to_cuda=round_to_cuda, finetune=finetune)
+    return diff_of(result.phases, live, spec, settings, est, finetune)
+
+
+def diff_of(traced_phases, live: dict, spec: ModelSpec, settings, est, finetune=None) -> tuple[PhaseDiff, ...]:
+    """The match of a trace already made (its phases and live tensors) with the estimate ``est``."""
+    groups = estimated_groups(spec, settings, est, finetune)
+    traced = {p.name: p for p in traced_phases}
+    estimated = {p.name: p for p in est.phases}
+    return tuple(match(name, traced[name], estimated[name], live.get(name, ()), groups[name]) for name in PHASES)
+
+
+# -- output ---------------------------------------------------------------------------------------------------
+
+
+def owner_label(owner: Owner) -> str:
+    return "rest of the moment" if owner == REST else owner.label()
+
+
+def _tensor_text(g: TensorGroup) -> str:
+    shape = "x".join(str(n) for n in g.shape) or "-"
+    count = f"{g.count} x " if g.count > 1 else ""
+    return f"{count}{g.op or 'registered'} {g.dtype} [{shape}]"
+
+
+def to_dict(diffs: tuple[PhaseDiff, ...]) -> list[dict[str, Any]]:
+    def owner(o: Owner) -> dict:
+        return {"kind": "rest" if o == REST else o.kind.value, "layer": o.layer if o.kind is OwnerKind.LAYER else None}
+
+    return [{"phase": d.phase, "traced_bytes": d.traced.allocated_bytes, "estimated_bytes": d.estimated.allocated_bytes,
+             "difference_bytes": d.difference, "relative_error": d.relative_error,
+             "groups": [{"category": r.category, "owner": owner(r.owner), "traced_bytes": r.traced,
+                         "estimated_bytes": r.estimated, "difference_bytes": r.difference, "verdict": r.verdict,
+                         "traced_tensors": [{"op": g.op, "dtype": g.dtype, "shape": list(g.shape),
+                                             "module": g.module, "count": g.count, "bytes": g.nbytes}
+                                            for g in r.tensors]} for r in d.rows]} for d in diffs]
+
+
+def render(diffs: tuple[PhaseDiff, ...], unit: str, console, every: bool = False) -> None:
+    """One table per phase: its groups (those that differ, or ``every`` one) and the total line."""
+    from rich.table import Table
+
+    from .units import format_bytes
+
+    for d in diffs:
+        table = Table(title=f"{d.phase}: traced peak vs the estimate's", title_justify="left")
+        for col, justify in (("category", "left"), ("owner", "left"), ("traced", "right"), ("estimated", "right"),
+                             ("difference", "right"), ("", "left"), ("traced tensors (largest)", "left")):
+            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        shown = [r for r in d.rows if every or r.difference]
+        for r in shown:
+            table.add_row(r.category, owner_label(r.owner), format_bytes(r.traced, unit),
+                          format_bytes(r.estimated, unit), f"{r.difference:+,} B", r.verdict,
+                          "; ".join(_tensor_text(g) for g in r.tensors))
+        table.add_row("total", f"{len(d.rows) - len(shown)} groups equal" if not every else "",
+                      format_bytes(d.traced.allocated_bytes, unit), format_bytes(d.estimated.allocated_bytes, unit),
+                      f"{d.difference:+,} B", f"{d.relative_error:+.2%}", "", style="bold")
+        console.print(table)
