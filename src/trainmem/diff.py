@@ -85,6 +85,18 @@ class PhaseDiff:
         return self.difference / t if t else 0.0
 
 
+def check_diffable(settings, finetune=None) -> None:
+    """Refuse, before torch is imported, what diff does not run (trace.trace_step runs the rest)."""
+    from .errors import ConfigError
+
+    if settings.compile:
+        raise ConfigError("diff does not run --compile yet (its pack hook, which finds who saves each tensor, is not "
+                          "run inside compiled graphs); trace does")
+    if finetune is not None and finetune.base_quant:
+        raise ConfigError("diff runs LoRA on a full-precision base: bitsandbytes' quantized kernels cannot run on "
+                          "fake tensors")
+
+
 # -- the estimate's side --------------------------------------------------------------------------------------
 
 
@@ -148,15 +160,23 @@ def _term_owner(term, default: OwnerKind) -> Owner:
     return Owner(default)
 
 
-def forward_activations_by_owner(spec: ModelSpec, acts) -> dict[Owner, int]:
-    """The activations of forward's moment "at the loss" (timeline.step_candidates) that the estimate knows the
-    owner of: what each layer, the embedding, the final norm, the head and the loss saved, the logits, the loss's
-    fp32 upcast, the KV cache each layer returns, the shared constants."""
+def forward_activations_by_owner(spec: ModelSpec, acts, settings) -> dict[Owner, int]:
+    """The activations of forward's moment "at the loss" (timeline.step_candidates) by owner: what each layer,
+    the embedding, the final norm, the head and the loss saved, the logits, the loss's fp32 upcast, the KV cache
+    each layer returns, autocast's cached casts of checkpointed layers, the base model's output the CausalLM forward
+    holds, the shared constants."""
+    from .activations import Precision
+    from .recipes import get_recipe
+    from .timeline import casts_cached, final_hidden_bytes
+
+    p = Precision.of(get_recipe(settings.recipe))
+    cached = bool(acts.layers) and acts.layers[-1].checkpointed and casts_cached(spec, p, settings)
     out: dict[Owner, int] = defaultdict(int)
     index = 0
     for la in acts.layers:
         for _ in range(la.count):
-            out[Owner(OwnerKind.LAYER, index)] += acts.layer_saved_bytes(la) + int(la.cache_extra * acts.tokens)
+            out[Owner(OwnerKind.LAYER, index)] += (acts.layer_saved_bytes(la) + int(la.cache_extra * acts.tokens)
+                                                   + (la.constant_bytes if cached else 0))
             index += 1
     if acts.embedding_terms:
         out[Owner(OwnerKind.EMBEDDING)] += acts.embedding_bytes
@@ -166,6 +186,7 @@ def forward_activations_by_owner(spec: ModelSpec, acts) -> dict[Owner, int]:
         out[_term_owner(term, OwnerKind.MODEL)] += int(term.bytes_per_token)
     out[Owner(OwnerKind.HEAD)] += acts.logits_bytes
     out[Owner(OwnerKind.LOSS)] += acts.loss_transient_bytes
+    out[Owner(OwnerKind.FINAL_NORM)] += final_hidden_bytes(spec, p, acts.tokens, settings, None, bool(acts.layers))
     return {o: b for o, b in out.items() if b}
 
 
@@ -198,7 +219,7 @@ def estimated_groups(spec: ModelSpec, settings, est, finetune=None) -> dict[str,
     # when the two agree in every category
     at_loss = acts is not None and finetune is None and bool(candidates[1]) \
         and candidates[1][-1].by_category() == phases["forward"].by_category()
-    forward = forward_activations_by_owner(spec, acts) if at_loss else None
+    forward = forward_activations_by_owner(spec, acts, settings) if at_loss else None
     out = {}
     for name in PHASES:
         out[name] = {(c, o): b for c in CATEGORIES
@@ -259,6 +280,16 @@ def owner_label(owner: Owner) -> str:
     return "rest of the moment" if owner == REST else owner.label()
 
 
+def _signed(n: int, unit: str) -> str:
+    """A difference in ``unit``, with its bytes where the unit rounds it away."""
+    from .units import format_bytes
+
+    text = ("+" if n > 0 else "-" if n < 0 else "") + format_bytes(abs(n), unit)
+    if n and format_bytes(abs(n), unit) == format_bytes(0, unit):
+        text += f" ({n:+,} B)"
+    return text
+
+
 def _tensor_text(g: TensorGroup) -> str:
     shape = "x".join(str(n) for n in g.shape) or "-"
     count = f"{g.count} x " if g.count > 1 else ""
@@ -292,9 +323,9 @@ def render(diffs: tuple[PhaseDiff, ...], unit: str, console, every: bool = False
         shown = [r for r in d.rows if every or r.difference]
         for r in shown:
             table.add_row(r.category, owner_label(r.owner), format_bytes(r.traced, unit),
-                          format_bytes(r.estimated, unit), f"{r.difference:+,} B", r.verdict,
+                          format_bytes(r.estimated, unit), _signed(r.difference, unit), r.verdict,
                           "; ".join(_tensor_text(g) for g in r.tensors))
         table.add_row("total", f"{len(d.rows) - len(shown)} groups equal" if not every else "",
                       format_bytes(d.traced.allocated_bytes, unit), format_bytes(d.estimated.allocated_bytes, unit),
-                      f"{d.difference:+,} B", f"{d.relative_error:+.2%}", "", style="bold")
+                      _signed(d.difference, unit), f"{d.relative_error:+.2%}", "", style="bold")
         console.print(table)

@@ -1202,6 +1202,24 @@ def forward_floor(static: dict[str, int], acts: ActivationEstimate, recipe: Reci
             + acts.loss_transient_bytes)
 
 
+def final_hidden_bytes(spec: ModelSpec, p: Precision, tokens: int, settings: TrainingSettings, finetune,
+                       has_layers: bool) -> int:
+    """The base model's output (the final norm's) the CausalLM forward holds while it computes the logits and the
+    loss, where nothing saves that tensor: forward's moment at the loss (step_candidates; diff.py owns it to the
+    final norm)."""
+    # Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
+    # (OPT's project_out makes the output a half tensor the head keeps)
+    if settings.loss == "chunked-output":
+        return 0  # torchtune's decoder returns the list of logits: its hidden-state local is gone
+    if finetune is not None and has_layers and "head" not in finetune.lora.trained_roles:
+        # A frozen LM head keeps no input, but the CausalLM forward holds the final norm's output (its local)
+        # while it computes the logits and the loss (a trained head saves that tensor: it is in saved), in the
+        # residual stream's dtype (fp32 under autocast: the norm returns its input's dtype; traced).
+        return p.residual * spec.hidden_size * tokens
+    return (p.residual * spec.hidden_size * tokens if p.autocast and p.residual == FP32 and has_layers
+            and not spec.projects_embeddings and spec.has_head else 0)
+
+
 def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate, recipe: Recipe,
                     optimizer: Optimizer, settings: TrainingSettings,
                     rank: RankLayout | None = None, finetune=None,
@@ -1271,20 +1289,9 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
 
         cast_cache = sum(adapter_half_copies(spec, la.layer, finetune.lora, p) * la.count for la in acts.layers
                          if la.checkpointed)
-    # The CausalLM forward holds the base model's output (the final norm's) while it computes the logits and the
-    # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
-    # (OPT's project_out makes the output a half tensor the head keeps)
-    final_hidden = (p.residual * h * tokens if p.autocast and p.residual == FP32 and layers
-                    and not spec.projects_embeddings and spec.has_head else 0)
+    final_hidden = final_hidden_bytes(spec, p, tokens, settings, finetune, bool(layers))
     head_trained = finetune is not None and "head" in finetune.lora.trained_roles
     embedding_trained = finetune is not None and "embedding" in finetune.lora.trained_roles
-    if finetune is not None and layers and not head_trained:
-        # A frozen LM head keeps no input, but the CausalLM forward holds the final norm's output (its local)
-        # while it computes the logits and the loss (a trained head saves that tensor: it is in saved), in the
-        # residual stream's dtype (fp32 under autocast: the norm returns its input's dtype; traced).
-        final_hidden = p.residual * h * tokens
-    if settings.loss == "chunked-output":
-        final_hidden = 0  # torchtune's decoder returns the list of logits: its hidden-state local is gone
     candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
                            saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache
                            + final_hidden, 0)]

@@ -13,8 +13,8 @@ Owners: every module is classified once (:func:`_module_owners`): the decoder la
 embeddings, the LM head, the other modules of the base model with parameters of their own (the final norm), the
 root (what the CausalLM forward computes itself: the loss), the rest of the base model (rotary tables, masks).
 A tensor belongs to the parameter it is (parameters, their gradients, fp32 masters, optimizer states), else to the
-module that first saved it for backward (a pack hook: ``torch.autograd.graph.saved_tensors_hooks``), else to the
-module that made it; what the base model itself made (the rotary tables every layer saves) stays the model's.
+module that first saved it for backward (a pack hook: ``torch.autograd.graph.saved_tensors_hooks``; a checkpointed
+layer keeps its input), else to the module that made it; what the base model itself made (the rotary tables every layer saves) stays the model's.
 
 Needs torch and transformers.
 """
@@ -111,10 +111,10 @@ class LiveRecorder:
             if not rec.shape and not rec.dtype:
                 rec.shape, rec.dtype = tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
 
-    def saved(self, tensor) -> None:
+    def saved(self, tensor, by: str | None = None) -> None:
         rec = self.record(tensor.untyped_storage())
         if not rec.saver:
-            rec.saver = _deepest(self.tracker)
+            rec.saver = _deepest(self.tracker) if by is None else by
 
     def own(self, tensor, owner: Owner) -> None:
         self.describe(tensor)
@@ -150,16 +150,19 @@ class LiveRecorder:
     def exited(self, tracker) -> None:
         """While the tracker's modules and optimizers are alive: name their owners and their parameters'."""
         known = dict(tracker._mod_tracker._known_modules.items())
-        roots = [m for m, name in known.items() if "." not in name]
+        run = getattr(tracker, "trainmem_step", None)
+        roots = [run.model] if run is not None else [m for m, name in known.items() if "." not in name]
         for root in roots:
             by_module = _module_owners(root)
             for module, name in known.items():
                 owner = by_module.get(id(module))
                 if owner is not None:
                     self.owners[name] = owner
-            self._own_parameters(root, by_module, getattr(tracker, "_trainmem_external", ()))
+            self._own_parameters(root, by_module, run)
 
-    def _own_parameters(self, root, by_module: dict[int, Owner], external) -> None:
+    def _own_parameters(self, root, by_module: dict[int, Owner], run) -> None:
+        """Parameters, buffers and gradients by the module they are in; the fp32 masters, main-grad buffers and
+        optimizer states of ``run`` (step.TrainingStep, as trace._track hands it over) by their parameter's."""
         import torch
 
         of_param: dict[int, Owner] = {}
@@ -169,19 +172,18 @@ class LiveRecorder:
                 of_param.setdefault(id(param), owner)
             for buffer in module.buffers(recurse=False):
                 self.own(buffer, owner)
-        params = [p for p in root.parameters()]
-        for param in params:
+        for param in root.parameters():
             self.own(param, of_param[id(param)])
             if param.grad is not None:
                 self.own(param.grad, of_param[id(param)])
-        trained = [p for p in params if p.requires_grad and p.numel() > 0]
-        masters = [t for t in external if isinstance(t, torch.Tensor)]
-        if len(masters) != len(trained) or any(m.shape != p.shape for m, p in zip(masters, trained)):
-            masters = []  # (a hand-written optimizer's state tensors, not fp32 masters)
-        for master, param in zip(masters, trained):  # step.TrainingStep makes them in this order
-            of_param.setdefault(id(master), of_param[id(param)])
-            self.own(master, of_param[id(param)])
-        for optimizer in (o for o in external if hasattr(o, "state") and hasattr(o, "param_groups")):
+        if run is None:
+            return
+        for copies in (run.masters, run.main_grads):
+            for copy, param in zip(copies or (), run.params):
+                of_param[id(copy)] = of_param.get(id(param), Owner(OwnerKind.MODEL))
+                self.own(copy, of_param[id(copy)])
+        optimizers = list(run.optimizers.values()) if run.optimizers is not None else [run.optimizer]
+        for optimizer in (part for opt in optimizers for part in getattr(opt, "parts", (opt,))):
             for param, states in optimizer.state.items():
                 owner = of_param.get(id(param), Owner(OwnerKind.OPTIMIZER))
                 for value in states.values():
@@ -264,7 +266,7 @@ def recording(recorder: LiveRecorder):
 
     cls, info = mem_tracker.MemTracker, mem_tracker._WeakRefInfo
     saved = {name: cls.__dict__[name] for name in ("__enter__", "__exit__", "__torch_dispatch__",
-                                                   "_update_peak_stats", "track_external")}
+                                                   "_update_peak_stats", "_pre_fw_hook")}
     create = info.__dict__["create_winfo"]
     pushed: list = []
 
@@ -308,13 +310,18 @@ def recording(recorder: LiveRecorder):
         saved["_update_peak_stats"](self, peak_state)
         recorder.peak_updated(self, _root_peaks(root, mem_tracker), before, global_before)
 
-    def track_external(self, *external):
-        self._trainmem_external = tuple(external)
-        return saved["track_external"](self, *external)
+    def pre_fw_hook(self, module, inputs):
+        saved["_pre_fw_hook"](self, module, inputs)
+        if getattr(module, "gradient_checkpointing", False) and module.training and not self._mod_tracker.is_bw:
+            # a checkpointed layer keeps its input for the recompute (torch.utils.checkpoint holds the arguments)
+            name = self._mod_tracker.get_known_fqn(module) or ""
+            for arg in inputs:
+                if isinstance(arg, torch.Tensor):
+                    recorder.saved(arg, name)
 
     info.create_winfo = classmethod(create_winfo)
     patches = {"__enter__": enter, "__exit__": exit_, "__torch_dispatch__": dispatch,
-               "_update_peak_stats": update_peak_stats, "track_external": track_external}
+               "_update_peak_stats": update_peak_stats, "_pre_fw_hook": pre_fw_hook}
     for name, fn in patches.items():
         setattr(cls, name, fn)
     try:
