@@ -106,6 +106,11 @@ def test_the_diff_command_prints_json_and_refuses_in_one_line(run_cli, tmp_path)
                       (("--gpu", "H100"), "--gpu"), (("--units", "parsecs"), "unit")):
         code, out, err = run_cli("diff", str(path), "--seq", "16", *bad)
         assert code == 2 and err.strip().count("\n") == 0 and word in err, (bad, err)
+    jsonschema = pytest.importorskip("jsonschema")
+    from trainmem.report import json_schema
+
+    errors = list(jsonschema.Draft202012Validator(json_schema()).iter_errors(doc))
+    assert not errors, [f"{list(e.path)}: {e.message[:200]}" for e in errors[:5]]
 
 
 def test_the_json_names_owners_by_kind_and_layer_and_the_table_says_lacks(traced, capsys):
