@@ -65,6 +65,10 @@ def test_an_exact_estimate_differs_by_a_few_bytes_in_every_group(traced):
         row = rows[("forward", "activations", Owner(OwnerKind.LAYER, layer))]
         assert row.traced > 0 and row.difference == 0
     assert rows[("optimizer", "gradients", Owner(OwnerKind.HEAD))].difference == 0
+    # backward's peak is the embedding's backward (timeline: Phase.at): every other gradient is done, by its owner
+    for owner in (Owner(OwnerKind.LAYER, 0), Owner(OwnerKind.LAYER, 1), Owner(OwnerKind.HEAD)):
+        row = rows[("backward", "gradients", owner)]
+        assert row.traced > 0 and row.difference == 0
 
 
 def test_a_dropped_saved_tensor_is_a_lacks_row_of_its_bytes_at_its_layer(traced, monkeypatch):

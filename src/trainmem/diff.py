@@ -160,23 +160,14 @@ def _term_owner(term, default: OwnerKind) -> Owner:
     return Owner(default)
 
 
-def forward_activations_by_owner(spec: ModelSpec, acts, settings) -> dict[Owner, int]:
-    """The activations of forward's moment "at the loss" (timeline.step_candidates) by owner: what each layer,
-    the embedding, the final norm, the head and the loss saved, the logits, the loss's fp32 upcast, the KV cache
-    each layer returns, autocast's cached casts of checkpointed layers, the base model's output the CausalLM forward
-    holds, the shared constants."""
-    from .activations import Precision
-    from .recipes import get_recipe
-    from .timeline import casts_cached, final_hidden_bytes
-
-    p = Precision.of(get_recipe(settings.recipe))
-    cached = bool(acts.layers) and acts.layers[-1].checkpointed and casts_cached(spec, p, settings)
+def saved_by_owner(acts) -> dict[Owner, int]:
+    """What the forward pass saved for backward (ActivationEstimate.saved_bytes), by owner: each layer's, the
+    embedding's, the final norm's, the head's and the loss's terms, the shared constants."""
     out: dict[Owner, int] = defaultdict(int)
     index = 0
     for la in acts.layers:
         for _ in range(la.count):
-            out[Owner(OwnerKind.LAYER, index)] += (acts.layer_saved_bytes(la) + int(la.cache_extra * acts.tokens)
-                                                   + (la.constant_bytes if cached else 0))
+            out[Owner(OwnerKind.LAYER, index)] += acts.layer_saved_bytes(la)
             index += 1
     if acts.embedding_terms:
         out[Owner(OwnerKind.EMBEDDING)] += acts.embedding_bytes
@@ -184,22 +175,95 @@ def forward_activations_by_owner(spec: ModelSpec, acts, settings) -> dict[Owner,
         out[_term_owner(term, OwnerKind.HEAD)] += int(term.bytes_per_token * acts.tokens)
     for term in acts.constant_terms:
         out[_term_owner(term, OwnerKind.MODEL)] += int(term.bytes_per_token)
+    return out
+
+
+def forward_activations_by_owner(spec: ModelSpec, acts, settings) -> dict[Owner, int]:
+    """The activations of forward's moment "at the loss" (timeline.step_candidates) by owner: what was saved
+    (saved_by_owner), the KV cache each layer returns, autocast's cached casts of checkpointed layers, the logits,
+    the loss's fp32 upcast and the base model's output the CausalLM forward holds."""
+    from .activations import Precision
+    from .recipes import get_recipe
+    from .timeline import casts_cached, final_hidden_bytes
+
+    p = Precision.of(get_recipe(settings.recipe))
+    cached = bool(acts.layers) and acts.layers[-1].checkpointed and casts_cached(spec, p, settings)
+    out = saved_by_owner(acts)
+    index = 0
+    for la in acts.layers:
+        for _ in range(la.count):
+            out[Owner(OwnerKind.LAYER, index)] += int(la.cache_extra * acts.tokens) + (la.constant_bytes if cached
+                                                                                         else 0)
+            index += 1
     out[Owner(OwnerKind.HEAD)] += acts.logits_bytes
     out[Owner(OwnerKind.LOSS)] += acts.loss_transient_bytes
     out[Owner(OwnerKind.FINAL_NORM)] += final_hidden_bytes(spec, p, acts.tokens, settings, None, bool(acts.layers))
-    return {o: b for o, b in out.items() if b}
+    return out
 
 
-def _category_parts(name: str, category: str, phase: Phase, static: dict, forward: dict | None) -> dict[Owner, int]:
+def _backward_moment(acts, layers, at: Owner, moment: Phase, static: dict) -> dict[str, dict[Owner, int]]:
+    """A backward moment inside layer ``at.layer`` or the embedding's backward (step_candidates' walk from the
+    last layer to the embedding): the embedding's and the constants' activations (but the LM head's autocast
+    copy, gone by then) and those the layers below keep; the gradients of what backward has finished (the layers
+    above, the head, the final norm); the rest of the moment's activations and gradients are the layer's own (the
+    embedding's). Temporaries stay one row: the trace's module stack in backward (ModTracker's) is too loose to own
+    them."""
+    kept: dict[Owner, int] = defaultdict(int)
+    if at.layer is not None:  # (at the embedding's backward only its own saved tensors are left)
+        kept[Owner(OwnerKind.EMBEDDING)] += acts.embedding_bytes if acts.embedding_terms else 0
+        for term in acts.constant_terms:
+            if term.module != "lm_head":
+                kept[_term_owner(term, OwnerKind.MODEL)] += int(term.bytes_per_token)
+        for below in range(at.layer):
+            kept[Owner(OwnerKind.LAYER, below)] += layers[below].kept
+    first_done = 0 if at.layer is None else at.layer + 1
+    done: dict[Owner, int] = {Owner(OwnerKind.LAYER, above): layers[above].grads
+                              for above in range(first_done, len(layers))}
+    for owner in (Owner(OwnerKind.HEAD), Owner(OwnerKind.FINAL_NORM)):
+        done[owner] = static.get("gradients", {}).get(owner, 0)
+    out = {}
+    for category, parts in (("activations", kept), ("gradients", done)):
+        rest = getattr(moment, category) - sum(parts.values())
+        if rest >= 0:
+            out[category] = {**parts, at: parts.get(at, 0) + rest}
+    return out
+
+
+def moment_by_owner(spec: ModelSpec, settings, est, static: dict, finetune=None) -> dict[str, dict[str, dict]]:
+    """Per phase and category, the owners of the estimate's peak moment where step_candidates says whose its
+    bytes are: forward's at the loss; backward's at the loss's backward or inside a layer (``Phase.at``). A
+    phase's moment is the first of its candidates equal to the estimate's phase in every category, as peak_of
+    picks the earliest of equal moments."""
+    from .stepmodel import compile_step
+
+    if finetune is not None or est.rank is not None or est.per_rank or est.activations is None:
+        return {}
+    step = compile_step(spec, settings, est.device, est.parallel, finetune)
+    acts, candidates = step.candidates(settings.batch, settings.seq)
+    phases = {p.name: p for p in est.phases}
+    out: dict[str, dict[str, dict]] = {}
+    if candidates[1] and candidates[1][-1].by_category() == phases["forward"].by_category():
+        out["forward"] = {"activations": forward_activations_by_owner(spec, acts, settings)}
+    moment = next((c for c in candidates[2] if c.by_category() == phases["backward"].by_category()), None)
+    at = moment.at if moment is not None else None
+    if at is not None and at.kind is OwnerKind.LOSS:
+        out["backward"] = {"activations": saved_by_owner(acts)}
+    elif moment is not None and at is not None:
+        _, layers = step.activations_and_layers(step.settings_at(settings.batch, settings.seq))
+        out["backward"] = _backward_moment(acts, layers, at, moment, static)
+    return out
+
+
+def _category_parts(name: str, category: str, phase: Phase, static: dict, moment: dict) -> dict[Owner, int]:
     total = getattr(phase, category)
     parts: dict[Owner, int] | None = None
+    split = moment.get(category)
     if category in static and sum(static[category].values()) == total:
         parts = dict(static[category])
-    elif name == "forward" and category == "activations" and forward is not None \
-            and 0 <= total - sum(forward.values()):
-        parts = dict(forward)
-        if total > sum(forward.values()):
-            parts[REST] = total - sum(forward.values())
+    elif split is not None and sum(split.values()) <= total:
+        parts = dict(split)
+        if total > sum(split.values()):
+            parts[REST] = total - sum(split.values())
     elif name == "optimizer" and category == "temporaries":
         parts = {Owner(OwnerKind.OPTIMIZER): total}
     if parts is None:
@@ -209,22 +273,12 @@ def _category_parts(name: str, category: str, phase: Phase, static: dict, forwar
 
 def estimated_groups(spec: ModelSpec, settings, est, finetune=None) -> dict[str, dict[tuple[str, Owner], int]]:
     """Per phase, the estimate's peak moment by (category, owner)."""
-    from .stepmodel import compile_step
-
     phases = {p.name: p for p in est.phases}
     static = static_by_owner(spec, settings, finetune)
-    acts, candidates = compile_step(spec, settings, est.device, est.parallel, finetune).candidates(
-        settings.batch, settings.seq)
-    # forward's peak is the moment at the loss, its last (step_candidates lists them in the order they happen),
-    # when the two agree in every category
-    at_loss = acts is not None and finetune is None and bool(candidates[1]) \
-        and candidates[1][-1].by_category() == phases["forward"].by_category()
-    forward = forward_activations_by_owner(spec, acts, settings) if at_loss else None
-    out = {}
-    for name in PHASES:
-        out[name] = {(c, o): b for c in CATEGORIES
-                     for o, b in _category_parts(name, c, phases[name], static, forward).items()}
-    return out
+    moments = moment_by_owner(spec, settings, est, static, finetune)
+    return {name: {(c, o): b for c in CATEGORIES
+                   for o, b in _category_parts(name, c, phases[name], static, moments.get(name, {})).items()}
+            for name in PHASES}
 
 
 # -- the match ------------------------------------------------------------------------------------------------
