@@ -32,8 +32,7 @@ PHASES = ("forward", "backward", "optimizer")
 """The phases whose peak a trace's tracker measures (load and between_steps are the static state)."""
 TOP_TENSORS = 3
 ALL = Owner(OwnerKind.ALL)
-REST = Owner(OwnerKind.ALL, -1)
-"""The part of an attributed moment the owners' sum leaves ("rest of the moment")."""
+REST = Owner(OwnerKind.REST)
 
 
 @dataclass(frozen=True)
@@ -330,10 +329,6 @@ def diff_of(traced_phases, live: dict, spec: ModelSpec, settings, est, finetune=
 # -- output ---------------------------------------------------------------------------------------------------
 
 
-def owner_label(owner: Owner) -> str:
-    return "rest of the moment" if owner == REST else owner.label()
-
-
 def _signed(n: int, unit: str) -> str:
     """A difference in ``unit``, with its bytes where the unit rounds it away."""
     from .units import format_bytes
@@ -352,7 +347,7 @@ def _tensor_text(g: TensorGroup) -> str:
 
 def to_dict(diffs: tuple[PhaseDiff, ...]) -> list[dict[str, Any]]:
     def owner(o: Owner) -> dict:
-        return {"kind": "rest" if o == REST else o.kind.value, "layer": o.layer if o.kind is OwnerKind.LAYER else None}
+        return {"kind": o.kind.value, "layer": o.layer}
 
     return [{"phase": d.phase, "traced_bytes": d.traced.allocated_bytes, "estimated_bytes": d.estimated.allocated_bytes,
              "difference_bytes": d.difference, "relative_error": d.relative_error,
@@ -376,7 +371,7 @@ def render(diffs: tuple[PhaseDiff, ...], unit: str, console, every: bool = False
             table.add_column(col, justify=justify)  # type: ignore[arg-type]
         shown = [r for r in d.rows if every or r.difference]
         for r in shown:
-            table.add_row(r.category, owner_label(r.owner), format_bytes(r.traced, unit),
+            table.add_row(r.category, r.owner.label(), format_bytes(r.traced, unit),
                           format_bytes(r.estimated, unit), _signed(r.difference, unit), r.verdict,
                           "; ".join(_tensor_text(g) for g in r.tensors))
         table.add_row("total", f"{len(d.rows) - len(shown)} groups equal" if not every else "",

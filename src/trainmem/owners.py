@@ -25,6 +25,8 @@ class OwnerKind(enum.Enum):
     """optimizer.step()'s temporaries, and states not tied to one parameter."""
     ALL = "all"
     """A whole category, where the estimate's moment does not say whose its bytes are."""
+    REST = "rest"
+    """What an estimated moment split by owner holds beyond its owners' parts."""
 
 
 _ORDER = {kind: i for i, kind in enumerate(OwnerKind)}
@@ -37,7 +39,9 @@ class Owner:
 
     def label(self) -> str:
         """For people only."""
-        return f"layer {self.layer}" if self.kind is OwnerKind.LAYER else self.kind.value.replace("_", " ")
+        if self.kind is OwnerKind.LAYER:
+            return f"layer {self.layer}"
+        return "rest of the moment" if self.kind is OwnerKind.REST else self.kind.value.replace("_", " ")
 
     def sort_key(self) -> tuple[int, int]:
         return (_ORDER[self.kind], -1 if self.layer is None else self.layer)

@@ -41,7 +41,7 @@ class Phase:
     """Optimizer states and fp32 master weights."""
     activations: int
     temporaries: int
-    at: Owner | None = field(default=None, compare=False)
+    at: Owner | None = field(default=None, compare=False, kw_only=True)
     """Where a backward moment of step_candidates is: the loss's backward, a decoder layer's (its index) or the
     embedding's, for ``trainmem diff`` (diff.py) to split its bytes by owner; None elsewhere. Not part of a phase's
     value."""
@@ -1404,7 +1404,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     if rank and rank.head_gradient_sharded:
         head_grad = -(-head_grad // shards)
     candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads,
-                        Owner(OwnerKind.LOSS))]
+                        at=Owner(OwnerKind.LOSS))]
     # the moments from the LM head's matmuls on (after the loss's and the logits' gradients)
     head_matmuls = len(candidates) + 1
     if settings.loss != "chunked" and spec.has_head:
@@ -1546,7 +1546,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         finished = 0 if stepped else grads - tied_held if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding (tied weights)", weights,
                                 max(grads_in_forward, finished), states, base_kept,
-                                2 * tied_held + emb_input_grad, Owner(OwnerKind.EMBEDDING)))
+                                2 * tied_held + emb_input_grad, at=Owner(OwnerKind.EMBEDDING)))
     elif layers and (finetune is None or embedding_trained):  # (a frozen embedding runs no backward)
         emb_grad = _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
         if embedding_trained:  # peft's trained copy, in the base's dtype
@@ -1555,7 +1555,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             emb_grad = trained_copies(spec, finetune.lora)["embedding"] * recipe.weight_bytes
         finished = 0 if stepped else grads - emb_grad if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, finished), states,
-                                acts.embedding_bytes, emb_grad + emb_input_grad, Owner(OwnerKind.EMBEDDING)))
+                                acts.embedding_bytes, emb_grad + emb_input_grad, at=Owner(OwnerKind.EMBEDDING)))
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank, finetune)
     phases = (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
     buffers = rank.buffers if rank else ()

@@ -261,18 +261,34 @@ def _module_owners(root) -> dict[int, Owner]:
 @contextlib.contextmanager
 def recording(recorder: LiveRecorder):
     """Route what every MemTracker sees to ``recorder`` (class-level patches, undone on exit)."""
-    import torch
     from torch.distributed._tools import mem_tracker
 
     cls, info = mem_tracker.MemTracker, mem_tracker._WeakRefInfo
     saved = {name: cls.__dict__[name] for name in ("__enter__", "__exit__", "__torch_dispatch__",
                                                    "_update_peak_stats", "_pre_fw_hook")}
     create = info.__dict__["create_winfo"]
-    pushed: list = []
 
     def create_winfo(klass, st, device, reftype, callback=None):
         recorder.record(st)
         return create.__func__(klass, st, device, reftype, callback)
+
+    info.create_winfo = classmethod(create_winfo)
+    for name, fn in {**_lifecycle_patches(recorder, saved), **_counting_patches(recorder, saved)}.items():
+        setattr(cls, name, fn)
+    try:
+        yield recorder
+    finally:
+        info.create_winfo = create
+        for name, fn in saved.items():
+            setattr(cls, name, fn)
+
+
+def _lifecycle_patches(recorder: LiveRecorder, saved: dict) -> dict:
+    """A tracker's ``__enter__`` and ``__exit__`` (the pack hook around what it tracks; the owners named while its
+    modules are alive) and ``_pre_fw_hook`` (what a checkpointed layer keeps)."""
+    import torch
+
+    pushed: list = []
 
     def enter(self):
         depth = self._depth
@@ -291,6 +307,25 @@ def recording(recorder: LiveRecorder):
             recorder.exited(self)
         return saved["__exit__"](self, *args)
 
+    def pre_fw_hook(self, module, inputs):
+        saved["_pre_fw_hook"](self, module, inputs)
+        if getattr(module, "gradient_checkpointing", False) and module.training and not self._mod_tracker.is_bw:
+            # a checkpointed layer keeps its input for the recompute (torch.utils.checkpoint holds the arguments)
+            name = self._mod_tracker.get_known_fqn(module) or ""
+            for arg in inputs:
+                if isinstance(arg, torch.Tensor):
+                    recorder.saved(arg, name)
+
+    return {"__enter__": enter, "__exit__": exit_, "_pre_fw_hook": pre_fw_hook}
+
+
+def _counting_patches(recorder: LiveRecorder, saved: dict) -> dict:
+    """A tracker's ``__torch_dispatch__`` (the op that makes each output; the outputs' dtypes and shapes) and
+    ``_update_peak_stats`` (the live set where a peak rose)."""
+    import torch
+    from torch.distributed._tools import mem_tracker
+    from torch.utils._pytree import tree_map_only
+
     def dispatch(self, func, types, args=(), kwargs=None):
         outer, recorder.op = recorder.op, str(func).removeprefix("aten.").removesuffix(".default")
         try:
@@ -298,8 +333,6 @@ def recording(recorder: LiveRecorder):
         finally:
             recorder.op = outer
         if result is not NotImplemented:
-            from torch.utils._pytree import tree_map_only
-
             tree_map_only(torch.Tensor, recorder.describe, result)
         return result
 
@@ -310,26 +343,7 @@ def recording(recorder: LiveRecorder):
         saved["_update_peak_stats"](self, peak_state)
         recorder.peak_updated(self, _root_peaks(root, mem_tracker), before, global_before)
 
-    def pre_fw_hook(self, module, inputs):
-        saved["_pre_fw_hook"](self, module, inputs)
-        if getattr(module, "gradient_checkpointing", False) and module.training and not self._mod_tracker.is_bw:
-            # a checkpointed layer keeps its input for the recompute (torch.utils.checkpoint holds the arguments)
-            name = self._mod_tracker.get_known_fqn(module) or ""
-            for arg in inputs:
-                if isinstance(arg, torch.Tensor):
-                    recorder.saved(arg, name)
-
-    info.create_winfo = classmethod(create_winfo)
-    patches = {"__enter__": enter, "__exit__": exit_, "__torch_dispatch__": dispatch,
-               "_update_peak_stats": update_peak_stats, "_pre_fw_hook": pre_fw_hook}
-    for name, fn in patches.items():
-        setattr(cls, name, fn)
-    try:
-        yield recorder
-    finally:
-        info.create_winfo = create
-        for name, fn in saved.items():
-            setattr(cls, name, fn)
+    return {"__torch_dispatch__": dispatch, "_update_peak_stats": update_peak_stats}
 
 
 def _pack(recorder: LiveRecorder):
