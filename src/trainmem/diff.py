@@ -194,7 +194,8 @@ def forward_activations_by_owner(spec: ModelSpec, acts, settings) -> dict[Owner,
             out[Owner(OwnerKind.LAYER, index)] += int(la.cache_extra * acts.tokens) + (la.constant_bytes if cached
                                                                                          else 0)
             index += 1
-    out[Owner(OwnerKind.HEAD)] += acts.logits_bytes
+    # the logits the model returns: the LM head's output, or the CausalLM forward's softcapped ones (Gemma 2)
+    out[Owner(OwnerKind.LOSS if spec.final_logit_softcap else OwnerKind.HEAD)] += acts.logits_bytes
     out[Owner(OwnerKind.LOSS)] += acts.loss_transient_bytes
     out[Owner(OwnerKind.FINAL_NORM)] += final_hidden_bytes(spec, p, acts.tokens, settings, None, bool(acts.layers))
     return out

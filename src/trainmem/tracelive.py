@@ -45,8 +45,8 @@ class _Record:
     """The ATen op whose output it is ("" for what was registered from outside: parameters, states)."""
     module: str = ""
     """ModTracker's name of the deepest module running when it was made ("" outside every module)."""
-    saver: str = ""
-    """ModTracker's name of the module running when autograd first saved it for backward."""
+    savers: set[str] = field(default_factory=set)
+    """ModTracker's names of the modules running when autograd saved it for backward."""
     dtype: str = ""
     shape: tuple[int, ...] = ()
     owner: Owner | None = None
@@ -113,8 +113,7 @@ class LiveRecorder:
 
     def saved(self, tensor, by: str | None = None) -> None:
         rec = self.record(tensor.untyped_storage())
-        if not rec.saver:
-            rec.saver = _deepest(self.tracker) if by is None else by
+        rec.savers.add(_deepest(self.tracker) if by is None else by)
 
     def own(self, tensor, owner: Owner) -> None:
         self.describe(tensor)
@@ -211,12 +210,12 @@ class LiveRecorder:
     def _owner(self, rec: _Record, phase: str) -> Owner:
         if rec.owner is not None:
             return rec.owner
+        savers = {owner for owner in map(self.owners.get, rec.savers) if owner is not None}
+        if len(savers) > 1:  # (the rotary tables every layer keeps)
+            return Owner(OwnerKind.MODEL)
+        if savers:
+            return savers.pop()
         made = self.owners.get(rec.module)
-        if made is not None and made.kind is OwnerKind.MODEL:
-            return made
-        saved = self.owners.get(rec.saver)
-        if saved is not None:
-            return saved
         if made is not None:
             return made
         return Owner(OwnerKind.OPTIMIZER) if phase == "optimizer" else Owner(OwnerKind.MODEL)
