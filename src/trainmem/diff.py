@@ -9,8 +9,11 @@ split by owner where the estimate says whose its bytes are:
   before the last gradient exists holds only some: one "all" row then);
 - forward's activations when its peak is the moment "at the loss" (timeline.step_candidates' last forward moment):
   each layer's saved tensors, the embedding's, the final norm's, the head's (its input, the logits), the loss's, the
-  shared constants; what that moment holds beyond them (autocast's cached casts, held hidden states) is one
+  shared constants, the base model's output the CausalLM forward holds; what that moment holds beyond them is one
   "rest of the moment" row;
+- backward's activations and gradients where its peak is a moment the timeline places (``Phase.at``: the loss's
+  backward, inside a layer, the embedding's backward): what is kept below, what is done above, the rest the
+  layer's own;
 - the optimizer step's temporaries at the optimizer;
 - anything else as one "all" row of its category, against the traced tensors of that category together.
 
@@ -209,13 +212,14 @@ def _backward_moment(acts, layers, at: Owner, moment: Phase, static: dict) -> di
     embedding's). Temporaries stay one row: the trace's module stack in backward (ModTracker's) is too loose to own
     them."""
     kept: dict[Owner, int] = defaultdict(int)
-    if at.layer is not None:  # (at the embedding's backward only its own saved tensors are left)
-        kept[Owner(OwnerKind.EMBEDDING)] += acts.embedding_bytes if acts.embedding_terms else 0
-        for term in acts.constant_terms:
-            if term.module != "lm_head":
-                kept[_term_owner(term, OwnerKind.MODEL)] += int(term.bytes_per_token)
-        for below in range(at.layer):
-            kept[Owner(OwnerKind.LAYER, below)] += layers[below].kept
+    kept[Owner(OwnerKind.EMBEDDING)] += acts.embedding_bytes if acts.embedding_terms else 0
+    for term in acts.constant_terms:
+        if term.module != "lm_head":
+            kept[_term_owner(term, OwnerKind.MODEL)] += int(term.bytes_per_token)
+    for below in range(at.layer or 0):
+        kept[Owner(OwnerKind.LAYER, below)] += layers[below].kept
+    if at.layer is None and sum(kept.values()) > moment.activations:
+        kept.clear()  # (an untied embedding's backward holds its own saved tensors only; a tied one's, the constants)
     first_done = 0 if at.layer is None else at.layer + 1
     done: dict[Owner, int] = {Owner(OwnerKind.LAYER, above): layers[above].grads
                               for above in range(first_done, len(layers))}
@@ -231,7 +235,8 @@ def _backward_moment(acts, layers, at: Owner, moment: Phase, static: dict) -> di
 
 def moment_by_owner(spec: ModelSpec, settings, est, static: dict, finetune=None) -> dict[str, dict[str, dict]]:
     """Per phase and category, the owners of the estimate's peak moment where step_candidates says whose its
-    bytes are: forward's at the loss; backward's at the loss's backward or inside a layer (``Phase.at``). A
+    bytes are: forward's at the loss; backward's at the loss's backward, inside a layer or at the embedding's
+    backward (``Phase.at``). A
     phase's moment is the first of its candidates equal to the estimate's phase in every category, as peak_of
     picks the earliest of equal moments."""
     from .stepmodel import compile_step

@@ -13,8 +13,9 @@ Owners: every module is classified once (:func:`_module_owners`): the decoder la
 embeddings, the LM head, the other modules of the base model with parameters of their own (the final norm), the
 root (what the CausalLM forward computes itself: the loss), the rest of the base model (rotary tables, masks).
 A tensor belongs to the parameter it is (parameters, their gradients, fp32 masters, optimizer states), else to the
-module that first saved it for backward (a pack hook: ``torch.autograd.graph.saved_tensors_hooks``; a checkpointed
-layer keeps its input), else to the module that made it; what the base model itself made (the rotary tables every layer saves) stays the model's.
+owner of the modules that saved it for backward (a pack hook: ``torch.autograd.graph.saved_tensors_hooks``; a
+checkpointed layer keeps its input) or to the model where several owners save it (the rotary tables every layer
+keeps), else to the module that made it.
 
 Needs torch and transformers.
 """
