@@ -22,6 +22,7 @@ from functools import cached_property
 from .kernels import (EAGER, EFFICIENT, EFFICIENT_MASK_MULTIPLE, FLASH, FLASH_MAX_HEAD_DIM, MATH,
                       efficient_lse_per_token, efficient_mask_width, flash_head_dim, sdpa_backend)
 from .models import MLP, Attention, Layer, ModelSpec, MoE, runs_of
+from .owners import OwnerKind
 from .recipes import DTYPE_BYTES, Recipe
 from .settings import OFFLOAD_MIN_BYTES, OUTPUT_CHUNKS, TrainingSettings
 
@@ -58,6 +59,9 @@ class Term:
     normalised_bytes: float = 0.0
     """Bytes per token of a norm's normalised value within this term (kept for the norm weight's gradient only:
     a frozen norm keeps none)."""
+    owner: OwnerKind | None = None
+    """Whose it is where the list it is in does not say (``trainmem diff``: diff.py): the loss's terms among the
+    head's, the loss's constant among the model's. Changes no byte."""
 
 
 # Term kinds the attention formulas look terms up by (module ""): what a term is, whatever its label says.
@@ -1487,7 +1491,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     else:
         head += _linear_inputs(p, h, 1, "final norm output (LM head input)", p.residual, "head_input")
     if spec.final_logit_softcap:
-        head.append(Term("final logit softcapping tanh output", p.compute * v))
+        head.append(Term("final logit softcapping tanh output", p.compute * v, owner=OwnerKind.LOSS))
     if settings.loss == "chunked":
         # Liger-Kernel's fused linear cross-entropy: the gradient of the hidden states is computed chunk by
         # chunk in the forward pass and kept; the logits never exist whole.
@@ -1503,18 +1507,19 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
             # alive anyway) and two fp32 values per row (max, logsumexp) instead of the fp32 log_softmax, and
             # recomputes the rest in backward (traced with aot_eager_decomp_partition, whose decomposed graph
             # holds COMPILED_LOSS_FORWARD fp32 slice-sized intermediates at once).
-            head += [Term("logits kept by the compiled loss (all slices)", p.compute * v),
-                     Term("max and logsumexp per row (fp32)", 2 * FP32)]
+            head += [Term("logits kept by the compiled loss (all slices)", p.compute * v, owner=OwnerKind.LOSS),
+                     Term("max and logsumexp per row (fp32)", 2 * FP32, owner=OwnerKind.LOSS)]
             logits_bytes = 0
             loss_transient = COMPILED_LOSS_FORWARD * FP32 * v * tokens // OUTPUT_CHUNKS
         else:
-            head += [Term("log_softmax output (fp32, all slices)", FP32 * v)]
+            head += [Term("log_softmax output (fp32, all slices)", FP32 * v, owner=OwnerKind.LOSS)]
             logits_bytes = p.compute * v * tokens
             loss_transient = (FP32 * v * tokens // OUTPUT_CHUNKS) if p.compute != FP32 else 0
     else:
         # transformers' ForCausalLMLoss: logits.float(), then cross_entropy = log_softmax + nll_loss. log_softmax
         # keeps its fp32 output, nll_loss the shifted labels.
-        head += [Term("log_softmax output (fp32)", FP32 * v), Term("shifted labels (int64)", INDEX)]
+        head += [Term("log_softmax output (fp32)", FP32 * v, owner=OwnerKind.LOSS),
+                 Term("shifted labels (int64)", INDEX, owner=OwnerKind.LOSS)]
         logits_bytes = p.compute * v * tokens
         loss_transient = (FP32 * v * tokens) if p.compute != FP32 else 0
         if spec.vocab_shards > 1:
@@ -1522,7 +1527,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
             # their all-reduced max, and its exp, both fp32 V / T, beside the fp32 copy, before the log_softmax
             # output (counted among the saved) exists: one fp32 V / T more than transformers' loss (traced)
             loss_transient += FP32 * v * tokens
-    constant.append(Term("loss total_weight", FP32))
+    constant.append(Term("loss total_weight", FP32, owner=OwnerKind.LOSS))
     if p.autocast:
         # (with project_out, its weight's copy too: both are made after the layers and used by the head's backward)
         head_weight = spec.vocab_size * (spec.embedding_dim or h) + (h * spec.embedding_dim if projected else 0)

@@ -91,6 +91,7 @@ COMMANDS = {
     "recipes": "trainmem.commands.recipes:recipes",
     "plan": "trainmem.commands.plan:plan",
     "serve": "trainmem.commands.serve:serve",
+    "diff": "trainmem.commands.diff:diff",
 }
 """Each command's name and where it is defined ("module:attribute", a click command). A command's module is
 imported only when that command runs (or for ``trainmem --help``, which lists every command's short help), so

@@ -15,12 +15,13 @@ recompute under checkpointing). The numbers are checked against PyTorch by ``tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from .activations import (COMPILED_LOSS_BACKWARD, FP32, INDEX, MASK, OP_SAVED, OP_SAVED_UNTAKEN, ActivationEstimate,
                           LayerActivations, Precision, _hidden_dropout_sites, _router_score_bytes)
 from .models import MLP_ROLES, ModelSpec, layer_tensors
 from .optimizers import Optimizer
+from .owners import Owner, OwnerKind
 from .recipes import Recipe
 from .settings import OUTPUT_CHUNKS, TrainingSettings
 from .sharding import RankLayout
@@ -40,6 +41,10 @@ class Phase:
     """Optimizer states and fp32 master weights."""
     activations: int
     temporaries: int
+    at: Owner | None = field(default=None, compare=False, kw_only=True)
+    """Where a backward moment of step_candidates is: the loss's backward, a decoder layer's (its index) or the
+    embedding's, for ``trainmem diff`` (diff.py) to split its bytes by owner; None elsewhere. Not part of a phase's
+    value."""
 
     @property
     def allocated_bytes(self) -> int:
@@ -1202,6 +1207,24 @@ def forward_floor(static: dict[str, int], acts: ActivationEstimate, recipe: Reci
             + acts.loss_transient_bytes)
 
 
+def final_hidden_bytes(spec: ModelSpec, p: Precision, tokens: int, settings: TrainingSettings, finetune,
+                       has_layers: bool) -> int:
+    """The base model's output (the final norm's) the CausalLM forward holds while it computes the logits and the
+    loss, where nothing saves that tensor: forward's moment at the loss (step_candidates; diff.py owns it to the
+    final norm)."""
+    # Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
+    # (OPT's project_out makes the output a half tensor the head keeps)
+    if settings.loss == "chunked-output":
+        return 0  # torchtune's decoder returns the list of logits: its hidden-state local is gone
+    if finetune is not None and has_layers and "head" not in finetune.lora.trained_roles:
+        # A frozen LM head keeps no input, but the CausalLM forward holds the final norm's output (its local)
+        # while it computes the logits and the loss (a trained head saves that tensor: it is in saved), in the
+        # residual stream's dtype (fp32 under autocast: the norm returns its input's dtype; traced).
+        return p.residual * spec.hidden_size * tokens
+    return (p.residual * spec.hidden_size * tokens if p.autocast and p.residual == FP32 and has_layers
+            and not spec.projects_embeddings and spec.has_head else 0)
+
+
 def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate, recipe: Recipe,
                     optimizer: Optimizer, settings: TrainingSettings,
                     rank: RankLayout | None = None, finetune=None,
@@ -1271,20 +1294,9 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
 
         cast_cache = sum(adapter_half_copies(spec, la.layer, finetune.lora, p) * la.count for la in acts.layers
                          if la.checkpointed)
-    # The CausalLM forward holds the base model's output (the final norm's) while it computes the logits and the
-    # loss. Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
-    # (OPT's project_out makes the output a half tensor the head keeps)
-    final_hidden = (p.residual * h * tokens if p.autocast and p.residual == FP32 and layers
-                    and not spec.projects_embeddings and spec.has_head else 0)
+    final_hidden = final_hidden_bytes(spec, p, tokens, settings, finetune, bool(layers))
     head_trained = finetune is not None and "head" in finetune.lora.trained_roles
     embedding_trained = finetune is not None and "embedding" in finetune.lora.trained_roles
-    if finetune is not None and layers and not head_trained:
-        # A frozen LM head keeps no input, but the CausalLM forward holds the final norm's output (its local)
-        # while it computes the logits and the loss (a trained head saves that tensor: it is in saved), in the
-        # residual stream's dtype (fp32 under autocast: the norm returns its input's dtype; traced).
-        final_hidden = p.residual * h * tokens
-    if settings.loss == "chunked-output":
-        final_hidden = 0  # torchtune's decoder returns the list of logits: its hidden-state local is gone
     candidates_fw = [Phase("forward", "at the loss", weights, grads_in_forward, states,
                            saved + acts.logits_bytes + acts.loss_transient_bytes + acts.kv_cache_bytes + cast_cache
                            + final_hidden, 0)]
@@ -1391,7 +1403,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         head_grad = trained_copies(spec, finetune.lora)["head"] * recipe.weight_bytes
     if rank and rank.head_gradient_sharded:
         head_grad = -(-head_grad // shards)
-    candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads)]
+    candidates = [Phase("backward", "loss gradients", weights, grads_in_forward, states, saved, loss_grads,
+                        at=Owner(OwnerKind.LOSS))]
     # the moments from the LM head's matmuls on (after the loss's and the logits' gradients)
     head_matmuls = len(candidates) + 1
     if settings.loss != "chunked" and spec.has_head:
@@ -1429,6 +1442,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     interior = set() if every_layer else _interior_layers(layers)
     for index in range(len(layers) - 1, -1, -1):
         x = layers[index]
+        start = len(candidates)
         if index in interior:  # (its moments are never a phase's first peak: _interior_layers)
             grads_above += finished_shard(x)
             continue
@@ -1518,6 +1532,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                 "backward", f"layer {index} gradients copied (compiled)", weights,
                 max(grads_in_forward, head_grad + grads_above + x.grads + x.compiled_copies), states,
                 base_kept + kept_below[index], p.residual * h * tokens + tied_held))
+        candidates[start:] = [replace(c, at=Owner(OwnerKind.LAYER, index)) for c in candidates[start:]]
         grads_above += finished_shard(x)
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
     # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights that
@@ -1531,7 +1546,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         finished = 0 if stepped else grads - tied_held if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding (tied weights)", weights,
                                 max(grads_in_forward, finished), states, base_kept,
-                                2 * tied_held + emb_input_grad))
+                                2 * tied_held + emb_input_grad, at=Owner(OwnerKind.EMBEDDING)))
     elif layers and (finetune is None or embedding_trained):  # (a frozen embedding runs no backward)
         emb_grad = _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
         if embedding_trained:  # peft's trained copy, in the base's dtype
@@ -1540,7 +1555,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             emb_grad = trained_copies(spec, finetune.lora)["embedding"] * recipe.weight_bytes
         finished = 0 if stepped else grads - emb_grad if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, finished), states,
-                                acts.embedding_bytes, emb_grad + emb_input_grad))
+                                acts.embedding_bytes, emb_grad + emb_input_grad, at=Owner(OwnerKind.EMBEDDING)))
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank, finetune)
     phases = (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
     buffers = rank.buffers if rank else ()

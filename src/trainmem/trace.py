@@ -209,6 +209,7 @@ def _track(tracker, mem_tracker, run) -> None:
     gradient hooks, which torch refuses on a tensor that takes no gradient."""
     for param in run.frozen_parameters():
         tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+    tracker.trainmem_step = run  # (what tracelive.py reads the owners of parameters, masters and states from)
     tracker.track_external(*run.tracked_objects())
     for main in run.main_grads or ():
         tracker._update_and_maybe_create_winfos(main, mem_tracker._MemRefType.GRAD)
