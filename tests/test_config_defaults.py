@@ -41,6 +41,8 @@ _READ = {
 # Values the config class leaves as None for the modeling file to resolve.
 _RESOLVED_BY_MODEL = {
     ("gpt2", "n_inner"): _gpt2_inner_width,
+    ("gptj", "n_inner"): lambda config: _built_model(config).transformer.h[0].mlp.fc_in.weight.shape[0],
+    ("gpt_bigcode", "n_inner"): lambda config: _built_model(config).transformer.h[0].mlp.c_fc.weight.shape[0],
     **{(t, "head_dim"): _head_dim_of_built_model for t in ("mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "phi3", "olmo2", "cohere", "phi", "granite",
                                                             "starcoder2")},
 }

@@ -80,6 +80,10 @@ PUBLISHED_ROUNDED = {
     "starcoder2-3b": (3.03e9, None), "starcoder2-7b": (7.17e9, None),
     # (the model cards: StableLM-3B-4E1T 2,795,443,200, StableLM 2 1.6B 1,644,515,328)
     "stablelm-3b-4e1t": (2.795e9, None), "stablelm-2-1_6b": (1.645e9, None),
+    # (the GPT-J-6B model card: 6,053,381,344, mesh-transformer-jax's count)
+    "gpt-j-6b": (6.053e9, None),
+    # (the StarCoder paper, Li et al. 2023: 15.5B; SantaCoder, Allal et al. 2023: 1.1B)
+    "starcoder": (15.5e9, None), "gpt_bigcode-santacoder": (1.12e9, None),
 }
 
 
