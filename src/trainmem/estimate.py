@@ -226,7 +226,8 @@ def static_components(model: ModelSpec, settings: TrainingSettings) -> tuple[Sta
         weights += model.buffer_bytes
         weights_note += f" and {model.buffer_bytes:,} bytes of buffers"
     return (
-        StaticComponent("weights", recipe.weights, weights, weights / n, weights_note),
+        StaticComponent("weights", recipe.weights, weights,
+                        recipe.weight_bytes if weights == n * recipe.weight_bytes else weights / n, weights_note),
         StaticComponent("gradients", recipe.gradients, gradients,
                         recipe.gradient_bytes if gradients == n * recipe.gradient_bytes else gradients / n,
                         gradient_note),
