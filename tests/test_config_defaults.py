@@ -48,6 +48,7 @@ _RESOLVED_BY_MODEL = {
 }
 _RESOLVED_BY_MODEL.update({
     ("smollm3", "head_dim"): _head_dim_of_built_model, ("olmo3", "head_dim"): _head_dim_of_built_model,
+    ("olmo", "head_dim"): _head_dim_of_built_model,
     # (Cohere2Config pops sliding_window_pattern from its kwargs into layer_types: the first full layer's place)
     ("cohere2", "sliding_window_pattern"): lambda config: config.layer_types.index("full_attention") + 1,
 })

@@ -1,5 +1,5 @@
-"""OLMo-2 (``olmo2``), Cohere (``cohere``), Phi-1.5 / Phi-2 (``phi``), Granite, StarCoder2, StableLM, GPT-J and
-GPT-BigCode: a
+"""OLMo-2 (``olmo2``), Cohere (``cohere``), Phi-1.5 / Phi-2 (``phi``), Granite, StarCoder2, StableLM, GPT-J,
+GPT-BigCode and OLMo-1 (``olmo``): a
 traced step of small models (the real transformers model on fake tensors, trace.py) against the estimate, every
 phase within 1% in total, in fp32 / amp-bf16 / mixed-bf16 / pure-bf16, with and without full checkpointing, eager
 and SDPA, with and without dropout. Exact parameter counts of the real checkpoints: each against the count
@@ -246,6 +246,26 @@ def test_gpt_bigcode_within_one_percent_of_the_trace(extra, recipe, checkpointin
     _check_gpt_style("gpt_bigcode", extra, recipe, checkpointing, attention, dropout)
 
 
+# OLMo-1 (modeling_olmo.py): Llama's modules with OlmoLayerNorm (no weight or bias, over an fp32 copy of its input,
+# also the final norm), OLMo-2's rotary (fp32 tables, q and k cast back), clip_qkv's in-place clamps. Each case missed
+# by 1-12.7% before the operation it checks was modelled (the final norm without parameters; the fp32 copy a half
+# layer input is normalised from, not shared with the checkpoint; the clamps' saved inputs).
+OLMO = [
+    ({}, "fp32", "none", "sdpa", 0.0),
+    ({}, "amp-bf16", "full", "eager", 0.0),
+    ({}, "mixed-bf16", "full", "sdpa", 0.0),
+    ({"clip_qkv": 8.0, "num_key_value_heads": 2}, "amp-bf16", "none", "eager", 0.1),
+    ({"clip_qkv": 8.0, "attention_bias": True, "tie_word_embeddings": True}, "pure-bf16", "full", "sdpa", 0.0),
+]
+
+
+@slow
+@pytest.mark.parametrize("extra, recipe, checkpointing, attention, dropout", OLMO)
+def test_olmo_within_one_percent_of_the_trace(extra, recipe, checkpointing, attention, dropout):
+    _check("olmo", dict({"num_key_value_heads": 4, "vocab_size": 1031}, **extra), recipe, checkpointing, attention,
+           4, 1024, dropout)
+
+
 def test_gptj_refuses_a_rotary_width_its_tables_cannot_take():
     from trainmem.errors import ModelError
     from trainmem.models import spec_from_config
@@ -283,6 +303,9 @@ EXACT_COUNTS.update({
     "gpt_bigcode-santacoder": 1_124_886_528,
     "starcoderbase-1b": 1_137_207_296,
     "starcoder": 15_517_456_384,
+    "olmo-1b-hf": 1_176_764_416,
+    "olmo-7b-hf": 6_888_095_744,
+    "olmo-7b-0424-hf": 6_888_095_744,
 })
 
 

@@ -172,6 +172,8 @@ def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_byt
     LayerNorm (``native_layer_norm``): its input, mean and rstd (fp32 per row on CUDA).
     """
     if spec.norm == "layer":
+        if spec.traits.layer_norm_upcast:  # (OlmoLayerNorm normalises ``hidden_states.to(torch.float32)``)
+            input_bytes = FP32
         return [Term(f"{label}: input", input_bytes * width, module, "input"),
                 Term(f"{label}: mean, rstd", 2 * FP32, module, "stats")]
     normed = FP32 if spec.traits.rms_norm_fp32_plus_one or spec.traits.rms_norm_fp32_product else input_bytes
@@ -295,6 +297,9 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
                       Term(f"{name}: normalised", normed * heads * d, name, "normalised")]
             if spec.traits.norm_centred_twice:
                 terms.append(Term(f"{name}: input less its mean, again (fp32)", FP32 * heads * d, name, "input_fp32"))
+    if att.clip_qkv:  # (OLMo's in-place clamp_ of each projection output keeps its input for backward)
+        terms.append(Term("q, k, v projection outputs before the in-place clamp (clip_qkv)",
+                          c * (a * d + kv * (d + dv))))
     rotary = att.rotary_dim > 0
     if rotary and spec.traits.rotary_tables_per_layer:  # (one (1, 1, s, rotary dim) pair, shared by the batch)
         pairs = 2 if spec.traits.rotary_tables_split else 1  # (GPT-J: one pair for k, one for q)
@@ -1495,7 +1500,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         masks_built -= masks_used
 
     head = (_sequence_sharded(_norm_terms(spec, h, p, "final norm", p.residual, "final_norm"), spec.sequence_shards)
-            if spec.final_norm and spec.norm_vectors else [])
+            if spec.final_norm_runs else [])
     if not spec.has_head:
         # A pipeline stage before the last: its output is sent to the next stage, nothing of the head is here.
         return _activation_estimate(spec, settings, layers, tokens, embedding, [], constant, 0, 0, p, emb_dropout,

@@ -116,6 +116,9 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_bigcode": {"n_inner": FOUR_HIDDEN, "activation_function": "gelu_pytorch_tanh", "tie_word_embeddings": True,
                     "n_positions": 1024, "attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1,
                     "multi_query": True},
+    # configuration_olmo.py (OlmoConfig; the head width is hidden_size // heads in OlmoAttention)
+    "olmo": {"num_key_value_heads": HEADS, "head_dim": HEAD_DIM, "hidden_act": "silu", "tie_word_embeddings": False,
+             "max_position_embeddings": 2048, "attention_dropout": 0.0, "attention_bias": False, "clip_qkv": None},
     # configuration_starcoder2.py (Starcoder2Config; the head width is hidden_size // heads in Starcoder2Attention)
     "starcoder2": {"num_key_value_heads": 2, "head_dim": HEAD_DIM, "hidden_act": "gelu_pytorch_tanh",
                    "tie_word_embeddings": True, "max_position_embeddings": 4096, "sliding_window": None,

@@ -56,6 +56,9 @@ class Attention:
     qk_layer_norm: bool = False
     """q_norm and k_norm are LayerNorms (a weight and a bias over head_dim) rather than RMSNorms (Phi's
     ``q_layernorm = nn.LayerNorm(hidden_size // num_attention_heads)`` with ``qk_layernorm``)."""
+    clip_qkv: bool = False
+    """q, k and v are clamped in place after their projections (OLMo's ``clip_qkv``: ``query_states.clamp_(...)``),
+    and autograd keeps a copy of each projection output from before the clamp for its backward."""
     rotary_dim: int = 0
     """Head dims rotated by RoPE (0: no rotary embedding; less than head_dim: partial rotary, GPT-NeoX/Phi-3)."""
     kv_broadcast: bool = False
@@ -276,6 +279,10 @@ class FamilyTraits:
     cos and a sin of rotary dim each (Llama); each layer repeat_interleaves them to full width
     (rotary_tables_per_layer) once for k and once more for q (GPTJAttention calls ``apply_rotary_pos_emb`` on each),
     so the products keep two such pairs."""
+    layer_norm_upcast: bool = False
+    """The LayerNorm normalises an fp32 copy of its input and casts its output back (OlmoLayerNorm:
+    ``F.layer_norm(hidden_states.to(dtype=torch.float32), ...).to(orig_dtype)``), so it keeps that fp32 copy, not
+    the layer input itself, where the hidden states are half."""
     rms_norm_fp32_product: bool = False
     """The RMSNorm multiplies its weight by the fp32 normalised value and casts the product back
     (Olmo2RMSNorm: ``(self.weight * hidden_states).to(input_dtype)``), so the kept normalised value is fp32, as
@@ -375,6 +382,12 @@ class ModelSpec:
         if self.max_position_embeddings and not self.rope_extension:
             return self.max_position_embeddings
         return None
+
+    @property
+    def final_norm_runs(self) -> bool:
+        """Whether a final norm's activations are counted: one with parameters, or OLMo's OlmoLayerNorm, which has
+        none (layer_norm_upcast). (OPT without elementwise affine is counted without its final norm, as before.)"""
+        return self.final_norm and bool(self.norm_vectors or self.traits.layer_norm_upcast)
 
     @property
     def is_nominal(self) -> bool:
@@ -574,7 +587,7 @@ _LARGEST_SIZE = 2**31
 
 _NULL_MEANS_NONE = frozenset({
     "q_lora_rank", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "num_ln_in_parallel_attn",
-    "rotary_dim",
+    "rotary_dim", "clip_qkv",
 })
 """Fields where an explicit ``null`` is a setting (no low-rank query, no window, no softcap), not a missing value."""
 
@@ -646,7 +659,7 @@ class _Config:
 _FRACTIONS = frozenset({"attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
                         "partial_rotary_factor", "rotary_pct"})
 """Probabilities and fractions: a number from 0 to 1."""
-_POSITIVE_NUMBERS = frozenset({"attn_logit_softcapping", "final_logit_softcapping"})
+_POSITIVE_NUMBERS = frozenset({"attn_logit_softcapping", "final_logit_softcapping", "clip_qkv"})
 """Finite positive numbers (null, where it turns the feature off, is read as None before the check)."""
 
 
@@ -865,6 +878,18 @@ def _parse_olmo2(c: _Config) -> dict[str, Any]:
     spec["layer_runs"] = tuple((replace(layer, attention=replace(layer.attention, qk_norm_width="projection")), n)
                                for layer, n in spec["layer_runs"])
     return spec
+
+
+def _parse_olmo(c: _Config) -> dict[str, Any]:
+    """modeling_olmo.py (OLMo-1): Llama's modules with OlmoLayerNorm, a LayerNorm without weight or bias over an fp32
+    copy of its input (traits), as the two pre-norms and the final norm; q/k/v/o take ``attention_bias``; with
+    ``clip_qkv`` the q, k and v projection outputs are clamped in place (OlmoAttention.forward)."""
+    bias = bool(c.get("attention_bias"))
+    spec = _llama_like(c, qkv_bias=bias, o_bias=bias)
+    clip = c.get("clip_qkv") is not None
+    spec["layer_runs"] = tuple((replace(layer, attention=replace(layer.attention, clip_qkv=clip)), n)
+                               for layer, n in spec["layer_runs"])
+    return dict(spec, norm="layer", norm_vectors=0)
 
 
 def _parse_cohere(c: _Config) -> dict[str, Any]:
@@ -1362,6 +1387,7 @@ PARSERS: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "stablelm": _parse_stablelm,
     "gptj": _parse_gptj,
     "gpt_bigcode": _parse_gpt_bigcode,
+    "olmo": _parse_olmo,
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(PARSERS)
 
@@ -1410,6 +1436,7 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
                          rotary_tables_split=True),
     "gpt_bigcode": FamilyTraits(fused_qkv_layout="blocks", hidden_dropout="per_block", embedding_dropout=True,
                                 position_ids="per_sequence", decoder_locals="token_and_shared_position"),
+    "olmo": FamilyTraits(layer_norm_upcast=True, rotary_in_input_dtype=True, rotary_tables_fp32=True),
 }
 """Each family's traits; a family not listed has Llama's. Gemma 2/3 and Qwen2-MoE build the full and the sliding
 eager mask whatever their layers use, Qwen2/Qwen3 the full one always; the others (Mistral, Mixtral, Phi-3,

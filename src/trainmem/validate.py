@@ -662,6 +662,9 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
         cfg["attention_bias"] = bias
         if model_type == "cohere":
             cfg.update(use_qk_norm=pick("qk_norm", (False, True)), logit_scale=pick("logit_scale", (0.0625, 1.0)))
+    elif model_type == "olmo":
+        # (OlmoAttention's head width is hidden_size // heads unless the config names one)
+        cfg.update(llama_like, attention_bias=bias, clip_qkv=pick("clip_qkv", (None, 8.0)))
     elif model_type == "granite":
         cfg.update(llama_like, attention_bias=bias, mlp_bias=pick("mlp_bias", (False, True)),
                    embedding_multiplier=pick("embedding_multiplier", (1.0, 12.0)),
