@@ -57,6 +57,8 @@ OTHER = ["qwen3", "qwen3_moe", "gemma", "gemma3_text", "phi3", "gpt_neox", "opt"
          "olmo2-bias-tied", "cohere", "cohere-qk-norm-untied", "phi", "phi-gqa-qk-norm-tied", "granite",
          "starcoder2-nobias-untied-window", "stablelm-bias-parallel-tied"]
 OTHER += ["smollm3-window-bias-untied", "internlm3-bias", "ernie4_5", "glm4", "olmo3", "cohere2"]
+OTHER += ["gptj", "gptj-inner-tied-full-rotary", "gpt_bigcode", "gpt_bigcode-mha-inner-untied", "olmo",
+          "olmo-clip-bias-tied"]
 
 
 @pytest.mark.parametrize("name", OTHER)

@@ -460,7 +460,8 @@ def test_the_position_check_lets_through_what_runs():
 
 # -- 4. Round one again: configs counted through transformers, the sweep grid, hostile fields of every type -------
 
-GPTJ = {"model_type": "gptj", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 128,
+# (CodeGen, a GPT-J-shaped model_type with no hand-written description: GPT-J has one since 2026-12-02)
+CODEGEN = {"model_type": "codegen", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 128,
         "rotary_dim": 8}
 
 
@@ -472,7 +473,7 @@ GPTJ = {"model_type": "gptj", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_si
     ({"n_layer": 100_000}, "1,024"),  # (it used to build for minutes)
     ({"n_embd": 2**40}, "2,147,483,648"),
     ({"rotary_dim": 10**30}, "31 digits"),
-    ({"model_type": ["gptj"]}, "'model_type' is an array"),
+    ({"model_type": ["codegen"]}, "'model_type' is an array"),
     ({"model_type": {"a": 1}}, "'model_type' is an object"),
     ({"model_type": 5}, "'model_type' is a number"),
     ({"model_type": "x" * 500}, "short name"),
@@ -480,18 +481,18 @@ GPTJ = {"model_type": "gptj", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_si
 ])
 def test_a_hostile_config_counted_through_transformers_is_one_line(run_cli, tmp_path, alarm, fields, says):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**GPTJ, **fields}))
+    path.write_text(json.dumps({**CODEGEN, **fields}))
     alarm(60)
     assert says in _one_line(run_cli, "estimate", str(path))
 
 
 @pytest.mark.parametrize("fields, says", [
-    ({"n_head": 0}, "positive integer"), ({"n_embd": None}, "n_embd"), ({"model_type": "gptjj"}, "unknown model_type"),
+    ({"n_head": 0}, "positive integer"), ({"n_embd": None}, "n_embd"), ({"model_type": "codegenn"}, "unknown model_type"),
 ])
 def test_what_transformers_refuses_is_one_line(run_cli, tmp_path, fields, says):
     pytest.importorskip("transformers")
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**GPTJ, **fields}))
+    path.write_text(json.dumps({**CODEGEN, **fields}))
     assert says in _one_line(run_cli, "estimate", str(path))
 
 
@@ -563,7 +564,7 @@ def _real_configs() -> dict[str, dict]:
     for folder in (HERE / "configs", HERE.parent.parent / "shared" / "reference" / "configs"):
         for path in sorted(glob.glob(str(folder / "*.json"))):
             found[f"{folder.name}:{Path(path).name}"] = json.loads(Path(path).read_text())
-    found["gptj (counted by transformers)"] = GPTJ
+    found["codegen (counted by transformers)"] = CODEGEN
     return found
 
 

@@ -41,11 +41,14 @@ _READ = {
 # Values the config class leaves as None for the modeling file to resolve.
 _RESOLVED_BY_MODEL = {
     ("gpt2", "n_inner"): _gpt2_inner_width,
+    ("gptj", "n_inner"): lambda config: _built_model(config).transformer.h[0].mlp.fc_in.weight.shape[0],
+    ("gpt_bigcode", "n_inner"): lambda config: _built_model(config).transformer.h[0].mlp.c_fc.weight.shape[0],
     **{(t, "head_dim"): _head_dim_of_built_model for t in ("mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "phi3", "olmo2", "cohere", "phi", "granite",
                                                             "starcoder2")},
 }
 _RESOLVED_BY_MODEL.update({
     ("smollm3", "head_dim"): _head_dim_of_built_model, ("olmo3", "head_dim"): _head_dim_of_built_model,
+    ("olmo", "head_dim"): _head_dim_of_built_model,
     # (Cohere2Config pops sliding_window_pattern from its kwargs into layer_types: the first full layer's place)
     ("cohere2", "sliding_window_pattern"): lambda config: config.layer_types.index("full_attention") + 1,
 })

@@ -80,6 +80,12 @@ PUBLISHED_ROUNDED = {
     "starcoder2-3b": (3.03e9, None), "starcoder2-7b": (7.17e9, None),
     # (the model cards: StableLM-3B-4E1T 2,795,443,200, StableLM 2 1.6B 1,644,515,328)
     "stablelm-3b-4e1t": (2.795e9, None), "stablelm-2-1_6b": (1.645e9, None),
+    # (the GPT-J-6B model card: 6,053,381,344, mesh-transformer-jax's count)
+    "gpt-j-6b": (6.053e9, None),
+    # (the StarCoder paper, Li et al. 2023: 15.5B; SantaCoder, Allal et al. 2023: 1.1B)
+    "starcoder": (15.5e9, None), "gpt_bigcode-santacoder": (1.12e9, None),
+    # (the OLMo paper, Groeneveld et al. 2024, and the model cards: OLMo-1B 1.18B, OLMo-7B 6.89B)
+    "olmo-1b-hf": (1.18e9, None), "olmo-7b-hf": (6.89e9, None),
 }
 
 
@@ -141,7 +147,7 @@ def test_unknown_model_type_is_counted_by_transformers(tmp_path):
     pytest.importorskip("transformers")
     from hf import hf_num_parameters
 
-    cfg = {"model_type": "olmo", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    cfg = {"model_type": "arcee", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
            "intermediate_size": 96, "vocab_size": 100, "pad_token_id": 1, "eos_token_id": 2, "bos_token_id": 3}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))

@@ -1,4 +1,5 @@
-"""OLMo-2 (``olmo2``), Cohere (``cohere``), Phi-1.5 / Phi-2 (``phi``), Granite, StarCoder2 and StableLM: a
+"""OLMo-2 (``olmo2``), Cohere (``cohere``), Phi-1.5 / Phi-2 (``phi``), Granite, StarCoder2, StableLM, GPT-J,
+GPT-BigCode and OLMo-1 (``olmo``): a
 traced step of small models (the real transformers model on fake tensors, trace.py) against the estimate, every
 phase within 1% in total, in fp32 / amp-bf16 / mixed-bf16 / pure-bf16, with and without full checkpointing, eager
 and SDPA, with and without dropout. Exact parameter counts of the real checkpoints: each against the count
@@ -194,6 +195,88 @@ def test_stablelm_with_per_head_qk_layernorms_takes_the_traced_path():
         spec_from_config(dict(_SMALL, model_type="stablelm", qk_layernorm=True))
 
 
+# GPT-J (modeling_gptj.py): parallel attention and MLP on one LayerNorm, partial rotary (rotary_dim) rotated in
+# interleaved pairs with each layer's repeat_interleave'd sin and cos, eager scores from fp32 casts of q and k, the
+# probabilities cast to v's dtype, the LM head's bias, the fp32 sinusoidal position buffer. Each case missed by
+# 2-14% before the operation it checks was modelled (the buffer in every phase; under checkpointing the undropped
+# embeddings GPTJModel.forward keeps, and the half cast of the probabilities beside the fp32 scores).
+GPTJ_SMALL = dict(n_embd=256, n_layer=2, n_head=4, vocab_size=1031, n_positions=4096, rotary_dim=32, bos_token_id=1,
+                  eos_token_id=2)
+GPTJ = [
+    ({}, "fp32", "none", "sdpa", 0.0),
+    ({}, "amp-bf16", "full", "eager", 0.0),
+    ({}, "pure-bf16", "none", "eager", 0.0),
+    ({"rotary_dim": 64, "n_inner": 688}, "mixed-bf16", "none", "sdpa", 0.1),
+    ({"tie_word_embeddings": True}, "fp32", "full", "sdpa", 0.1),
+]
+
+
+def _check_gpt_style(model_type, extra, recipe, checkpointing, attention, dropout):
+    base = GPTJ_SMALL if model_type == "gptj" else {k: v for k, v in GPTJ_SMALL.items() if k != "rotary_dim"}
+    config = dict(base, model_type=model_type, **extra)
+    settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=4, seq=1024, optimizer="adamw",
+                             dropout=dropout, attention=attention)
+    row = compare(config, settings)
+    for phase, estimate, trace in ((row.phase, row.estimate, row.trace), *row.other_phases):
+        assert abs(_total_error(estimate, trace)) <= 0.01, (phase, estimate, trace)
+
+
+@slow
+@pytest.mark.parametrize("extra, recipe, checkpointing, attention, dropout", GPTJ)
+def test_gptj_within_one_percent_of_the_trace(extra, recipe, checkpointing, attention, dropout):
+    _check_gpt_style("gptj", extra, recipe, checkpointing, attention, dropout)
+
+
+# GPT-BigCode (modeling_gpt_bigcode.py): GPT-2's block with nn.Linear, multi-query c_attn (one k and one v head, the
+# matmuls' copies to every head; q a view of c_attn's output, held by the attention's locals), Llama's eager softmax,
+# learned positions one (1, s, h) row for the batch, the causal bool buffer. Each case missed by 1.1-4.3% before
+# the operation it checks was modelled (the repeated views, v's copy after the softmax, the shared position row).
+BIGCODE = [
+    ({}, "fp32", "none", "eager", 0.0),
+    ({}, "amp-bf16", "full", "eager", 0.0),
+    ({}, "fp32", "full", "sdpa", 0.1),
+    ({"multi_query": False}, "amp-bf16", "none", "eager", 0.1),
+    ({"n_inner": 688}, "pure-bf16", "none", "sdpa", 0.0),
+]
+
+
+@slow
+@pytest.mark.parametrize("extra, recipe, checkpointing, attention, dropout", BIGCODE)
+def test_gpt_bigcode_within_one_percent_of_the_trace(extra, recipe, checkpointing, attention, dropout):
+    _check_gpt_style("gpt_bigcode", extra, recipe, checkpointing, attention, dropout)
+
+
+# OLMo-1 (modeling_olmo.py): Llama's modules with OlmoLayerNorm (no weight or bias, over an fp32 copy of its input,
+# also the final norm), OLMo-2's rotary (fp32 tables, q and k cast back), clip_qkv's in-place clamps. Each case missed
+# by 1-12.7% before the operation it checks was modelled (the final norm without parameters; the fp32 copy a half
+# layer input is normalised from, not shared with the checkpoint; the clamps' saved inputs).
+OLMO = [
+    ({}, "fp32", "none", "sdpa", 0.0),
+    ({}, "amp-bf16", "full", "eager", 0.0),
+    ({}, "mixed-bf16", "full", "sdpa", 0.0),
+    ({"clip_qkv": 8.0, "num_key_value_heads": 2}, "amp-bf16", "none", "eager", 0.1),
+    ({"clip_qkv": 8.0, "attention_bias": True, "tie_word_embeddings": True}, "pure-bf16", "full", "sdpa", 0.0),
+]
+
+
+@slow
+@pytest.mark.parametrize("extra, recipe, checkpointing, attention, dropout", OLMO)
+def test_olmo_within_one_percent_of_the_trace(extra, recipe, checkpointing, attention, dropout):
+    _check("olmo", dict({"num_key_value_heads": 4, "vocab_size": 1031}, **extra), recipe, checkpointing, attention,
+           4, 1024, dropout)
+
+
+def test_gptj_refuses_a_rotary_width_its_tables_cannot_take():
+    from trainmem.errors import ModelError
+    from trainmem.models import spec_from_config
+
+    for rotary in (0, 7, 128):  # (n_embd 256 over 4 heads: 64 wide)
+        with pytest.raises(ModelError, match="rotary_dim"):
+            spec_from_config(dict(GPTJ_SMALL, model_type="gptj", rotary_dim=rotary))
+    with pytest.raises(ModelError, match="null only with one head"):
+        spec_from_config(dict(GPTJ_SMALL, model_type="gptj", rotary_dim=None))
+
+
 # transformers' count of each checkpoint's parameters (sum of numel over a meta-device PhiForCausalLM built from the
 # catalog's config.json), written out so that the test fails if either side moves.
 EXACT_COUNTS = {
@@ -214,6 +297,15 @@ EXACT_COUNTS.update({
     "glm-4-9b-0414": 9_400_279_040,
     "olmo-3-7b": 7_298_011_136,
     "c4ai-command-r7b-12-2024": 8_028_033_024,
+})
+EXACT_COUNTS.update({
+    "gpt-j-6b": 6_050_882_784,
+    "gpt_bigcode-santacoder": 1_124_886_528,
+    "starcoderbase-1b": 1_137_207_296,
+    "starcoder": 15_517_456_384,
+    "olmo-1b-hf": 1_176_764_416,
+    "olmo-7b-hf": 6_888_095_744,
+    "olmo-7b-0424-hf": 6_888_095_744,
 })
 
 

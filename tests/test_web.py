@@ -459,12 +459,12 @@ def test_an_uploaded_config_of_any_model_type_the_cli_takes_is_taken(client, run
 
 
 @pytest.mark.parametrize("config, says", [
-    ({"model_type": "gptj", "n_layer": 100_000, "n_embd": 64, "n_head": 4, "vocab_size": 100}, "layers"),
-    ({"model_type": "gptj", "n_layer": 513, "n_embd": 64, "n_head": 4, "vocab_size": 100}, "layers"),
+    ({"model_type": "codegen", "n_layer": 100_000, "n_embd": 64, "n_head": 4, "vocab_size": 100}, "layers"),
+    ({"model_type": "codegen", "n_layer": 513, "n_embd": 64, "n_head": 4, "vocab_size": 100}, "layers"),
     ({"model_type": "granitemoe", "num_local_experts": 10**6, "hidden_size": 64}, "experts"),
     ({"model_type": ["llama"]}, "config"),
-    ({"model_type": "gptj", "vocab_size": -5, "n_embd": 64, "n_layer": 2, "n_head": 4}, "config"),
-    ({"model_type": "gptj", "vocab_size": "many", "n_embd": 64, "n_layer": 2, "n_head": 4}, "config"),
+    ({"model_type": "codegen", "vocab_size": -5, "n_embd": 64, "n_layer": 2, "n_head": 4}, "config"),
+    ({"model_type": "codegen", "vocab_size": "many", "n_embd": 64, "n_layer": 2, "n_head": 4}, "config"),
     ({"model_type": "no-such-type", "hidden_size": 64}, "no-such-type"),
 ])
 def test_hostile_uploaded_configs_are_a_422_not_a_hang(client, config, says):

@@ -176,6 +176,8 @@ def _norm_terms(spec: ModelSpec, width: int, p: Precision, label: str, input_byt
     LayerNorm (``native_layer_norm``): its input, mean and rstd (fp32 per row on CUDA).
     """
     if spec.norm == "layer":
+        if spec.traits.layer_norm_upcast:  # (OlmoLayerNorm normalises ``hidden_states.to(torch.float32)``)
+            input_bytes = FP32
         return [Term(f"{label}: input", input_bytes * width, module, "input"),
                 Term(f"{label}: mean, rstd", 2 * FP32, module, "stats")]
     normed = FP32 if spec.traits.rms_norm_fp32_plus_one or spec.traits.rms_norm_fp32_product else input_bytes
@@ -299,10 +301,14 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
                       Term(f"{name}: normalised", normed * heads * d, name, "normalised")]
             if spec.traits.norm_centred_twice:
                 terms.append(Term(f"{name}: input less its mean, again (fp32)", FP32 * heads * d, name, "input_fp32"))
+    if att.clip_qkv:  # (OLMo's in-place clamp_ of each projection output keeps its input for backward)
+        terms.append(Term("q, k, v projection outputs before the in-place clamp (clip_qkv)",
+                          c * (a * d + kv * (d + dv))))
     rotary = att.rotary_dim > 0
     if rotary and spec.traits.rotary_tables_per_layer:  # (one (1, 1, s, rotary dim) pair, shared by the batch)
+        pairs = 2 if spec.traits.rotary_tables_split else 1  # (GPT-J: one pair for k, one for q)
         terms.append(Term("cos, sin repeated for this layer's rotary",
-                          2 * _rotary_table_bytes(spec, p) * att.rotary_dim / batch))
+                          pairs * 2 * _rotary_table_bytes(spec, p) * att.rotary_dim / batch))
     use_cache = uses_kv_cache(settings)
     # Under autocast the rotary tables follow the fp32 hidden states, so the rotated q and k are fp32.
     qk_bytes = p.residual if p.autocast and rotary and not spec.traits.rotary_in_input_dtype else c
@@ -400,18 +406,29 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         after_softmax = c * a * dv + ((MASK + FP32) * a * s if dropout > 0 else 0)
     else:  # eager
         gpt2_eager = spec.traits.eager_attention == "gpt2"
+        # (GPT-BigCode's multi-query c_attn: repeat_kv expands its one k and v head, which the matmuls copy to every
+        # head, and q's view is copied too; the fused output is then held only by the attention's locals)
+        views_repeated = fused_views and kv_passed != kv
+        fused_views = fused_views and not views_repeated
         eager = _eager_terms(spec, att, p, s, batch, dropout, qk_bytes, kv_passed, fused_views, use_cache)
         terms += eager
-        # the dropout sees the probabilities cast to q's dtype (llama-style ``.to(query.dtype)``; GPT-2: v's)
-        dropout_bytes = c if gpt2_eager else qk_bytes
+        # the dropout sees the probabilities cast to q's dtype (llama-style ``.to(query.dtype)``; GPT-2, GPT-J: v's)
+        to_v = gpt2_eager or spec.traits.eager_attention == "fp32_scores"
+        dropout_bytes = c if to_v else qk_bytes
         released, backward = eager_backward_per_token(eager, c, a, dv, s, dropout_bytes)
         if fused_views and not use_cache and batch > 1 and a > 1:
             released += c * a * dv  # the batched matmul's copy of v (a strided view of c_attn's output)
         matmul_backward = c * a * s + 2 * c * a * dv
         held_by_layer = dropout_bytes * a * s + (c * spec.hidden_size if gpt2_eager else 0)
         # (the cast back to q's dtype under autocast: eager_softmax_moment's cast_to)
-        softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s, 0 if gpt2_eager else qk_bytes)
+        softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s, 0 if gpt2_eager else dropout_bytes,
+                                                            spec.traits.eager_attention == "fp32_scores")
         laid_out = batch > 1 and a > 1
+        if views_repeated:
+            # (query: a view of c_attn's output, a local until the attention returns, so the output stays whole; v's
+            # copy to every head is made by the matmul with v, after the softmax)
+            softmax_extra += c * (a * d + kv * (d + dv))
+            after_softmax += c * a * dv
         if (not att.fused_qkv and not q_by_cat and not gpt2_eager and spec.traits.block == "standard"
                 and (laid_out or qk_bytes != c)):
             # The attention forward's q (``query_states``: rotated, or q_proj's output viewed (b, a, s, d)) is laid
@@ -433,11 +450,13 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
                                 + (c * h if hidden_dropout > 0 else 0))
         # repeat_kv's view of one head is copied by the batched matmul unless the batch is 1
         kv_viewed = kv_passed == kv or (kv == 1 and settings.batch == 1)
-        k_kept = fused_views or (kv_viewed and qk_bytes == c)
+        # (GPT-J's matmul keeps fp32 copies of a half q and k: the KV cache's k is then a tensor of its own)
+        k_copied = spec.traits.eager_attention == "fp32_scores" and not p.autocast and c != FP32
+        k_kept = fused_views or (kv_viewed and qk_bytes == c and not k_copied)
         v_kept = fused_views or kv_viewed
         # Llama-style eager attention returns the dropped-out probabilities; when they are fp32 (autocast with
         # rotary q) the matmul with v keeps a half cast instead, so the returned tensor is extra.
-        if dropout > 0 and p.autocast and qk_bytes == FP32 and spec.traits.eager_attention != "gpt2":
+        if dropout > 0 and p.autocast and qk_bytes == FP32 and spec.traits.eager_attention == "llama":
             returned = FP32 * a * s
     if not use_cache and att.fused_qkv and rotary and kernel in (FLASH, EFFICIENT) and v_kept:
         # Without a cache copy (gradient checkpointing turns use_cache off) v is a view of the fused q/k/v
@@ -629,17 +648,19 @@ def math_matmul_backward_per_token(c: int, a: int, dv: int, s: int) -> float:
     return c * a * dv + (FP32 * a * dv if c != FP32 else 0) + FP32 * a * (s + dv)
 
 
-def eager_softmax_moment(terms: list[Term], p: Precision, a: int, s: int, cast_to: int = 0) -> tuple[float, float]:
+def eager_softmax_moment(terms: list[Term], p: Precision, a: int, s: int, cast_to: int = 0,
+                         fp32_scores: bool = False) -> tuple[float, float]:
     """Eager attention's forward at its softmax, without checkpointing: the scores (its input, in the scores' dtype:
     fp32 under autocast or in fp32, where the fp32 mask promotes them) and, for an fp32 softmax of half scores, the
     upcast copy are alive beside what is saved; the terms after the softmax do not exist yet. ``cast_to``: the
     bytes of q's dtype where ``softmax(attn_weights, dtype=torch.float32).to(query.dtype)`` (eager_attention_forward
     of modeling_llama.py and kin, OPT, BLOOM) makes a half copy while ``attn_weights``, the scores, is still bound
     (traced: OPT under autocast, whose q is the half q_proj output, -8% at the forward peak without it); 0 where q
-    is fp32 (rotated by fp32 tables under autocast: ``.to`` returns the same tensor)."""
+    is fp32 (rotated by fp32 tables under autocast: ``.to`` returns the same tensor). ``fp32_scores``: the scores
+    are fp32 in every recipe (GPT-J's matmul of fp32 casts of q and k)."""
     c = p.compute
     probs = next(t.bytes_per_token for t in terms if t.kind == SOFTMAX_PROBABILITIES) / (a * s)
-    scores = FP32 if p.autocast or c == FP32 else c
+    scores = FP32 if p.autocast or c == FP32 or fp32_scores else c
     upcast = FP32 if probs == FP32 and scores != FP32 else 0  # (freed before the cast: the larger of the two)
     cast = cast_to if probs == FP32 and cast_to and cast_to != FP32 else 0
     extra = scores + max(upcast, cast)
@@ -681,7 +702,10 @@ def _eager_terms(spec: ModelSpec, att: Attention, p: Precision, s: int, batch: i
         repeated = " repeated to every head" if kv_passed != kv else ""
         # repeat_kv's expand + reshape copies, except one kv head with batch 1, which reshapes without a copy
         kept = a if kv_passed != kv and not (kv == 1 and batch == 1) else kv
-        terms += [Term("q", c * a * d), Term("k" + repeated, c * kept * d)]
+        # (GPT-J's ``query.to(torch.float32)`` and k's: fp32 copies the matmul keeps, unless autocast casts back)
+        qk = FP32 if spec.traits.eager_attention == "fp32_scores" and not p.autocast else c
+        terms += [Term("q" + (" (fp32)" if qk != c else ""), qk * a * d),
+                  Term("k" + repeated + (" (fp32)" if qk != c else ""), qk * kept * d)]
         if att.fused_qkv and (batch == 1 or kv == 1) and kept == kv and not use_cache:
             # GPT-NeoX/Phi-3 (RoPE makes new q and k): v is a view of the fused projection output, which the
             # matmul with v keeps whole when it needs no copy (one sequence or one head, no repeat, no cache)
@@ -1159,12 +1183,14 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         if att.qk_norm:
             constant += FP32 * 2 * att.head_dim
     checkpoint = tuple(_sequence_sharded([Term("layer input (checkpoint)", r * h)], sp))
+    # (GPT-J casts the fp32 probabilities to v's dtype, half under autocast, while the scores are bound)
+    to_v_dtype = spec.traits.eager_attention == "fp32_scores"
     if settings.checkpointing == "op":
         checkpoint += op_sac_terms(layer, h, p, attention.kernel, s)
     return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention.kernel, attention.cache_extra,
                             attention.returned_extra, attention_bytes, attention.released, attention.backward,
                             max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout,
-                                                                        _half_q(spec, att)),
+                                                                        _half_q(spec, att) or to_v_dtype),
                                 attention.rotary_forward),
                             attention.softmax_extra, attention.after_softmax, attention.returned_to_model,
                             attention.held_by_layer, matmul_backward=attention.matmul_backward,
@@ -1462,7 +1488,8 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         kinds = {layer.sliding_window is not None for layer, _ in spec.layer_runs}
         tables = min(spec.traits.rotary_tables, len(kinds))
         if not spec.traits.rotary_tables_per_layer or settings.checkpointing != "none":
-            constant.append(Term("rotary cos, sin", tables * 2 * _rotary_table_bytes(spec, p) * s * max(rotary_dims)))
+            width = max(rotary_dims) // (2 if spec.traits.rotary_tables_split else 1)  # (GPT-J: halves of one)
+            constant.append(Term("rotary cos, sin", tables * 2 * _rotary_table_bytes(spec, p) * s * width))
 
     masks_built, masks_used = _mask_bytes(spec, settings, p)
     if masks_used and settings.checkpointing != "none":
@@ -1477,7 +1504,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         masks_built -= masks_used
 
     head = (_sequence_sharded(_norm_terms(spec, h, p, "final norm", p.residual, "final_norm"), spec.sequence_shards)
-            if spec.final_norm and spec.norm_vectors else [])
+            if spec.final_norm_runs else [])
     if not spec.has_head:
         # A pipeline stage before the last: its output is sent to the next stage, nothing of the head is here.
         return _activation_estimate(spec, settings, layers, tokens, embedding, [], constant, 0, 0, p, emb_dropout,
@@ -1549,18 +1576,23 @@ def _activation_estimate(spec: ModelSpec, settings: TrainingSettings, layers, to
         constant_terms=tuple(constant), logits_bytes=logits_bytes, loss_transient_bytes=loss_transient,
         checkpointing=settings.checkpointing, kv_cache_bytes=kv_cache,
         mask_bytes=masks_built if settings.checkpointing == "none" else masks_built - masks_used,
-        decoder_locals_bytes=_decoder_locals(spec, p, emb_dropout) * tokens if spec.has_embedding else 0,
+        decoder_locals_bytes=int(_decoder_locals(spec, p, emb_dropout, settings.batch) * tokens)
+        if spec.has_embedding else 0,
         offloaded=settings.offload_activations, compiled=settings.compile,
     )
 
 
-def _decoder_locals(spec: ModelSpec, p: Precision, emb_dropout: float) -> int:
+def _decoder_locals(spec: ModelSpec, p: Precision, emb_dropout: float, batch: int = 1) -> float:
     """Per token, see ActivationEstimate.decoder_locals_bytes (GPT2Model.forward: inputs_embeds, position_embeds;
-    OPTDecoder.forward: inputs_embeds, pos_embeds, the fp32 position_attention_mask and int64 position_ids;
-    GPTNeoXModel.forward: inputs_embeds, when the embedding dropout makes a new tensor of it)."""
+    GPTBigCodeModel.forward: the same, its position_embeds one (1, s, h) row for the batch, as ``position_ids`` is
+    ``unsqueeze(0)``'d; OPTDecoder.forward: inputs_embeds, pos_embeds, the fp32 position_attention_mask and int64
+    position_ids; GPTNeoXModel.forward and GPTJModel.forward: inputs_embeds, when the embedding dropout makes a new
+    tensor of it)."""
     embedded = p.residual * spec.hidden_size
     if spec.traits.decoder_locals == "token_and_position":
         return 2 * embedded
+    if spec.traits.decoder_locals == "token_and_shared_position":
+        return embedded + embedded / batch
     if spec.traits.decoder_locals == "opt":
         # with project_in, inputs_embeds is its output (half under autocast)
         return (p.compute * spec.hidden_size if spec.projects_embeddings else embedded) + embedded + FP32 + INDEX

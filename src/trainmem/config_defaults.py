@@ -109,6 +109,16 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "phi": {"num_key_value_heads": HEADS, "head_dim": HEAD_DIM, "hidden_act": "gelu_new", "tie_word_embeddings": False,
             "max_position_embeddings": 2048, "attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
             "partial_rotary_factor": 0.5, "qk_layernorm": False},
+    # configuration_gptj.py (GPTJConfig; n_inner None is 4 * n_embd in GPTJBlock, rotary_dim None rotates whole heads)
+    "gptj": {"n_inner": FOUR_HIDDEN, "activation_function": "gelu_new", "tie_word_embeddings": False,
+             "n_positions": 2048, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "rotary_dim": 64},
+    # configuration_gpt_bigcode.py (GPTBigCodeConfig; n_inner None is 4 * n_embd in GPTBigCodeBlock)
+    "gpt_bigcode": {"n_inner": FOUR_HIDDEN, "activation_function": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+                    "n_positions": 1024, "attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1,
+                    "multi_query": True},
+    # configuration_olmo.py (OlmoConfig; the head width is hidden_size // heads in OlmoAttention)
+    "olmo": {"num_key_value_heads": HEADS, "head_dim": HEAD_DIM, "hidden_act": "silu", "tie_word_embeddings": False,
+             "max_position_embeddings": 2048, "attention_dropout": 0.0, "attention_bias": False, "clip_qkv": None},
     # configuration_starcoder2.py (Starcoder2Config; the head width is hidden_size // heads in Starcoder2Attention)
     "starcoder2": {"num_key_value_heads": 2, "head_dim": HEAD_DIM, "hidden_act": "gelu_pytorch_tanh",
                    "tie_word_embeddings": True, "max_position_embeddings": 4096, "sliding_window": None,

@@ -221,8 +221,13 @@ def static_components(model: ModelSpec, settings: TrainingSettings) -> tuple[Sta
         rows = model.vocab_size * (model.vocab_shards - 1)
         gradients += rows * (model.embedding_dim or model.hidden_size) * recipe.gradient_bytes
         gradient_note += "; the embedding's whole (replicated by DTensor's vocabulary-parallel backward)"
+    weights, weights_note = n * recipe.weight_bytes, "model parameters"
+    if model.buffer_bytes:  # (GPT-J's position table, GPT-BigCode's causal mask: ModelSpec.buffer_bytes)
+        weights += model.buffer_bytes
+        weights_note += f" and {model.buffer_bytes:,} bytes of buffers"
     return (
-        StaticComponent("weights", recipe.weights, n * recipe.weight_bytes, recipe.weight_bytes, "model parameters"),
+        StaticComponent("weights", recipe.weights, weights,
+                        recipe.weight_bytes if weights == n * recipe.weight_bytes else weights / n, weights_note),
         StaticComponent("gradients", recipe.gradients, gradients,
                         recipe.gradient_bytes if gradients == n * recipe.gradient_bytes else gradients / n,
                         gradient_note),

@@ -527,11 +527,13 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
                                   checkpoint_terms=checkpoint_terms))
     head, _ = rules.adapted_terms(acts.head_terms, None)
     embedding, _ = rules.adapted_terms(acts.embedding_terms, None)
-    if inputs_take_gradient and not embedding_trained and spec.traits.decoder_locals in ("token_and_position", "opt"):
+    if inputs_take_gradient and not embedding_trained and spec.traits.decoder_locals in ("token_and_position",
+                                                                                        "token_and_shared_position",
+                                                                                        "opt"):
         from .activations import Term
 
         # The token embeddings made to take a gradient are a leaf, which autograd's AccumulateGrad node holds through
-        # the step; where positions are added to them (GPT-2, OPT) that is a tensor apart from the first layer's
+        # the step; where positions are added to them (GPT-2, GPT-BigCode, OPT) that is a tensor apart from the first layer's
         # input (traced: OPT fp32, full checkpointing, -2.1% at the loss without it)
         embedding += (Term("token embeddings (a leaf taking a gradient under checkpointing: held by autograd)",
                            p.residual * spec.hidden_size, "embedding", "leaf"),)

@@ -56,6 +56,9 @@ class Attention:
     qk_layer_norm: bool = False
     """q_norm and k_norm are LayerNorms (a weight and a bias over head_dim) rather than RMSNorms (Phi's
     ``q_layernorm = nn.LayerNorm(hidden_size // num_attention_heads)`` with ``qk_layernorm``)."""
+    clip_qkv: bool = False
+    """q, k and v are clamped in place after their projections (OLMo's ``clip_qkv``: ``query_states.clamp_(...)``),
+    and autograd keeps a copy of each projection output from before the clamp for its backward."""
     rotary_dim: int = 0
     """Head dims rotated by RoPE (0: no rotary embedding; less than head_dim: partial rotary, GPT-NeoX/Phi-3)."""
     kv_broadcast: bool = False
@@ -195,9 +198,12 @@ class FamilyTraits:
     """The attention and decoder-layer code the formulas follow: Llama-style, BloomAttention (fused q/k/v, ALiBi
     scores kept in locals), or FalconAttention/FalconDecoderLayer (its own attention terms, ``attention_output``
     held through the MLP, ``dropout_add``)."""
-    eager_attention: Literal["llama", "gpt2"] = "llama"
+    eager_attention: Literal["llama", "gpt2", "fp32_scores"] = "llama"
     """Which ``eager_attention_forward``: Llama's upcasts the softmax to fp32 and drops out probabilities cast to q's
-    dtype, returning them; GPT-2's computes it in the scores' dtype, casts to v's and holds its output in the block."""
+    dtype, returning them; GPT-2's computes it in the scores' dtype, casts to v's and holds its output in the block;
+    GPT-J's (modeling_gptj.py) casts q and k to fp32 for the scores' matmul (``query.to(torch.float32)``: fp32
+    copies the matmul keeps, unless autocast casts them back to half), takes the softmax of the fp32 scores and
+    casts the probabilities to v's dtype before the dropout."""
     rms_norm_fp32_plus_one: bool = False
     """Gemma's RMSNorm: keeps the fp32 normalised value and multiplies by ``1 + weight.float()`` (a kept fp32
     vector)."""
@@ -223,9 +229,11 @@ class FamilyTraits:
     """Position ids the embedding keeps: OPT's per token (int64), GPT-2's one row shared by the batch."""
     rotary_tables: int = 1
     """Pairs of rotary cos/sin tables the base model builds (Gemma 3: one for local layers, one for global)."""
-    decoder_locals: Literal["none", "token_and_position", "opt", "dropped_embeddings"] = "none"
+    decoder_locals: Literal["none", "token_and_position", "token_and_shared_position", "opt",
+                            "dropped_embeddings"] = "none"
     """What the base model's forward holds in locals through its layer loop (ActivationEstimate.decoder_locals_bytes):
-    GPT-2's token and position embeddings; OPT's, with its position mask and ids; GPT-NeoX's dropped embeddings."""
+    GPT-2's token and position embeddings; GPT-BigCode's, its position embeddings one row shared by the batch; OPT's,
+    with its position mask and ids; GPT-NeoX's and GPT-J's undropped embeddings beside the dropped ones."""
     mlp_inline: bool = False
     """The decoder layer runs its MLP's Linears itself (OPTDecoderLayer: ``hidden_states = self.fc1(...)``), so the
     MLP norm's output is no longer held once the first Linear has run."""
@@ -265,6 +273,16 @@ class FamilyTraits:
     (``cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)``, the interleaved pairs of GLM-4 and ERNIE 4.5),
     and the products keep those for backward: the model's tables then live only through the layer loop (and, under
     checkpointing, as the checkpoints' arguments)."""
+    rotary_tables_split: bool = False
+    """The model's rotary table is one ``sincos`` (1, s, rotary dim) tensor split into sin and cos halves, each
+    rotary dim / 2 wide (GPTJRotaryEmbedding: ``torch.split(sincos, sincos.shape[-1] // 2, dim=-1)``), not a
+    cos and a sin of rotary dim each (Llama); each layer repeat_interleaves them to full width
+    (rotary_tables_per_layer) once for k and once more for q (GPTJAttention calls ``apply_rotary_pos_emb`` on each),
+    so the products keep two such pairs."""
+    layer_norm_upcast: bool = False
+    """The LayerNorm normalises an fp32 copy of its input and casts its output back (OlmoLayerNorm:
+    ``F.layer_norm(hidden_states.to(dtype=torch.float32), ...).to(orig_dtype)``), so it keeps that fp32 copy, not
+    the layer input itself, where the hidden states are half."""
     rms_norm_fp32_product: bool = False
     """The RMSNorm multiplies its weight by the fp32 normalised value and casts the product back
     (Olmo2RMSNorm: ``(self.weight * hidden_states).to(input_dtype)``), so the kept normalised value is fp32, as
@@ -327,6 +345,13 @@ class ModelSpec:
     vocab_shards: int = 1
     """Tensor parallelism over the vocabulary: vocab_size is this rank's ceil(V / T) rows of the embedding and the
     LM head, and the loss is the vocabulary-parallel one (PyTorch's ``loss_parallel``)."""
+    buffer_bytes: int = 0
+    """Bytes of the buffers the model registers whose dtype the recipe does not change, held from load on like the
+    weights: GPT-J's sinusoidal ``embed_positions``, n_positions x rotary_dim in fp32 (modeling_gptj.py
+    create_sinusoidal_positions ends in ``.float()`` products, so a bf16 default dtype still builds it fp32), and
+    GPT-BigCode's causal ``bias``, n_positions x n_positions booleans (GPTBigCodeModel, ``torch.tril(torch.ones(...,
+    dtype=torch.bool))``), which its forward no longer reads. Llama's ``inv_freq`` (head_dim / 2 elements) is too
+    small to count."""
     built_config: str = field(default="", repr=False)
     """The config (JSON, sorted keys) a spec counted by transformers was built from: what the traced path
     (recorded.py) traces for its activations. Empty for every other spec."""
@@ -357,6 +382,12 @@ class ModelSpec:
         if self.max_position_embeddings and not self.rope_extension:
             return self.max_position_embeddings
         return None
+
+    @property
+    def final_norm_runs(self) -> bool:
+        """Whether a final norm's activations are counted: one with parameters, or OLMo's OlmoLayerNorm, which has
+        none (layer_norm_upcast). (OPT without elementwise affine is counted without its final norm, as before.)"""
+        return self.final_norm and bool(self.norm_vectors or self.traits.layer_norm_upcast)
 
     @property
     def is_nominal(self) -> bool:
@@ -546,6 +577,7 @@ _SIZES = frozenset({
 _COUNTS = _SIZES | frozenset({
     "qk_nope_head_dim", "first_k_dense_replace", "n_shared_experts", "decoder_sparse_step", "max_window_layers",
     "sliding_window", "shared_expert_intermediate_size", "num_ln_in_parallel_attn", "query_pre_attn_scalar",
+    "rotary_dim",
 })
 """Config fields that are whole numbers: a float, a bool or a string there is refused, not rounded."""
 
@@ -555,6 +587,7 @@ _LARGEST_SIZE = 2**31
 
 _NULL_MEANS_NONE = frozenset({
     "q_lora_rank", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "num_ln_in_parallel_attn",
+    "rotary_dim", "clip_qkv",
 })
 """Fields where an explicit ``null`` is a setting (no low-rank query, no window, no softcap), not a missing value."""
 
@@ -626,7 +659,7 @@ class _Config:
 _FRACTIONS = frozenset({"attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
                         "partial_rotary_factor", "rotary_pct"})
 """Probabilities and fractions: a number from 0 to 1."""
-_POSITIVE_NUMBERS = frozenset({"attn_logit_softcapping", "final_logit_softcapping"})
+_POSITIVE_NUMBERS = frozenset({"attn_logit_softcapping", "final_logit_softcapping", "clip_qkv"})
 """Finite positive numbers (null, where it turns the feature off, is read as None before the check)."""
 
 
@@ -845,6 +878,18 @@ def _parse_olmo2(c: _Config) -> dict[str, Any]:
     spec["layer_runs"] = tuple((replace(layer, attention=replace(layer.attention, qk_norm_width="projection")), n)
                                for layer, n in spec["layer_runs"])
     return spec
+
+
+def _parse_olmo(c: _Config) -> dict[str, Any]:
+    """modeling_olmo.py (OLMo-1): Llama's modules with OlmoLayerNorm, a LayerNorm without weight or bias over an fp32
+    copy of its input (traits), as the two pre-norms and the final norm; q/k/v/o take ``attention_bias``; with
+    ``clip_qkv`` the q, k and v projection outputs are clamped in place (OlmoAttention.forward)."""
+    bias = bool(c.get("attention_bias"))
+    spec = _llama_like(c, qkv_bias=bias, o_bias=bias)
+    clip = c.get("clip_qkv") is not None
+    spec["layer_runs"] = tuple((replace(layer, attention=replace(layer.attention, clip_qkv=clip)), n)
+                               for layer, n in spec["layer_runs"])
+    return dict(spec, norm="layer", norm_vectors=0)
 
 
 def _parse_cohere(c: _Config) -> dict[str, Any]:
@@ -1215,6 +1260,64 @@ def _parse_stablelm(c: _Config) -> dict[str, Any]:
     )
 
 
+def _parse_gptj(c: _Config) -> dict[str, Any]:
+    """modeling_gptj.py: GPTJBlock runs GPTJAttention and GPTJMLP in parallel on one LayerNorm (``ln_1``) and adds
+    both to the residual; q/k/v and ``out_proj`` without biases; RoPE on the first ``rotary_dim`` dims of each
+    head (None: all of them) rotated in interleaved pairs (``rotate_every_two`` with each layer's
+    ``repeat_interleave``'d sin and cos), joined to the passed part by ``torch.cat`` in (b, s, a, d) layout;
+    GPTJMLP fc_in -> act -> fc_out with biases (``n_inner``, 4 * n_embd by default); ``resid_pdrop`` on the
+    attention and MLP outputs, ``embd_pdrop`` on the embeddings; the LM head has a bias. GPTJConfig.attribute_map
+    makes hidden_size, num_attention_heads, num_hidden_layers and max_position_embeddings aliases of n_embd,
+    n_head, n_layer and n_positions (the alias wins, as for GPT-2)."""
+    hidden = c.req("hidden_size", "n_embd")
+    heads = c.req("num_attention_heads", "n_head")
+    d = _split_heads(c, hidden, heads)  # (GPTJAttention refuses any other width)
+    # (GPTJRotaryEmbedding's tables are ``rotary_dim or n_embd`` wide: a null rotary_dim fits one head only, and
+    # an odd or wider one, or 0, does not fit the rotated slice)
+    rotary = c.get("rotary_dim")
+    if rotary is None and heads == 1:
+        rotary = d
+    if rotary is None or not 0 < rotary <= d or rotary % 2:
+        raise ModelError(f"{c.origin}: rotary_dim={_shown(rotary)} must be an even number from 2 to the head width "
+                         f"{d} (n_embd // n_head; null only with one head)")
+    att = Attention("mha", heads, heads, d, d, False, False, rotary_dim=rotary)
+    layer = Layer(att, MLP(c.get("n_inner"), False, _act(c), bias=True), None, 1, parallel_residual=True)
+    positions = c.get("max_position_embeddings") if c.raw.get("max_position_embeddings") is not None else \
+        c.get("n_positions")
+    return dict(
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("num_hidden_layers", "n_layer")),),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings")), head_bias=True,
+        max_position_embeddings=positions, buffer_bytes=4 * positions * rotary,
+        dropout=Dropout(c.get("attn_pdrop"), c.get("resid_pdrop"), c.get("embd_pdrop")),
+    )
+
+
+def _parse_gpt_bigcode(c: _Config) -> dict[str, Any]:
+    """modeling_gpt_bigcode.py: GPT-2's block (ln_1, attention, residual, ln_2, c_fc -> act -> c_proj, residual,
+    ``resid_pdrop`` after each, learned positions ``wpe`` added to the token embeddings, then ``embd_pdrop``) with
+    nn.Linear where GPT-2 has Conv1D; GPTBigCodeAttention's one fused ``c_attn`` makes q and, with ``multi_query``
+    (the default), one key and one value head (h + 2 x head_dim wide), else every head's q, k, v side by side;
+    c_proj with a bias; the LM head tied and without a bias. The attention is transformers' shared one: eager is
+    Llama's (``softmax(..., dtype=torch.float32).to(query.dtype)``); ``attention_softmax_in_fp32`` and
+    ``scale_attention_softmax_in_fp32`` are read by upcast_softmax, which nothing calls in transformers 5.
+    GPTBigCodeConfig.attribute_map makes hidden_size, num_attention_heads, num_hidden_layers and
+    max_position_embeddings aliases of n_embd, n_head, n_layer and n_positions (the alias wins)."""
+    hidden = c.req("hidden_size", "n_embd")
+    heads = c.req("num_attention_heads", "n_head")
+    d = _split_heads(c, hidden, heads)  # (GPTBigCodeAttention refuses any other width)
+    kv = 1 if c.get("multi_query") else heads  # (GPTBigCodeConfig.__post_init__: num_key_value_heads)
+    att = Attention("mha", heads, kv, d, d, True, True, fused_qkv=True)
+    layer = Layer(att, MLP(c.get("n_inner"), False, _act(c), bias=True), None, 2)
+    positions = c.get("max_position_embeddings") if c.raw.get("max_position_embeddings") is not None else \
+        c.get("n_positions")
+    return dict(
+        hidden_size=hidden, vocab_size=c.req("vocab_size"), layer_runs=((layer, c.req("num_hidden_layers", "n_layer")),),
+        norm="layer", norm_vectors=2, tied_embeddings=bool(c.get("tie_word_embeddings")),
+        max_position_embeddings=positions, position_table_rows=positions, buffer_bytes=positions * positions,
+        dropout=Dropout(c.get("attn_pdrop"), c.get("resid_pdrop"), c.get("embd_pdrop")),
+    )
+
+
 def _parse_opt(c: _Config) -> dict[str, Any]:
     hidden = c.req("hidden_size")
     heads = c.req("num_attention_heads")
@@ -1282,6 +1385,9 @@ PARSERS: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "cohere2": _parse_cohere2,
     "starcoder2": _parse_starcoder2,
     "stablelm": _parse_stablelm,
+    "gptj": _parse_gptj,
+    "gpt_bigcode": _parse_gpt_bigcode,
+    "olmo": _parse_olmo,
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(PARSERS)
 
@@ -1325,6 +1431,12 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "starcoder2": FamilyTraits(hidden_dropout="per_block", embedding_dropout=True),
     "stablelm": FamilyTraits(q_built_by_cat=True, hidden_dropout="after_mlp", rotary_split_locals=True,
                              attention_output_held=True),
+    "gptj": FamilyTraits(eager_attention="fp32_scores", hidden_dropout="per_block", embedding_dropout=True,
+                         decoder_locals="dropped_embeddings", rotary_split_locals=True, rotary_tables_per_layer=True,
+                         rotary_tables_split=True),
+    "gpt_bigcode": FamilyTraits(fused_qkv_layout="blocks", hidden_dropout="per_block", embedding_dropout=True,
+                                position_ids="per_sequence", decoder_locals="token_and_shared_position"),
+    "olmo": FamilyTraits(layer_norm_upcast=True, rotary_in_input_dtype=True, rotary_tables_fp32=True),
 }
 """Each family's traits; a family not listed has Llama's. Gemma 2/3 and Qwen2-MoE build the full and the sliding
 eager mask whatever their layers use, Qwen2/Qwen3 the full one always; the others (Mistral, Mixtral, Phi-3,

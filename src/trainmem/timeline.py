@@ -221,8 +221,8 @@ def _layer_input_saved(spec: ModelSpec, p: Precision) -> bool:
     """Whether a layer's first module keeps the layer input itself for backward: a LayerNorm does (its input); an
     RMSNorm's ``x.to(float32)`` is x itself only when x is fp32; CohereLayerNorm keeps only ``x - mean``; with
     post-norms (OLMo-2) the q/k/v projections read it, keeping it unless autocast casts it for them."""
-    if spec.norm == "layer":
-        return True
+    if spec.norm == "layer":  # (OlmoLayerNorm keeps its fp32 copy: the input itself only when it is fp32)
+        return p.residual == FP32 if spec.traits.layer_norm_upcast else True
     if spec.traits.norm_centred_twice:
         return False
     if spec.traits.norm_placement == "post":
@@ -897,6 +897,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                         and (spec.norm == "layer" or p.residual == FP32) else 0)
         if spec.traits.norm_centred_twice:
             shared_input = 0  # CohereLayerNorm keeps x - mean, a new tensor, never its input
+        if spec.traits.layer_norm_upcast and p.residual != FP32:
+            shared_input = 0  # OlmoLayerNorm keeps its fp32 copy of a half layer input
         if spec.traits.norm_placement == "post" and la.checkpointed:
             # No input norm (OLMo-2): q/k/v save the layer input itself unless autocast casts it for each of them
             shared_input = 0 if p.autocast else p.residual * spec.hidden_size * tokens
@@ -1415,7 +1417,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     if rank and rank.head_reduce_scatter_bytes and spec.has_head:
         candidates.append(_head_reduce_scatter(spec, acts, p, weights, states, grads_in_forward, saved, slices,
                                                compiled_loss, rank.head_reduce_scatter_bytes))
-    if layers and spec.final_norm and spec.norm_vectors and spec.has_head:
+    if layers and spec.final_norm_runs and spec.has_head:
         # The final norm's backward, right after the head's: what the head kept is freed; an RMSNorm computed in
         # fp32 (LlamaRMSNorm and kin) has five h-wide fp32 gradient temporaries at once (traced), a LayerNorm the
         # gradients of its input and output. Wins for narrow MLPs and small vocabularies.

@@ -662,6 +662,9 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
         cfg["attention_bias"] = bias
         if model_type == "cohere":
             cfg.update(use_qk_norm=pick("qk_norm", (False, True)), logit_scale=pick("logit_scale", (0.0625, 1.0)))
+    elif model_type == "olmo":
+        # (OlmoAttention's head width is hidden_size // heads unless the config names one)
+        cfg.update(llama_like, attention_bias=bias, clip_qkv=pick("clip_qkv", (None, 8.0)))
     elif model_type == "granite":
         cfg.update(llama_like, attention_bias=bias, mlp_bias=pick("mlp_bias", (False, True)),
                    embedding_multiplier=pick("embedding_multiplier", (1.0, 12.0)),
@@ -685,6 +688,19 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
         cfg.update(llama_like, hidden_dropout=dropout, use_qkv_bias=bias,
                    use_parallel_residual=pick("parallel_residual", (False, True)),
                    partial_rotary_factor=rotary if int(head_dim * rotary) % 2 == 0 else 0.5)
+    elif model_type == "gptj":
+        # (GPTJConfig's aliases; rotary_dim even and at most the head width, which hidden_size // heads is)
+        rotary = pick("rotary_dim_fraction", (0.25, 0.5, 1.0))
+        cfg.update(n_embd=hidden, n_head=heads, n_layer=layers, n_positions=4096, n_inner=pick("n_inner", (None, inter)),
+                   attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout,
+                   rotary_dim=max(2, int(head_dim * rotary) // 2 * 2),
+                   activation_function=pick("activation", ("gelu_new", "gelu")))
+    elif model_type == "gpt_bigcode":
+        cfg = {k: v for k, v in cfg.items() if k != "pad_token_id"}
+        cfg.update(n_embd=hidden, n_head=heads, n_layer=layers, n_positions=4096, n_inner=pick("n_inner", (None, inter)),
+                   attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout, multi_query=pick("multi_query",
+                                                                                                   (True, False)),
+                   activation_function=pick("activation", ("gelu_pytorch_tanh", "gelu")))
     elif model_type == "phi3":
         cfg.update(resid_pdrop=dropout, embd_pdrop=dropout, sliding_window=window,
                    partial_rotary_factor=pick("partial_rotary", (1.0, 0.5)))
