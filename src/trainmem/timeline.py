@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .activations import (COMPILED_LOSS_BACKWARD, FP32, INDEX, MASK, OP_SAVED, OP_SAVED_UNTAKEN, ActivationEstimate,
-                          LayerActivations, Precision, _hidden_dropout_sites, _router_score_bytes)
+                          LayerActivations, Precision, _hidden_dropout_sites, _router_score_bytes,
+                          recompute_masks_freed)
 from .models import MLP_ROLES, ModelSpec, layer_tensors
 from .optimizers import Optimizer
 from .recipes import Recipe
@@ -263,6 +264,11 @@ def _recompute_gradient(spec: ModelSpec, layer, p: Precision, output_norm: bool)
         # Gemma's post-feedforward norm: its output cast back to a half input dtype saves nothing, so its
         # backward, an fp32 gradient, runs before the recompute
         extra = FP32 if p.compute != FP32 else 0
+    elif spec.traits.block == "falcon" and p.autocast and layer.attention.qkv_bias:
+        # FalconLinear adds its fp32 bias after the half matmul (``hidden_states + self.bias``): that add's
+        # backward, which needs nothing saved, casts the gradient to the matmul's half dtype before the recompute
+        # (traced: ALiBi, amp-fp16, eager, full checkpointing)
+        extra = p.compute
     else:
         # under autocast, the residual add's backward casts the gradient to the MLP output's half dtype
         extra = p.compute if _mlp_output_bytes(spec, layer, p) != p.residual else 0
@@ -287,12 +293,22 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
         return int((per_token + p.compute * h) * tokens)
     if layer.mlp:
         per_token += (p.residual if p.autocast else 0) * h  # the MLP's argument
-        # (StableLM's self_attn_output, a local through the MLP: FamilyTraits.attention_output_held)
-        per_token += p.compute * h if spec.traits.attention_output_held else 0
+    if layer.mlp and spec.traits.block != "falcon":
+        # and what is alive unsaved while the down projection runs (_down_projection_locals): StableLM's
+        # self_attn_output and a parallel block's attention output (PhiDecoderLayer's ``attn_outputs``), locals
+        # through the MLP, and under autocast gelu_new's fp32 output, fc2's argument (traced: Phi, amp-bf16,
+        # eager, dropout 0.1, full checkpointing, seed 20261202 case 59 of ``validate --random``: the recompute's
+        # worst moment is fc2's output, beside both, 13.9 MiB of 527 short without them)
+        per_token += _down_projection_locals(spec, la, p)
     dropout = _mlp_output_dropout(spec, layer, settings)
     at_down = (p.compute * h if layer.mlp else 0) - (MASK * h if dropout else 0)  # its output; no mask yet
     if spec.traits.block != "falcon":
-        return int((per_token + at_down) * tokens)
+        # Where down_proj's matmul saves the layer's last tensors, the recompute stops before its output exists:
+        # the autograd kernel packs a matmul's saved inputs before it runs it (torch's generated VariableType,
+        # MmBackward0's self_ and mat2_), and the pack hook of the last one ends the recompute
+        # (torch/utils/checkpoint.py, _StopRecomputationError). Traced: Qwen3, amp-fp16, eager, full checkpointing,
+        # its recompute's last allocation is down_proj's weight cast (seed 2718 case 29 of ``validate --random``).
+        return int((per_token + (at_down if dropout else 0)) * tokens)
     biased = p.autocast and layer.attention.qkv_bias
     out = p.residual if biased else p.compute
     per_token += out * h  # attention_output
@@ -340,16 +356,22 @@ def _moe_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     return max(routed - _shared_experts_freed(spec, la, p, tokens), int(weighted * tokens))
 
 
-def _frozen_down_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> int:
-    """Per token, how a LoRA layer's recompute end differs where down_proj is frozen and carries no adapter: its
-    matmul saves only the weight (its input takes a gradient, its weight none), so the recompute stops before its
-    output is written, and its argument, the MLP's product, which nothing saved, is alive (traced: Qwen3 under
-    autocast, q,v adapters)."""
+def _lora_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings: TrainingSettings,
+                        finetune) -> int:
+    """Per token, how a LoRA layer's recompute end differs from a fully trained one's (_recompute_end). An adapted
+    down_proj saves its adapter's inputs after the base Linear has run (peft's ``result = self.base_layer(x)``,
+    then ``lora_B(lora_A(dropout(x)))``): its output is written. A frozen one without an adapter saves only the
+    weight (its input takes a gradient, its weight none), so the recompute stops before its output is written, and
+    its argument, the MLP's product, which nothing saved, is alive (traced: Qwen3 under autocast, q,v adapters)."""
     layer = la.layer
-    if (not la.checkpointed or layer.mlp is None or layer.moe or _has_output_norm(la)
-            or spec.traits.block != "standard" or _adapted_down(spec, la, p, finetune)):
+    if not la.checkpointed or layer.mlp is None or layer.moe or _has_output_norm(la):
         return 0
-    return p.compute * layer.mlp.intermediate_size - p.compute * spec.hidden_size
+    # (_recompute_end leaves down_proj's output out where its matmul saves the layer's last tensors)
+    written = p.compute * spec.hidden_size if (spec.traits.block != "falcon"
+                                               and not _mlp_output_dropout(spec, layer, settings)) else 0
+    if spec.traits.block != "standard" or _adapted_down(spec, la, p, finetune):
+        return written
+    return written + p.compute * layer.mlp.intermediate_size - p.compute * spec.hidden_size
 
 
 def _layer_casts(spec: ModelSpec, la: LayerActivations, p: Precision) -> tuple[int, int]:
@@ -807,6 +829,9 @@ class _LayerBytes:
     """BLOOM under full checkpointing: what the layer holds when its recomputed attention returns (the attention's
     activations, its kept input, and BloomAttention's unsaved locals, LayerActivations.recompute_locals); 0
     elsewhere."""
+    recompute_attention_saved: int
+    """Under full checkpointing, what the recompute has saved by its attention moment (forward_transient's second)
+    that the first forward does not hold there (LayerActivations.recompute_saved, with its weight cast)."""
     recompute_gradient: int
     """The temporaries the layer's backward made before its first node that needs a saved tensor started the
     recompute: beside the residual stream's gradient, under autocast its cast to the MLP output's half dtype (the
@@ -962,7 +987,7 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                 2 if _shares_one_norm(spec, layer) else 1)) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens)
-            + (_frozen_down_recompute_end(spec, la, p, finetune) * tokens if finetune is not None else 0),
+            + (_lora_recompute_end(spec, la, p, settings, finetune) * tokens if finetune is not None else 0),
             adapter_moments=(() if finetune is None else
                                 _adapter_recompute_moments(spec, la, p, tokens, finetune) if la.checkpointed else
                                 _adapter_recompute_moments(spec, la, p, tokens, finetune, recompute=False)
@@ -971,6 +996,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                      + (p.compute * sum(t.numel for t in tensors if len(t.shape) == 2
                                                         and t.role not in MLP_ROLES) if p.autocast else 0)
                                      - shared_input if la.recompute_locals else 0),
+            recompute_attention_saved=int(la.recompute_saved * tokens) + (
+                _layer_casts(spec, la, p)[0] if la.recompute_saved and p.autocast and not cached else 0),
             recompute_gradient=int(_recompute_gradient(spec, layer, p, bool(output_norm)) * tokens)
             + (int(_adapter_recompute_gradient(spec, la, p, finetune) * tokens) if finetune is not None else 0),
             norm_moment=_norm_moment(spec, la, p, gradients_of, tensors, tokens, attention_live),
@@ -1424,41 +1451,48 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     kept_below = [0]
     for x in layers:
         kept_below.append(kept_below[-1] + x.kept)
+    # (the masks kept for the recompute die with the lowest checkpoint that keeps each: activations' constants)
+    masks_freed = recompute_masks_freed(spec, settings, p, tuple((la.layer, la.checkpointed) for la in acts.layers
+                                                                 for _ in range(la.count)))
+    if len(masks_freed) != len(layers) + 1:
+        masks_freed = (0,) * (len(layers) + 1)
     grads_above = 0
     first_layer_moment = len(candidates)
     interior = set() if every_layer else _interior_layers(layers)
     for index in range(len(layers) - 1, -1, -1):
         x = layers[index]
+        base = base_kept - masks_freed[index]
         if index in interior:  # (its moments are never a phase's first peak: _interior_layers)
             grads_above += finished_shard(x)
             continue
-        live_acts = base_kept + kept_below[index] + (x.kept + x.full if x.checkpointed else x.full)
+        live_acts = base + kept_below[index] + (x.kept + x.full if x.checkpointed else x.full)
         # In the order they happen: on a tie the earlier moment is the peak, as a peak counter sees it.
         if x.checkpointed:
             if x.recompute_attention_end:
                 candidates.append(Phase(
                     "backward", f"layer {index} recomputed attention's end", weights,
                     max(grads_in_forward, head_grad + grads_above), states,
-                    base_kept + kept_below[index] + x.recompute_attention_end, tied_held + x.recompute_gradient))
+                    base + kept_below[index] + x.recompute_attention_end, tied_held + x.recompute_gradient))
             # The recompute runs the layer's forward again (torch/utils/checkpoint.py, _checkpoint_hook's
             # recompute_fn) beside the gradient of its output: its locals reach at least the checkpointed forward's
             # worst moments (what it saves only adds). Falcon's eager ALiBi attention (modeling_falcon.py,
             # FalconAttention.forward: the fp32 scores, logits and softmax input, three s x s locals) holds more
             # there than the layer saves (traced: -52% at the backward peak without this moment).
-            for transient in x.forward_transient:
+            for moment, transient in enumerate(x.forward_transient):
+                saved_by_then = x.recompute_attention_saved if moment == 1 else 0  # (_forward_transient's order)
                 candidates.append(Phase(
                     "backward", f"layer {index} recomputing", weights, max(grads_in_forward, head_grad + grads_above),
-                    states, base_kept + kept_below[index] + transient, tied_held + x.recompute_gradient))
+                    states, base + kept_below[index] + transient + saved_by_then, tied_held + x.recompute_gradient))
             # The layer's forward has been recomputed (to its last saved tensor) and the gradient of its output
             # is waiting.
             for held, transient in x.adapter_moments:  # (what a recompute makes counts as activations)
                 candidates.append(Phase(
                     "backward", f"layer {index} recomputed adapter", weights,
                     max(grads_in_forward, head_grad + grads_above), states,
-                    base_kept + kept_below[index] + x.kept + held + transient, tied_held + x.recompute_gradient))
+                    base + kept_below[index] + x.kept + held + transient, tied_held + x.recompute_gradient))
             candidates.append(Phase(
                 "backward", f"layer {index} recomputed", weights, max(grads_in_forward, head_grad + grads_above),
-                states, base_kept + kept_below[index] + x.kept + x.full + x.recompute_end,
+                states, base + kept_below[index] + x.kept + x.full + x.recompute_end,
                 tied_held + x.recompute_gradient))
         if x.output_norm_transient:
             candidates.append(Phase(
@@ -1501,23 +1535,23 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             candidates.append(Phase(
                 "backward", f"layer {index} post-attention norm", weights,
                 max(grads_in_forward, head_grad + grads_above + mlp_grads), states,
-                base_kept + kept_below[index] + live, temps + tied_held))
+                base + kept_below[index] + live, temps + tied_held))
         if x.matmul_live:
             candidates.append(Phase(
                 "backward", f"layer {index} attention's product with v", weights,
                 max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
-                base_kept + kept_below[index] + x.matmul_live, x.matmul_transient + tied_held))
+                base + kept_below[index] + x.matmul_live, x.matmul_transient + tied_held))
         candidates.append(Phase(
             "backward", f"layer {index} attention", weights,
             max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
-            base_kept + kept_below[index] + x.attention_live, x.attention_transient + tied_held))
+            base + kept_below[index] + x.attention_live, x.attention_transient + tied_held))
         if x.compiled_copies and shards == 1 and not stepped:
             # AccumulateGrad's copies of the compiled backward's gradients, beside the originals, the layer's
             # activations freed, its input's gradient alive (_compiled_gradient_copies)
             candidates.append(Phase(
                 "backward", f"layer {index} gradients copied (compiled)", weights,
                 max(grads_in_forward, head_grad + grads_above + x.grads + x.compiled_copies), states,
-                base_kept + kept_below[index], p.residual * h * tokens + tied_held))
+                base + kept_below[index], p.residual * h * tokens + tied_held))
         grads_above += finished_shard(x)
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
     # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights that
@@ -1530,7 +1564,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         # (on a rank, the finished gradients are the reduced shards of the head and the layers)
         finished = 0 if stepped else grads - tied_held if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding (tied weights)", weights,
-                                max(grads_in_forward, finished), states, base_kept,
+                                max(grads_in_forward, finished), states, base_kept - masks_freed[-1],
                                 2 * tied_held + emb_input_grad))
     elif layers and (finetune is None or embedding_trained):  # (a frozen embedding runs no backward)
         emb_grad = _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
