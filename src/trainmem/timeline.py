@@ -233,10 +233,38 @@ def _down_projection_locals(spec: ModelSpec, la: LayerActivations, p: Precision)
     amp-bf16, the forward's peak at the last fc2)."""
     layer = la.layer
     held = p.compute * spec.hidden_size if _shares_one_norm(spec, layer) or spec.traits.attention_output_held else 0
+    held += _input_norm_output_held(spec, layer, p)
     mlp = layer.mlp
     if p.autocast and mlp is not None and not mlp.gated and mlp.activation == "gelu_new":
         held += FP32 * mlp.intermediate_size
     return held
+
+
+def _input_norm_output_held(spec: ModelSpec, layer, p: Precision) -> int:
+    """StableLmDecoderLayer's sequential path keeps the input norm's output in ``hidden_states`` through the MLP
+    (``mlp_output = self.mlp(self.post_attention_layernorm(residual))`` rebinds nothing): under autocast an fp32
+    tensor the q/k/v projections do not keep (their half casts are what they save). Traced: StableLM, amp-bf16,
+    eager, dropout 0.1, full checkpointing, 1 x 512: 0.5 MiB short at the recompute's down projection."""
+    if spec.traits.attention_output_held and not layer.parallel_residual and p.autocast:
+        return p.residual * spec.hidden_size
+    return 0
+
+
+def _residual_sum_locals(spec: ModelSpec, layer, p: Precision) -> int:
+    """Bytes per token alive beside the saved tensors while a layer's last residual add writes its output, none of
+    them saved (an add keeps nothing): the MLP's output (or its dropped copy, or the post-feedforward norm's
+    output), the attention output where the layer still holds it (a parallel block adds it in the same expression;
+    StableLM's ``self_attn_output``) and, in a parallel block's three-term sum, the partial sum (in the residual's
+    dtype where the residual comes first, FamilyTraits.residual_first_in_parallel_sum). Traced: StableLM, parallel
+    residual, amp-bf16, eager, dropout 0.1: the forward's peak is ``residual + self_attn_output + mlp_output`` in
+    the last layer, beside both partial sums (modeling_stablelm.py, StableLmDecoderLayer.forward)."""
+    h = spec.hidden_size
+    held = (p.compute if layer.parallel_residual or spec.traits.attention_output_held else 0) * h \
+        + _input_norm_output_held(spec, layer, p)
+    partial = 0
+    if layer.parallel_residual:
+        partial = p.residual if spec.traits.residual_first_in_parallel_sum else p.compute
+    return (_mlp_output_bytes(spec, layer, p) + partial + p.residual) * h + held
 
 
 def _has_output_norm(la: LayerActivations) -> bool:
@@ -270,8 +298,12 @@ def _recompute_gradient(spec: ModelSpec, layer, p: Precision, output_norm: bool)
         # (traced: ALiBi, amp-fp16, eager, full checkpointing)
         extra = p.compute
     else:
-        # under autocast, the residual add's backward casts the gradient to the MLP output's half dtype
-        extra = p.compute if _mlp_output_bytes(spec, layer, p) != p.residual else 0
+        # under autocast, the residual add's backward casts the gradient to the MLP output's half dtype, and in a
+        # parallel block whose sum starts with the residual (``residual + self_attn_output + mlp_output``) the
+        # partial sum's backward casts it to the attention output's as well (traced: StableLM, amp-bf16)
+        half = _mlp_output_bytes(spec, layer, p) != p.residual
+        extra = p.compute * (2 if half and layer.parallel_residual and spec.traits.residual_first_in_parallel_sum
+                             else 1 if half else 0)
     return (p.residual + extra) * spec.hidden_size
 
 
@@ -291,24 +323,12 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
         # Gemma 2/3: the recompute goes on into the post-feedforward norm, whose input (the MLP's output) it holds;
         # the MLP's argument is gone by then
         return int((per_token + p.compute * h) * tokens)
+    dropout = _mlp_output_dropout(spec, layer, settings)
+    if spec.traits.block != "falcon":
+        return int((per_token + _standard_recompute_end(spec, la, p, dropout)) * tokens)
     if layer.mlp:
         per_token += (p.residual if p.autocast else 0) * h  # the MLP's argument
-    if layer.mlp and spec.traits.block != "falcon":
-        # and what is alive unsaved while the down projection runs (_down_projection_locals): StableLM's
-        # self_attn_output and a parallel block's attention output (PhiDecoderLayer's ``attn_outputs``), locals
-        # through the MLP, and under autocast gelu_new's fp32 output, fc2's argument (traced: Phi, amp-bf16,
-        # eager, dropout 0.1, full checkpointing, seed 20261202 case 59 of ``validate --random``: the recompute's
-        # worst moment is fc2's output, beside both, 13.9 MiB of 527 short without them)
-        per_token += _down_projection_locals(spec, la, p)
-    dropout = _mlp_output_dropout(spec, layer, settings)
     at_down = (p.compute * h if layer.mlp else 0) - (MASK * h if dropout else 0)  # its output; no mask yet
-    if spec.traits.block != "falcon":
-        # Where down_proj's matmul saves the layer's last tensors, the recompute stops before its output exists:
-        # the autograd kernel packs a matmul's saved inputs before it runs it (torch's generated VariableType,
-        # MmBackward0's self_ and mat2_), and the pack hook of the last one ends the recompute
-        # (torch/utils/checkpoint.py, _StopRecomputationError). Traced: Qwen3, amp-fp16, eager, full checkpointing,
-        # its recompute's last allocation is down_proj's weight cast (seed 2718 case 29 of ``validate --random``).
-        return int((per_token + (at_down if dropout else 0)) * tokens)
     biased = p.autocast and layer.attention.qkv_bias
     out = p.residual if biased else p.compute
     per_token += out * h  # attention_output
@@ -318,6 +338,33 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
         at_down += p.residual * h + p.residual * layer.mlp.intermediate_size  # output plus bias; the fp32 GELU
     at_dropout = 2 * out * h if dropout else at_down  # the MLP's output and its dropped copy (the mask exists)
     return int((per_token + max(at_down, at_dropout)) * tokens)
+
+
+def _standard_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, dropout: bool) -> float:
+    """_recompute_end's bytes per token beyond the returned attention weights, for a dense layer of a standard
+    block. Where down_proj's matmul saves the layer's last tensors the recompute stops before its output exists:
+    the autograd kernel packs a matmul's saved inputs before it runs it (torch's generated VariableType,
+    MmBackward0's self_ and mat2_), and the pack hook of the last one ends the recompute
+    (torch/utils/checkpoint.py, _StopRecomputationError); alive then are the MLP's argument (the norm's fp32
+    output under autocast, held by the caller during the call) and what _down_projection_locals counts
+    (StableLM's self_attn_output, a parallel block's attention output, gelu_new's fp32 output under autocast).
+    Traced: Qwen3, amp-fp16, eager (seed 2718 case 29 of ``validate --random``: the recompute's last allocation
+    is down_proj's weight cast); Phi, amp-bf16, eager, dropout (seed 20261202 case 59). With a dropout after the
+    MLP its mask, an output, is the last tensor saved: the down projection's output is written first, beside the
+    locals (the fp32 GELU still alive), then the dropped copy and the mask exist beside that output, the GELU
+    freed, and the norm output only where the layer holds it (a parallel block's shared input; traced: StableLM,
+    parallel residual, amp-bf16, eager, dropout 0.1, the recompute ends at the mask)."""
+    layer, h = la.layer, spec.hidden_size
+    if not layer.mlp:
+        return 0.0
+    argument = (p.residual if p.autocast else 0) * h
+    locals_ = _down_projection_locals(spec, la, p)
+    if not dropout:
+        return argument + locals_
+    at_output = argument + locals_ + (p.compute - MASK) * h  # (the mask, in the layer's activations, not yet)
+    held = p.compute * h if _shares_one_norm(spec, layer) or spec.traits.attention_output_held else 0
+    at_mask = (argument if layer.parallel_residual else 0) + held + 2 * p.compute * h
+    return max(at_output, at_mask)
 
 
 def _routing_weight_bytes(moe, p: Precision) -> int:
@@ -1355,6 +1402,10 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
                                    + (p.compute * h + _down_projection_locals(spec, last, p)) * tokens, 0))
+        if spec.traits.block == "standard":
+            candidates_fw.append(Phase("forward", "last layer's residual sum", weights, grads_in_forward, states,
+                                       layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
+                                       + _residual_sum_locals(spec, last.layer, p) * tokens, 0))
         # DoRA: each adapted Linear's weight norm and output products in the last layer, beside everything saved
         # before it and its input (_dora_site)
         before_last = layers_saved - layers[-1].kept + p.residual * h * tokens + acts.kv_cache_bytes + acts.mask_bytes
