@@ -138,6 +138,8 @@ class LayerActivations:
     """AttentionTerms.matmul_backward of this layer."""
     recompute_locals: float = 0.0
     """AttentionTerms.recompute_locals of this layer."""
+    recompute_saved: float = 0.0
+    """AttentionTerms.recompute_saved of this layer."""
     checkpointed: bool = False
     """Whether these layers are checkpointed: every layer under --checkpointing full, every second one (0, 2,
     ...) under selective."""
@@ -254,6 +256,11 @@ class AttentionTerms:
     """BLOOM: bytes per token BloomAttention.forward holds at its end beyond what it saved (it ends with the
     residual add): the fused q/k/v output (copied from with more than one sequence), the baddbmm scores, the
     masked scores, dense's output and the residual sum, and with hidden dropout its dropped copy."""
+    recompute_saved: float = 0.0
+    """Falcon's eager attention: bytes per token that a checkpointed layer's recompute has saved by the softmax
+    beyond what ``forward`` (the first, checkpointed forward's moment, which saves nothing) holds there: the scores
+    matmul's q and k (copies or casts; views of the fused output are held anyway) and, under autocast,
+    query_key_value's half input cast (and its weight cast, a constant the timeline adds)."""
 
 
 def sdpa_mask(spec: ModelSpec, layer: Layer, seq: int) -> bool:
@@ -361,7 +368,10 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             v_kept = not repeat and not pad
         terms += [Term("attention output" + padded, c * a * dv8, "o_input", "shared_input"),
                   Term("softmax logsumexp (fp32)", FP32 * a)]
-        if pad or q_by_cat:
+        # (with one head the output's ``transpose(1, 2)`` is contiguous already, a size-1 dimension's stride does
+        # not count, so ``.contiguous()`` returns it: traced, StableLM with 1 head, pure-bf16, +1.19% at the loss
+        # with the copy, seed 31415 case 37 of ``validate --random``)
+        if pad or (q_by_cat and a > 1):
             terms.append(Term("attention output copied contiguous (o_proj input)", c * a * dv, "o_input",
                               "linear_input"))
             released = c * a * dv
@@ -801,8 +811,14 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         # With ALiBi and dropout under autocast the layer holds the returned fp32 dropped probabilities; the matmul
         # with v keeps a half copy.
         held = r * a * s if not rotary and dropout > 0 and r != c else 0.0
+        # The recompute (under full checkpointing) saves as it goes: by the softmax the scores matmul has kept q and
+        # k (not views of the fused output, which forward counts) and under autocast query_key_value its half input
+        # (traced: ALiBi, amp-fp16, 1 x 1,000, 3.2 MiB of 120 short at the backward peak without them)
+        saved = (c * a * d if "q" not in views else 0) + (c * kept_heads * d if "k" not in views else 0) \
+            + (c * spec.hidden_size if p.autocast else 0)
         return AttentionTerms(tuple(terms), EAGER, cache_extra, held, released, 2 * r * a * s + c * a * d,
                               forward=forward, softmax_extra=extra * a * s, returned_to_model=r * a * s,
+                              recompute_saved=saved,
                               matmul_backward=c * a * s + 2 * c * a * d,
                               after_softmax=c * a * d + ((c if r != c or dropout > 0 else 0) + (
                                   MASK if dropout > 0 else 0)) * a * s)
@@ -1194,7 +1210,7 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
                                 attention.rotary_forward),
                             attention.softmax_extra, attention.after_softmax, attention.returned_to_model,
                             attention.held_by_layer, matmul_backward=attention.matmul_backward,
-                            recompute_locals=attention.recompute_locals)
+                            recompute_locals=attention.recompute_locals, recompute_saved=attention.recompute_saved)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -1492,6 +1508,9 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
             constant.append(Term("rotary cos, sin", tables * 2 * _rotary_table_bytes(spec, p) * s * width))
 
     masks_built, masks_used = _mask_bytes(spec, settings, p)
+    if settings.checkpointing != "none":
+        # (only the checkpointed layers' masks: under selective checkpointing the others die with the forward)
+        masks_used = _masks_kept(spec, settings, p, tuple((la.layer, la.checkpointed) for la in layers))
     if masks_used and settings.checkpointing != "none":
         # Checkpointed layers receive the masks as keyword arguments, which the checkpoints keep for the recompute,
         # so they live until the first layer's backward (traced); without checkpointing they die with the forward.
@@ -1611,16 +1630,61 @@ def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tu
     layer (a full-attention one in a model whose layers all slide) live until the base model returns."""
     if not spec.has_architecture:
         return 0, 0
-    b, s = settings.batch, settings.seq
-    att = spec.layer_runs[0][0].attention
-    if spec.traits.block == "falcon" and att.rotary_dim == 0:
-        size = p.residual * b * att.num_heads * s * s  # the ALiBi bias with the causal mask folded in
-        return size, size
-    if settings.attention == EAGER:
-        used = {layer.sliding_window is not None for layer, _ in spec.layer_runs}
+    size = _mask_size(spec, settings, p)
+    used = {_layer_mask(spec, layer, settings) for layer, _ in spec.layer_runs} - {None}
+    if settings.attention == EAGER and not _alibi_mask(spec):
         built = used | spec.traits.eager_masks_always_built
-        return len(built) * p.residual * b * s * s, len(used) * p.residual * b * s * s
-    used = {layer.sliding_window is not None for layer, _ in spec.layer_runs if sdpa_mask(spec, layer, s)}
-    # a sliding mask built for no layer (ModelSpec.sliding_mask_window; sdpa_mask's rule: kv_length >= window)
-    built = used | ({True} if spec.sliding_mask_window is not None and s >= spec.sliding_mask_window else set())
-    return len(built) * MASK * s * s, len(used) * MASK * s * s
+    else:
+        # a sliding mask built for no layer (ModelSpec.sliding_mask_window; sdpa_mask's rule: kv_length >= window)
+        built = used | ({True} if spec.sliding_mask_window is not None and settings.seq >= spec.sliding_mask_window
+                        and not _alibi_mask(spec) else set())
+    return len(built) * size, len(used) * size
+
+
+def _alibi_mask(spec: ModelSpec) -> bool:
+    return spec.traits.block == "falcon" and spec.layer_runs[0][0].attention.rotary_dim == 0
+
+
+def _mask_size(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> int:
+    """Bytes of one of the masks _mask_bytes describes."""
+    b, s = settings.batch, settings.seq
+    if _alibi_mask(spec):
+        return p.residual * b * spec.layer_runs[0][0].attention.num_heads * s * s
+    return p.residual * b * s * s if settings.attention == EAGER else MASK * s * s
+
+
+def _layer_mask(spec: ModelSpec, layer: Layer, settings: TrainingSettings) -> bool | str | None:
+    """Which of the base model's masks ``layer`` is handed (the sliding one: True, the full one: False, Falcon's
+    ALiBi bias), None where it gets none (SDPA without a mask, sdpa_mask)."""
+    if _alibi_mask(spec):
+        return "alibi"
+    if settings.attention != EAGER and not sdpa_mask(spec, layer, settings.seq):
+        return None
+    return layer.sliding_window is not None
+
+
+def _masks_kept(spec: ModelSpec, settings: TrainingSettings, p: Precision,
+                layers: tuple[tuple[Layer, bool], ...]) -> int:
+    """Bytes of the masks handed to a checkpointed layer of ``layers`` ((layer, checkpointed) pairs), which its
+    checkpoint keeps for the recompute. Traced: Gemma 2, its sliding layer 0 checkpointed (selective), eager: only
+    the sliding mask outlives the forward (seed 2718 case 27 of ``validate --random``, +1.92% with both)."""
+    kinds = {_layer_mask(spec, layer, settings) for layer, checkpointed in layers if checkpointed} - {None}
+    return len(kinds) * _mask_size(spec, settings, p) if spec.has_architecture else 0
+
+
+def recompute_masks_freed(spec: ModelSpec, settings: TrainingSettings, p: Precision,
+                          layers: tuple[tuple[Layer, bool], ...]) -> tuple[int, ...]:
+    """Under checkpointing, of the masks kept for the recompute ("attention masks kept for the recompute"), the bytes
+    already freed when each of ``layers`` (the model's, first to last, with whether each is checkpointed) runs its
+    backward, and last when every layer has: the base model's forward has returned, so a mask lives as long as a
+    checkpoint that keeps it, that of the lowest checkpointed layer handed it (torch/utils/checkpoint.py keeps a checkpointed layer's arguments until its backward;
+    Qwen3Model.forward and kin hand each layer ``causal_mask_mapping[decoder_layer.attention_type]``, its own
+    kind only). Traced: Qwen3 with its top layer sliding, eager, full checkpointing: the sliding mask is gone by
+    the lower layer's recompute (seed 2718 case 29 of ``validate --random``)."""
+    if not spec.has_architecture or settings.checkpointing == "none":
+        return (0,) * (len(layers) + 1)
+    size = _mask_size(spec, settings, p)
+    kinds = [_layer_mask(spec, layer, settings) if checkpointed else None for layer, checkpointed in layers]
+    lowest = {kind: kinds.index(kind) for kind in set(kinds) - {None}}
+    return tuple(size * sum(1 for first in lowest.values() if first > i) for i in range(len(layers))) \
+        + (size * len(lowest),)

@@ -262,6 +262,11 @@ class FamilyTraits:
     """The decoder layer keeps the attention's output in a local of its own through the MLP, beside the residual
     sum made from it (StableLmDecoderLayer: ``residual = residual + self_attn_output``, then the MLP), so it is
     alive while the down projection writes its output, in the forward and at a checkpointed layer's recompute."""
+    residual_first_in_parallel_sum: bool = False
+    """A parallel block's output sum starts with the residual (CohereDecoderLayer's ``residual +
+    hidden_states_attention + hidden_states_mlp``, StableLmDecoderLayer's ``residual + self_attn_output +
+    mlp_output``), so its partial sum is in the residual's dtype; PhiDecoderLayer and GPTNeoXLayer add the residual
+    last (``attn_outputs + feed_forward_hidden_states + residual``): the partial sum of two outputs."""
     norm_centred_twice: bool = False
     """CohereLayerNorm computes ``hidden_states - mean`` twice (once for the variance, once to normalise), and
     ``pow`` and the product with the rsqrt each keep theirs: one more fp32 input-wide tensor than an RMSNorm."""
@@ -1417,7 +1422,8 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "olmo2": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True,
                           rotary_tables_fp32=True),
     # (CohereForCausalLM's ``logits * logit_scale`` saves nothing and its transient is under the traced peaks)
-    "cohere": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True),
+    "cohere": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True,
+                           residual_first_in_parallel_sum=True),
     "phi": FamilyTraits(q_built_by_cat=True, hidden_dropout="per_block", embedding_dropout=True,
                         rotary_split_locals=True),
     "smollm3": FamilyTraits(eager_masks_always_built=frozenset({False})),
@@ -1427,10 +1433,10 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "olmo3": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True,
                           rotary_tables=2, eager_masks_always_built=frozenset({False, True}), rotary_tables_fp32=True),
     "cohere2": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True,
-                            eager_masks_always_built=frozenset({False, True})),
+                            eager_masks_always_built=frozenset({False, True}), residual_first_in_parallel_sum=True),
     "starcoder2": FamilyTraits(hidden_dropout="per_block", embedding_dropout=True),
     "stablelm": FamilyTraits(q_built_by_cat=True, hidden_dropout="after_mlp", rotary_split_locals=True,
-                             attention_output_held=True),
+                             attention_output_held=True, residual_first_in_parallel_sum=True),
     "gptj": FamilyTraits(eager_attention="fp32_scores", hidden_dropout="per_block", embedding_dropout=True,
                          decoder_locals="dropped_embeddings", rotary_split_locals=True, rotary_tables_per_layer=True,
                          rotary_tables_split=True),

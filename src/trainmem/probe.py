@@ -67,8 +67,10 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
     skip = ("model_type", "_name_or_path", "architectures", "torch_dtype", "dtype")
     fields = {k: v for k, v in config.items() if k not in skip}
     if dropout is not None:
+        # every dropout probability the described families' configs have (models.py reads the same keys:
+        # Starcoder2Config's residual_dropout and embedding_dropout too), so that --dropout P runs what it estimates
         for key in ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "dropout",
-                    "resid_pdrop"):
+                    "residual_dropout", "embedding_dropout"):
             fields[key] = dropout
     fields.update(task_fields(task, num_labels))
     hf_config = AutoConfig.for_model(config["model_type"], **fields)

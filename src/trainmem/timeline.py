@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .activations import (COMPILED_LOSS_BACKWARD, FP32, INDEX, MASK, OP_SAVED, OP_SAVED_UNTAKEN, ActivationEstimate,
-                          LayerActivations, Precision, _hidden_dropout_sites, _router_score_bytes)
+                          LayerActivations, Precision, _hidden_dropout_sites, _router_score_bytes,
+                          recompute_masks_freed)
 from .models import MLP_ROLES, ModelSpec, layer_tensors
 from .optimizers import Optimizer
 from .owners import Owner, OwnerKind
@@ -237,10 +238,38 @@ def _down_projection_locals(spec: ModelSpec, la: LayerActivations, p: Precision)
     amp-bf16, the forward's peak at the last fc2)."""
     layer = la.layer
     held = p.compute * spec.hidden_size if _shares_one_norm(spec, layer) or spec.traits.attention_output_held else 0
+    held += _input_norm_output_held(spec, layer, p)
     mlp = layer.mlp
     if p.autocast and mlp is not None and not mlp.gated and mlp.activation == "gelu_new":
         held += FP32 * mlp.intermediate_size
     return held
+
+
+def _input_norm_output_held(spec: ModelSpec, layer, p: Precision) -> int:
+    """StableLmDecoderLayer's sequential path keeps the input norm's output in ``hidden_states`` through the MLP
+    (``mlp_output = self.mlp(self.post_attention_layernorm(residual))`` rebinds nothing): under autocast an fp32
+    tensor the q/k/v projections do not keep (their half casts are what they save). Traced: StableLM, amp-bf16,
+    eager, dropout 0.1, full checkpointing, 1 x 512: 0.5 MiB short at the recompute's down projection."""
+    if spec.traits.attention_output_held and not layer.parallel_residual and p.autocast:
+        return p.residual * spec.hidden_size
+    return 0
+
+
+def _residual_sum_locals(spec: ModelSpec, layer, p: Precision) -> int:
+    """Bytes per token alive beside the saved tensors while a layer's last residual add writes its output, none of
+    them saved (an add keeps nothing): the MLP's output (or its dropped copy, or the post-feedforward norm's
+    output), the attention output where the layer still holds it (a parallel block adds it in the same expression;
+    StableLM's ``self_attn_output``) and, in a parallel block's three-term sum, the partial sum (in the residual's
+    dtype where the residual comes first, FamilyTraits.residual_first_in_parallel_sum). Traced: StableLM, parallel
+    residual, amp-bf16, eager, dropout 0.1: the forward's peak is ``residual + self_attn_output + mlp_output`` in
+    the last layer, beside both partial sums (modeling_stablelm.py, StableLmDecoderLayer.forward)."""
+    h = spec.hidden_size
+    held = (p.compute if layer.parallel_residual or spec.traits.attention_output_held else 0) * h \
+        + _input_norm_output_held(spec, layer, p)
+    partial = 0
+    if layer.parallel_residual:
+        partial = p.residual if spec.traits.residual_first_in_parallel_sum else p.compute
+    return (_mlp_output_bytes(spec, layer, p) + partial + p.residual) * h + held
 
 
 def _has_output_norm(la: LayerActivations) -> bool:
@@ -268,9 +297,18 @@ def _recompute_gradient(spec: ModelSpec, layer, p: Precision, output_norm: bool)
         # Gemma's post-feedforward norm: its output cast back to a half input dtype saves nothing, so its
         # backward, an fp32 gradient, runs before the recompute
         extra = FP32 if p.compute != FP32 else 0
+    elif spec.traits.block == "falcon" and p.autocast and layer.attention.qkv_bias:
+        # FalconLinear adds its fp32 bias after the half matmul (``hidden_states + self.bias``): that add's
+        # backward, which needs nothing saved, casts the gradient to the matmul's half dtype before the recompute
+        # (traced: ALiBi, amp-fp16, eager, full checkpointing)
+        extra = p.compute
     else:
-        # under autocast, the residual add's backward casts the gradient to the MLP output's half dtype
-        extra = p.compute if _mlp_output_bytes(spec, layer, p) != p.residual else 0
+        # under autocast, the residual add's backward casts the gradient to the MLP output's half dtype, and in a
+        # parallel block whose sum starts with the residual (``residual + self_attn_output + mlp_output``) the
+        # partial sum's backward casts it to the attention output's as well (traced: StableLM, amp-bf16)
+        half = _mlp_output_bytes(spec, layer, p) != p.residual
+        extra = p.compute * (2 if half and layer.parallel_residual and spec.traits.residual_first_in_parallel_sum
+                             else 1 if half else 0)
     return (p.residual + extra) * spec.hidden_size
 
 
@@ -290,14 +328,12 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
         # Gemma 2/3: the recompute goes on into the post-feedforward norm, whose input (the MLP's output) it holds;
         # the MLP's argument is gone by then
         return int((per_token + p.compute * h) * tokens)
+    dropout = _mlp_output_dropout(spec, layer, settings)
+    if spec.traits.block != "falcon":
+        return int((per_token + _standard_recompute_end(spec, la, p, dropout)) * tokens)
     if layer.mlp:
         per_token += (p.residual if p.autocast else 0) * h  # the MLP's argument
-        # (StableLM's self_attn_output, a local through the MLP: FamilyTraits.attention_output_held)
-        per_token += p.compute * h if spec.traits.attention_output_held else 0
-    dropout = _mlp_output_dropout(spec, layer, settings)
     at_down = (p.compute * h if layer.mlp else 0) - (MASK * h if dropout else 0)  # its output; no mask yet
-    if spec.traits.block != "falcon":
-        return int((per_token + at_down) * tokens)
     biased = p.autocast and layer.attention.qkv_bias
     out = p.residual if biased else p.compute
     per_token += out * h  # attention_output
@@ -307,6 +343,33 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
         at_down += p.residual * h + p.residual * layer.mlp.intermediate_size  # output plus bias; the fp32 GELU
     at_dropout = 2 * out * h if dropout else at_down  # the MLP's output and its dropped copy (the mask exists)
     return int((per_token + max(at_down, at_dropout)) * tokens)
+
+
+def _standard_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, dropout: bool) -> float:
+    """_recompute_end's bytes per token beyond the returned attention weights, for a dense layer of a standard
+    block. Where down_proj's matmul saves the layer's last tensors the recompute stops before its output exists:
+    the autograd kernel packs a matmul's saved inputs before it runs it (torch's generated VariableType,
+    MmBackward0's self_ and mat2_), and the pack hook of the last one ends the recompute
+    (torch/utils/checkpoint.py, _StopRecomputationError); alive then are the MLP's argument (the norm's fp32
+    output under autocast, held by the caller during the call) and what _down_projection_locals counts
+    (StableLM's self_attn_output, a parallel block's attention output, gelu_new's fp32 output under autocast).
+    Traced: Qwen3, amp-fp16, eager (seed 2718 case 29 of ``validate --random``: the recompute's last allocation
+    is down_proj's weight cast); Phi, amp-bf16, eager, dropout (seed 20261202 case 59). With a dropout after the
+    MLP its mask, an output, is the last tensor saved: the down projection's output is written first, beside the
+    locals (the fp32 GELU still alive), then the dropped copy and the mask exist beside that output, the GELU
+    freed, and the norm output only where the layer holds it (a parallel block's shared input; traced: StableLM,
+    parallel residual, amp-bf16, eager, dropout 0.1, the recompute ends at the mask)."""
+    layer, h = la.layer, spec.hidden_size
+    if not layer.mlp:
+        return 0.0
+    argument = (p.residual if p.autocast else 0) * h
+    locals_ = _down_projection_locals(spec, la, p)
+    if not dropout:
+        return argument + locals_
+    at_output = argument + locals_ + (p.compute - MASK) * h  # (the mask, in the layer's activations, not yet)
+    held = p.compute * h if _shares_one_norm(spec, layer) or spec.traits.attention_output_held else 0
+    at_mask = (argument if layer.parallel_residual else 0) + held + 2 * p.compute * h
+    return max(at_output, at_mask)
 
 
 def _routing_weight_bytes(moe, p: Precision) -> int:
@@ -345,16 +408,22 @@ def _moe_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     return max(routed - _shared_experts_freed(spec, la, p, tokens), int(weighted * tokens))
 
 
-def _frozen_down_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> int:
-    """Per token, how a LoRA layer's recompute end differs where down_proj is frozen and carries no adapter: its
-    matmul saves only the weight (its input takes a gradient, its weight none), so the recompute stops before its
-    output is written, and its argument, the MLP's product, which nothing saved, is alive (traced: Qwen3 under
-    autocast, q,v adapters)."""
+def _lora_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings: TrainingSettings,
+                        finetune) -> int:
+    """Per token, how a LoRA layer's recompute end differs from a fully trained one's (_recompute_end). An adapted
+    down_proj saves its adapter's inputs after the base Linear has run (peft's ``result = self.base_layer(x)``,
+    then ``lora_B(lora_A(dropout(x)))``): its output is written. A frozen one without an adapter saves only the
+    weight (its input takes a gradient, its weight none), so the recompute stops before its output is written, and
+    its argument, the MLP's product, which nothing saved, is alive (traced: Qwen3 under autocast, q,v adapters)."""
     layer = la.layer
-    if (not la.checkpointed or layer.mlp is None or layer.moe or _has_output_norm(la)
-            or spec.traits.block != "standard" or _adapted_down(spec, la, p, finetune)):
+    if not la.checkpointed or layer.mlp is None or layer.moe or _has_output_norm(la):
         return 0
-    return p.compute * layer.mlp.intermediate_size - p.compute * spec.hidden_size
+    # (_recompute_end leaves down_proj's output out where its matmul saves the layer's last tensors)
+    written = p.compute * spec.hidden_size if (spec.traits.block != "falcon"
+                                               and not _mlp_output_dropout(spec, layer, settings)) else 0
+    if spec.traits.block != "standard" or _adapted_down(spec, la, p, finetune):
+        return written
+    return written + p.compute * layer.mlp.intermediate_size - p.compute * spec.hidden_size
 
 
 def _layer_casts(spec: ModelSpec, la: LayerActivations, p: Precision) -> tuple[int, int]:
@@ -812,6 +881,9 @@ class _LayerBytes:
     """BLOOM under full checkpointing: what the layer holds when its recomputed attention returns (the attention's
     activations, its kept input, and BloomAttention's unsaved locals, LayerActivations.recompute_locals); 0
     elsewhere."""
+    recompute_attention_saved: int
+    """Under full checkpointing, what the recompute has saved by its attention moment (forward_transient's second)
+    that the first forward does not hold there (LayerActivations.recompute_saved, with its weight cast)."""
     recompute_gradient: int
     """The temporaries the layer's backward made before its first node that needs a saved tensor started the
     recompute: beside the residual stream's gradient, under autocast its cast to the MLP output's half dtype (the
@@ -969,7 +1041,7 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                 2 if _shares_one_norm(spec, layer) else 1)) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens)
-            + (_frozen_down_recompute_end(spec, la, p, finetune) * tokens if finetune is not None else 0),
+            + (_lora_recompute_end(spec, la, p, settings, finetune) * tokens if finetune is not None else 0),
             adapter_moments=(() if finetune is None else
                                 _adapter_recompute_moments(spec, la, p, tokens, finetune) if la.checkpointed else
                                 _adapter_recompute_moments(spec, la, p, tokens, finetune, recompute=False)
@@ -978,6 +1050,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                      + (p.compute * sum(t.numel for t in tensors if len(t.shape) == 2
                                                         and t.role not in MLP_ROLES) if p.autocast else 0)
                                      - shared_input if la.recompute_locals else 0),
+            recompute_attention_saved=int(la.recompute_saved * tokens) + (
+                _layer_casts(spec, la, p)[0] if la.recompute_saved and p.autocast and not cached else 0),
             recompute_gradient=int(_recompute_gradient(spec, layer, p, bool(output_norm)) * tokens)
             + (int(_adapter_recompute_gradient(spec, la, p, finetune) * tokens) if finetune is not None else 0),
             norm_moment=_norm_moment(spec, la, p, gradients_of, tensors, tokens, attention_live),
@@ -1342,6 +1416,10 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
                                    + (p.compute * h + _down_projection_locals(spec, last, p)) * tokens, 0))
+        if spec.traits.block == "standard":
+            candidates_fw.append(Phase("forward", "last layer's residual sum", weights, grads_in_forward, states,
+                                       layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
+                                       + _residual_sum_locals(spec, last.layer, p) * tokens, 0))
         # DoRA: each adapted Linear's weight norm and output products in the last layer, beside everything saved
         # before it and its input (_dora_site)
         before_last = layers_saved - layers[-1].kept + p.residual * h * tokens + acts.kv_cache_bytes + acts.mask_bytes
@@ -1439,42 +1517,49 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     kept_below = [0]
     for x in layers:
         kept_below.append(kept_below[-1] + x.kept)
+    # (the masks kept for the recompute die with the lowest checkpoint that keeps each: activations' constants)
+    masks_freed = recompute_masks_freed(spec, settings, p, tuple((la.layer, la.checkpointed) for la in acts.layers
+                                                                 for _ in range(la.count)))
+    if len(masks_freed) != len(layers) + 1:
+        masks_freed = (0,) * (len(layers) + 1)
     grads_above = 0
     first_layer_moment = len(candidates)
     interior = set() if every_layer else _interior_layers(layers)
     for index in range(len(layers) - 1, -1, -1):
         x = layers[index]
         start = len(candidates)
+        base = base_kept - masks_freed[index]
         if index in interior:  # (its moments are never a phase's first peak: _interior_layers)
             grads_above += finished_shard(x)
             continue
-        live_acts = base_kept + kept_below[index] + (x.kept + x.full if x.checkpointed else x.full)
+        live_acts = base + kept_below[index] + (x.kept + x.full if x.checkpointed else x.full)
         # In the order they happen: on a tie the earlier moment is the peak, as a peak counter sees it.
         if x.checkpointed:
             if x.recompute_attention_end:
                 candidates.append(Phase(
                     "backward", f"layer {index} recomputed attention's end", weights,
                     max(grads_in_forward, head_grad + grads_above), states,
-                    base_kept + kept_below[index] + x.recompute_attention_end, tied_held + x.recompute_gradient))
+                    base + kept_below[index] + x.recompute_attention_end, tied_held + x.recompute_gradient))
             # The recompute runs the layer's forward again (torch/utils/checkpoint.py, _checkpoint_hook's
             # recompute_fn) beside the gradient of its output: its locals reach at least the checkpointed forward's
             # worst moments (what it saves only adds). Falcon's eager ALiBi attention (modeling_falcon.py,
             # FalconAttention.forward: the fp32 scores, logits and softmax input, three s x s locals) holds more
             # there than the layer saves (traced: -52% at the backward peak without this moment).
-            for transient in x.forward_transient:
+            for moment, transient in enumerate(x.forward_transient):
+                saved_by_then = x.recompute_attention_saved if moment == 1 else 0  # (_forward_transient's order)
                 candidates.append(Phase(
                     "backward", f"layer {index} recomputing", weights, max(grads_in_forward, head_grad + grads_above),
-                    states, base_kept + kept_below[index] + transient, tied_held + x.recompute_gradient))
+                    states, base + kept_below[index] + transient + saved_by_then, tied_held + x.recompute_gradient))
             # The layer's forward has been recomputed (to its last saved tensor) and the gradient of its output
             # is waiting.
             for held, transient in x.adapter_moments:  # (what a recompute makes counts as activations)
                 candidates.append(Phase(
                     "backward", f"layer {index} recomputed adapter", weights,
                     max(grads_in_forward, head_grad + grads_above), states,
-                    base_kept + kept_below[index] + x.kept + held + transient, tied_held + x.recompute_gradient))
+                    base + kept_below[index] + x.kept + held + transient, tied_held + x.recompute_gradient))
             candidates.append(Phase(
                 "backward", f"layer {index} recomputed", weights, max(grads_in_forward, head_grad + grads_above),
-                states, base_kept + kept_below[index] + x.kept + x.full + x.recompute_end,
+                states, base + kept_below[index] + x.kept + x.full + x.recompute_end,
                 tied_held + x.recompute_gradient))
         if x.output_norm_transient:
             candidates.append(Phase(
@@ -1517,23 +1602,23 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             candidates.append(Phase(
                 "backward", f"layer {index} post-attention norm", weights,
                 max(grads_in_forward, head_grad + grads_above + mlp_grads), states,
-                base_kept + kept_below[index] + live, temps + tied_held))
+                base + kept_below[index] + live, temps + tied_held))
         if x.matmul_live:
             candidates.append(Phase(
                 "backward", f"layer {index} attention's product with v", weights,
                 max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
-                base_kept + kept_below[index] + x.matmul_live, x.matmul_transient + tied_held))
+                base + kept_below[index] + x.matmul_live, x.matmul_transient + tied_held))
         candidates.append(Phase(
             "backward", f"layer {index} attention", weights,
             max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
-            base_kept + kept_below[index] + x.attention_live, x.attention_transient + tied_held))
+            base + kept_below[index] + x.attention_live, x.attention_transient + tied_held))
         if x.compiled_copies and shards == 1 and not stepped:
             # AccumulateGrad's copies of the compiled backward's gradients, beside the originals, the layer's
             # activations freed, its input's gradient alive (_compiled_gradient_copies)
             candidates.append(Phase(
                 "backward", f"layer {index} gradients copied (compiled)", weights,
                 max(grads_in_forward, head_grad + grads_above + x.grads + x.compiled_copies), states,
-                base_kept + kept_below[index], p.residual * h * tokens + tied_held))
+                base + kept_below[index], p.residual * h * tokens + tied_held))
         candidates[start:] = [replace(c, at=Owner(OwnerKind.LAYER, index)) for c in candidates[start:]]
         grads_above += finished_shard(x)
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
@@ -1547,7 +1632,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         # (on a rank, the finished gradients are the reduced shards of the head and the layers)
         finished = 0 if stepped else grads - tied_held if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding (tied weights)", weights,
-                                max(grads_in_forward, finished), states, base_kept,
+                                max(grads_in_forward, finished), states, base_kept - masks_freed[-1],
                                 2 * tied_held + emb_input_grad, at=Owner(OwnerKind.EMBEDDING)))
     elif layers and (finetune is None or embedding_trained):  # (a frozen embedding runs no backward)
         emb_grad = _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
