@@ -75,7 +75,7 @@ class Unit:
 
     @property
     def trains(self) -> bool:
-        """flat_param.requires_grad: any of its parameters does (_flat_param.py, ``_init_param_attributes``)."""
+        """flat_param.requires_grad: any of its parameters does (_flat_param.py, ``_validate_tensors_to_flatten``)."""
         return any(t.trains for t in self.tensors)
 
     def offsets(self) -> list[tuple[int, Flat]]:
