@@ -130,12 +130,18 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     world, setups = int(sys.argv[1]), json.loads(sys.argv[2])
+    # imported once here and forked into the ranks (spawning would import torch, transformers and peft in each)
+    import peft  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from torch.distributed._tools import mem_tracker  # noqa: F401
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank")
-        mp.spawn(_rank, args=(world, setups, port, out), nprocs=world)
+        mp.start_processes(_rank, args=(world, setups, port, out), nprocs=world, start_method="fork")
         for rank in range(world):
             print(open(f"{out}.{rank}").read())
 
