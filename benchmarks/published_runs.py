@@ -184,21 +184,23 @@ LG_MODELS = {"phi-1.5": (PHI, 1044), "StableLM Alpha 3B": (STABLELM, 1034), "Lla
              "Llama 2 13B": ("llama-2-13b", 1304)}
 LG_BNB = "0.41"  # requirements-all.txt@8641822: bitsandbytes unpinned, Oct 2023: the 0.41 releases
 LG_REMARK = "lit-gpt's own model code; its 128-token head chunks mapped to torchtune's 8-slice chunked loss"
-LG_FSDP_REMARK = ("below, and published above the same run on one GPU; mechanism read in the sources, not modelled "
-                  "yet: lit-gpt's finetune/lora.py@0cc02afa wraps each Block (auto_wrap_policy={Block}), Fabric "
-                  "2.1's FSDPStrategy sets use_orig_params=True (fabric/strategies/fsdp.py@71aed751, __init__), so "
-                  "the frozen base and the LoRA matrices share one FlatParameter whose gradient is the whole "
-                  "Block's (torch fsdp/_wrap_utils.py warns so); and the 128/micro-batch accumulation steps run in "
-                  "fabric.no_backward_sync, i.e. FSDP1's no_sync, which keeps every unit's unsharded gradient "
-                  "(FullyShardedDataParallel.no_sync docstring): the whole model's bf16 gradient on each rank, "
-                  "about 25 GB for 13B; trainmem's --fsdp is FSDP2 and has no FSDP1 no_sync mode")
+LG_FSDP_REMARK = ("FSDP1 as lit-gpt ran it (--fsdp-version 1): finetune/lora.py@0cc02afa wraps each Block "
+                  "(auto_wrap_policy={Block}), Fabric 2.1's FSDPStrategy sets use_orig_params=True "
+                  "(fabric/strategies/fsdp.py@71aed751, __init__), so the frozen base and the LoRA matrices share "
+                  "one FlatParameter whose gradient is the whole Block's (torch fsdp/_wrap_utils.py warns so); the "
+                  "128 / devices / micro-batch accumulation steps run in fabric.no_backward_sync, i.e. FSDP1's "
+                  "no_sync, which keeps every unit's unsharded gradient (FullyShardedDataParallel.no_sync "
+                  "docstring): the whole model's bf16 gradient on each rank, about 25 GB for 13B")
+LG_FSDP1 = " --fsdp-version 1 --fsdp-use-orig-params"
 
 
 def _litgpt(model: str, quant: str, batch: int, gb: float, gpus: int = 1) -> Row:
     path, seq = LG_MODELS[model]
     quant_flags = {"None": "", "bnb.nf4": " --base-quant nf4", "bnb.nf4-dq": " --qlora"}[quant] + \
         (f" --bnb-version {LG_BNB}" if quant != "None" else "")
-    layout = f" --gpus {gpus} --fsdp full --checkpointing full" if gpus > 1 else ""
+    # (finetune/lora.py: batch_size = 128 / devices, gradient_accumulation_iters = batch_size // micro_batch_size)
+    layout = (f" --gpus {gpus} --fsdp full --checkpointing full{LG_FSDP1} --fsdp-no-sync "
+              f"--grad-accum {128 // gpus // batch}" if gpus > 1 else "")
     args = _a(f"{path} {LG_LORA} --batch {batch} --seq {seq}{quant_flags}{layout}")
     where = f"{gpus}x A100" + (", FSDP" if gpus > 1 else "")
     if gpus > 1:
@@ -271,12 +273,12 @@ HUB_MODELS = {  # config name: (trainmem model, LoRA target names)
 }
 QLORA_REMARK = ("bitsandbytes 0.42.0 (litgpt's pin): its MatMul4Bit keeps each frozen 4-bit Linear's input for "
                 "backward (ctx.tensors = (A, B))")
-FABRIC_FSDP_REMARK = ("Fabric's FSDP1 (flat parameters; the embedding and head in the root unit) asked for as FSDP2; "
-                      "not modelled: the full state-dict checkpoint of model and optimizer that state_dict_type='full' "
-                      "gathers every save_interval steps, nor FSDP1's no_sync: litgpt/finetune/full.py@00af8b0d runs "
-                      "the accumulation steps (global_batch_size 8 over micro-batch 1 x devices) in "
-                      "fabric.no_backward_sync, i.e. FSDP1's no_sync, which holds each unit's unsharded gradient "
-                      "(the whole model's, not a shard) until the sync")
+FABRIC_FSDP_REMARK = ("Fabric's FSDP1 (--fsdp-version 1: flat parameters per Block, the embedding and head in the "
+                      "root unit, use_orig_params=True); litgpt/finetune/full.py@00af8b0d runs the accumulation "
+                      "steps (global_batch_size 8 over micro-batch x devices) in fabric.no_backward_sync, i.e. "
+                      "FSDP1's no_sync (--fsdp-no-sync), which holds each unit's unsharded gradient (the whole "
+                      "model's, not a shard) until the sync; not modelled: the full state-dict checkpoint of model "
+                      "and optimizer that state_dict_type='full' gathers every save_interval steps")
 BELOW_STATES = ("partly specified: below the run's own model states (bf16 weights, gradients and AdamW's two bf16 "
                 "states are 8 bytes per parameter), so the run was not the YAML's plain AdamW step as listed")
 
@@ -291,7 +293,9 @@ def _hub(config: str, gb: float, batch: int, rank: int = 0, alpha: int = 16, dro
         args += (f" --lora {rank} --lora-alpha {alpha} --lora-dropout {dropout} --lora-targets {targets}"
                  " --adapter-dtype bf16" + (f" --base-quant nf4 --bnb-version {LGH_BNB}" if quant else ""))
     if gpus > 1:
-        args += f" --gpus {gpus} --fsdp full --checkpointing full"
+        accum = 8 // (batch * gpus)  # full.yaml's global_batch_size 8 (gradient_accumulation_iters in full.py)
+        args += f" --gpus {gpus} --fsdp full --checkpointing full{LG_FSDP1}" + \
+            (f" --fsdp-no-sync --grad-accum {accum}" if accum > 1 else "")
     kind = "full" if not rank else "qlora" if quant else "lora"
     setup = f"{config}/{kind}.yaml, micro-batch {batch}, {gpus}x A10G"
     if quant:

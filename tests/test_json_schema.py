@@ -40,6 +40,8 @@ FAST = [
     ("estimate", "--params", "7B", "--gpu", "Gaudi-3"),
     ("estimate", "llama-2-7b", "--gpus", "16", "--zero", "3", "--offload", "optimizer+params"),
     ("estimate", "llama-2-7b", "--gpus", "16", "--fsdp", "hybrid", "--gpu", "H100"),
+    ("estimate", "llama-2-7b", "--gpus", "2", "--fsdp", "full", "--fsdp-version", "1", "--fsdp-use-orig-params",
+     "--fsdp-no-sync", "--grad-accum", "4", "--recipe", "pure-bf16", "--lora", "8", "--adapter-dtype", "bf16"),
     ("estimate", "llama-2-7b", "--gpus", "4"),
     ("estimate", "llama-3.2-3b", "--recipe", "pure-bf16", "--optimizer-in-backward"),
     ("estimate", "llama-3.1-8b", "--lora", "8", "--qlora", "--lora-targets", "all-linear"),

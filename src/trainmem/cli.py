@@ -214,6 +214,9 @@ def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: 
                            gpus=gpus, gpus_per_node=options["gpus_per_node"], zero=zero, fsdp=options["fsdp"],
                            offload=options["offload"], ddp_bucket_view=options["ddp_bucket_view"],
                            fsdp_embedding_groups=options.get("fsdp_embedding_groups", False),
+                           fsdp_version=options.get("fsdp_version", 2),
+                           fsdp_use_orig_params=options.get("fsdp_use_orig_params", False),
+                           fsdp_no_sync=options.get("fsdp_no_sync", False),
                            ds_config=options["ds_config"], accelerate_config=options["accelerate_config"],
                            torchtitan_config=options["torchtitan_config"], lora=options["lora"],
                            lora_alpha=options["lora_alpha"],
@@ -253,7 +256,7 @@ def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
 
 
 MEASURE_IGNORES = ("gpu", "headroom", "fragmentation", "cuda_overhead", "gpus_per_node",
-                   "ddp_bucket_view", "fsdp_embedding_groups")
+                   "ddp_bucket_view", "fsdp_embedding_groups", "fsdp_version", "fsdp_use_orig_params", "fsdp_no_sync")
 """Workload flags that change only the estimate's device-side figures or a multi-GPU layout: measure, which runs
 one process and compares allocated bytes, refuses them in one line rather than ignore them."""
 
@@ -333,6 +336,15 @@ def _workload_options(f):
         click.option("--fsdp-embedding-groups", is_flag=True,
                      help="FSDP2: the token embedding and the LM head are groups of their own, resharded after "
                           "forward (torchtune's custom_sharded_layers), not in the gathered root."),
+        click.option("--fsdp-version", type=click.IntRange(1, 2), default=2, show_default=True,
+                     help="2: FSDP2 (fully_shard); 1: FSDP1 (FullyShardedDataParallel: a flat parameter per "
+                          "decoder layer and one for the rest), with --fsdp full or grad-op."),
+        click.option("--fsdp-use-orig-params", is_flag=True,
+                     help="FSDP1's use_orig_params=True (Fabric's default): with LoRA a layer's flat gradient covers "
+                          "its frozen weights too."),
+        click.option("--fsdp-no-sync", is_flag=True,
+                     help="FSDP1: the accumulation micro-batches run in no_sync() (Fabric's no_backward_sync), "
+                          "keeping every unit's unsharded gradient until the synced one."),
         click.option("--ds-config", type=click.Path(dir_okay=False),
                      help="A DeepSpeed config: its stage, buckets, offload, bf16/fp16 mode, micro-batch and "
                           "accumulation apply where the flags are at their defaults."),

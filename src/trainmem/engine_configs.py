@@ -620,7 +620,8 @@ def accelerate_file_settings(path: str | os.PathLike) -> tuple[dict[str, Any], s
         if not isinstance(fsdp, dict):
             raise ConfigError(f"{path}: fsdp_config must be a mapping")
         if fsdp.get("fsdp_version", 1) != 2:
-            raise ConfigError(f"{path}: fsdp_config.fsdp_version must be 2 (trainmem models FSDP2)")
+            raise ConfigError(f"{path}: fsdp_config.fsdp_version must be 2 (FSDP2); an FSDP1 layout is not read "
+                              "from accelerate's config: estimate it with --fsdp full --fsdp-version 1")
         if precision != "no":
             raise ConfigError(f"{path}: FSDP2 with mixed_precision {precision} upcasts to fp32 and reduces in "
                               f"{precision} (accelerate's fsdp2_prepare_model), which trainmem does not model; "

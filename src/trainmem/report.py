@@ -298,7 +298,9 @@ def estimate_title(est: Estimate) -> str:
 
 def _engine_words(parallel) -> str:
     engine = {"single": "no data-parallel engine", "ddp": "DDP", "deepspeed": f"DeepSpeed ZeRO-{parallel.zero}",
-              "fsdp2": f"FSDP2 ({parallel.fsdp})"}[parallel.engine]
+              "fsdp2": f"FSDP2 ({parallel.fsdp})",
+              "fsdp1": f"FSDP1 ({parallel.fsdp}" + (", use_orig_params" if parallel.fsdp_use_orig_params else "")
+              + (", no_sync" if parallel.fsdp_no_sync else "") + ")"}[parallel.engine]
     return engine + (f", offload {parallel.offload}" if parallel.offload != "none" else "")
 
 

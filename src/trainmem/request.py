@@ -84,6 +84,7 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
                  cuda_overhead: float = DEFAULT_CUDA_OVERHEAD_MIB, hub: bool = False, need_config: str = "",
                  gpus: int = 1, gpus_per_node: int = 0, zero: int | None = None, fsdp: str | None = None,
                  offload: str = "none", ddp_bucket_view: bool = False, fsdp_embedding_groups: bool = False,
+                 fsdp_version: int = 2, fsdp_use_orig_params: bool = False, fsdp_no_sync: bool = False,
                  ds_config: str | os.PathLike | None = None,
                  lora: int | None = None, lora_alpha: float | None = None, lora_targets: Any = ("q", "v"),
                  lora_dropout: float = 0.0, dora: bool = False, train_modules: Any = (),
@@ -97,7 +98,8 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     ModelSpec; ``params`` a nominal size instead (``7e9``, ``"7B"``). ``cuda_overhead`` is in MiB. ``hub`` allows
     fetching a config from the Hugging Face Hub (never otherwise: a Hub id must be in the local cache).
     ``need_config`` names a command that cannot run on ``params`` alone. ``gpus``, ``gpus_per_node``, ``zero``,
-    ``fsdp``, ``offload``, ``ddp_bucket_view``, ``fsdp_embedding_groups`` lay the run out on several GPUs (sharding.Parallel); ``ds_config`` is a
+    ``fsdp``, ``offload``, ``ddp_bucket_view``, ``fsdp_embedding_groups`` lay the run out on several GPUs (sharding.Parallel); ``fsdp_version`` (1:
+    FullyShardedDataParallel), ``fsdp_use_orig_params`` and ``fsdp_no_sync`` describe an FSDP1 run (fsdp1.py); ``ds_config`` is a
     DeepSpeed config whose zero_optimization keys (stage, buckets, offload) apply where the keywords say nothing.
     ``lora`` (the rank), ``lora_alpha``, ``lora_targets`` (a list or "q,v"), ``dora``, ``train_modules`` (peft's
     modules_to_save: lm_head, embed_tokens), ``adapter_dtype``, ``base_quant``, ``double_quant`` and ``qlora`` (nf4
@@ -141,7 +143,9 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
         nbytes, label = parse_sized(gpu_memory, "gpu-memory")
         target = custom_gpu(nbytes, target, label)
     parallel = Parallel(gpus=gpus, gpus_per_node=gpus_per_node, zero=zero, fsdp=fsdp, offload=offload,
-                        ddp_bucket_view=ddp_bucket_view, fsdp_embedding_groups=fsdp_embedding_groups, tp=tp, sp=sp, pp=pp, pp_schedule=pp_schedule,
+                        ddp_bucket_view=ddp_bucket_view, fsdp_embedding_groups=fsdp_embedding_groups,
+                        fsdp_version=fsdp_version, fsdp_use_orig_params=fsdp_use_orig_params, fsdp_no_sync=fsdp_no_sync,
+                        tp=tp, sp=sp, pp=pp, pp_schedule=pp_schedule,
                         virtual_stages=virtual_stages, micro_batches=micro_batches, cp=cp, ep=ep)
     if parallel.pp > 1 and training.grad_accum > 1 and training.grad_accum != parallel.in_flight_micro_batches:
         raise ConfigError(f"with --pp the pipeline's --micro-batches ({parallel.in_flight_micro_batches}) are the "

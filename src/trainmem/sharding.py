@@ -155,6 +155,13 @@ class Parallel:
     offload: str = "none"
     ddp_bucket_view: bool = False
     """DDP's ``gradient_as_bucket_view=True``: the gradients live in the buckets, not beside them."""
+    fsdp_version: int = 2
+    """2: FSDP2 (``fully_shard``); 1: FSDP1 (``FullyShardedDataParallel``, flat parameters per unit: fsdp1.py)."""
+    fsdp_use_orig_params: bool = False
+    """FSDP1's ``use_orig_params=True`` (fsdp1.py)."""
+    fsdp_no_sync: bool = False
+    """FSDP1: the accumulation micro-batches run in ``no_sync()`` (Fabric's ``no_backward_sync``), which keeps every
+    unit's unsharded gradient until the synced micro-batch (fsdp1.py)."""
     fsdp_embedding_groups: bool = False
     """FSDP2: the token embedding and the LM head are ``fully_shard`` groups of their own, resharded after forward
     (torchtune's ``custom_sharded_layers: ['tok_embeddings', 'output']``), not part of the root group that stays
@@ -201,6 +208,17 @@ class Parallel:
             raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.fsdp is not None and self.fsdp not in FSDP_MODES:
             raise ConfigError(f"unknown fsdp {self.fsdp!r}; accepted: {', '.join(FSDP_MODES)}")
+        if self.fsdp_version not in (1, 2) or isinstance(self.fsdp_version, bool):
+            raise ConfigError(f"fsdp-version must be 1 (FullyShardedDataParallel) or 2 (fully_shard), got "
+                              f"{self.fsdp_version!r}")
+        if (self.fsdp_version == 1 or self.fsdp_use_orig_params or self.fsdp_no_sync) and self.fsdp is None:
+            raise ConfigError("--fsdp-version, --fsdp-use-orig-params and --fsdp-no-sync describe FSDP: give --fsdp "
+                              "full or grad-op")
+        if (self.fsdp_use_orig_params or self.fsdp_no_sync) and self.fsdp_version != 1:
+            raise ConfigError("--fsdp-use-orig-params and --fsdp-no-sync are FSDP1's (FullyShardedDataParallel): "
+                              "give --fsdp-version 1")
+        if self.fsdp_version == 1 and self.fsdp_embedding_groups:
+            raise ConfigError("--fsdp-embedding-groups is FSDP2's: leave it out with --fsdp-version 1")
         if self.fsdp_embedding_groups and self.fsdp not in ("full", "hybrid"):
             raise ConfigError("--fsdp-embedding-groups shards the embedding and the LM head as FSDP2 groups resharded "
                               "after forward: give --fsdp full or hybrid")
@@ -264,7 +282,7 @@ class Parallel:
         if self.zero is not None:
             return "deepspeed"
         if self.fsdp is not None:
-            return "fsdp2"
+            return "fsdp1" if self.fsdp_version == 1 else "fsdp2"
         return "ddp" if self.gpus // self.model_parallel * self.cp > 1 else "single"
 
     @property
@@ -280,7 +298,9 @@ class Parallel:
 
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _MODEL_PARALLEL_FIELDS
-               and f.name not in ("deepspeed", "experts_split")}
+               and f.name not in ("deepspeed", "experts_split") and f.name not in _FSDP1_FIELDS}
+        if self.fsdp_version == 1:  # (keys added to schema 2 by issue 27: present only for an FSDP1 layout)
+            out.update({name: getattr(self, name) for name in _FSDP1_FIELDS})
         out.update(gpus_per_node=self.node_size, nodes=self.nodes, engine=self.engine, shard_size=self.shard_size)
         if self.is_model_parallel:  # (keys added to schema 2 by issue 13: present only for such a layout)
             out.update({name: getattr(self, name) for name in _MODEL_PARALLEL_FIELDS},
@@ -294,6 +314,7 @@ class Parallel:
 
 
 PP_SCHEDULES = ("1f1b", "interleaved")
+_FSDP1_FIELDS = ("fsdp_version", "fsdp_use_orig_params", "fsdp_no_sync")
 _MODEL_PARALLEL_FIELDS = ("tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep")
 # (pp_layers is written by as_dict only where it is given: an uneven split)
 _EXPERT_ROLES = ("expert", "expert_down")
@@ -385,6 +406,15 @@ class RankLayout:
     """(this rank's elements, all elements) of what trains, padding included, where a finished gradient shard is
     that fraction of the gradient rather than 1 / gradient_shards (LoRA under FSDP2: a lora_A of r rows is one row
     per rank when W >= r; finetune_sharding.py)."""
+    flat_gradient: tuple[int, int] | None = None
+    """FSDP1 (fsdp1.py): at a decoder layer's end, (bytes of its views' gradients beside those the layer walk
+    counts, i.e. the frozen weights' under use_orig_params; bytes of the unit's concatenated flat gradient)."""
+    root_flat_gradient: int = 0
+    """FSDP1: bytes of the root unit's concatenated flat gradient at the end of backward (a trained root)."""
+    accumulated_gradients: int | None = None
+    """Gradient bytes alive through the forward and backward of a micro-batch after the first where accumulation
+    keeps something other than the finished gradients (FSDP1's ``no_sync``: every trained unit's unsharded flat
+    gradient, fsdp1.py); None: the finished gradients (``gradients``)."""
 
 
 ALL_PHASES = ("load", "forward", "backward", "optimizer", "between_steps")

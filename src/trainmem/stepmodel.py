@@ -126,11 +126,21 @@ class StepModel:
                 finetune.base_quant or self.parallel.engine != "single"):
             raise ConfigError("LoRA on the traced path (a model_type without a hand-written description) runs on one "
                               "GPU with an unquantized base: give --gpus 1 and no --base-quant / --qlora")
-        if finetune is not None and self.parallel.engine != "single":
+        if finetune is not None and self.parallel.engine == "fsdp1":
+            from .fsdp1 import fsdp1_rank_layout
+
+            self.rank = fsdp1_rank_layout(spec, self.recipe, self.optimizer, 0, self.parallel, finetune)
+        elif finetune is not None and self.parallel.engine != "single":
             from .finetune_sharding import engine_finetune, finetune_rank_layout
 
             finetune = engine_finetune(finetune, self.recipe, self.parallel)
             self.rank = finetune_rank_layout(spec, self.recipe, self.optimizer, finetune, self.parallel)
+        elif self.parallel.engine == "fsdp1":
+            from .fsdp1 import fsdp1_rank_layout
+
+            self.rank = fsdp1_rank_layout(spec, self.recipe, self.optimizer, single[3].bytes, self.parallel)
+            single = rank_static_components(single, self.rank, spec.num_parameters)
+            self.paged_bytes = -(-self.paged_bytes * self.rank.optimizer_numel // spec.num_parameters)
         elif self.parallel.engine != "single":
             states, offloaded = single[3].bytes, self.parallel.offload != "none"
             if offloaded and self.paged_bytes:  # (on the host bitsandbytes pages nothing: get_state_buffer's CPU

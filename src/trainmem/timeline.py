@@ -1254,8 +1254,11 @@ def _static(static: dict[str, int], recipe: Recipe, settings: TrainingSettings,
     # With gradient accumulation the gradients of earlier micro-batches are alive in every forward but the first;
     # a persistent fp32 main-grad buffer (Megatron) or DDP's bucket views are alive all the time.
     persistent = recipe.persistent_gradients or bool(rank and rank.persistent_gradients)
+    accumulated = grads
+    if rank is not None and rank.accumulated_gradients is not None:  # (FSDP1's no_sync: the unsharded ones)
+        accumulated = rank.accumulated_gradients
     return _Static(static["weights"], grads, static["optimizer_states"] + static["master_weights"],
-                   grads if settings.grad_accum > 1 or persistent else 0, grads if persistent else 0)
+                   accumulated if settings.grad_accum > 1 or persistent else 0, grads if persistent else 0)
 
 
 def _outer_phases(spec: ModelSpec, st: _Static, recipe: Recipe, optimizer: Optimizer,
@@ -1619,6 +1622,18 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                 "backward", f"layer {index} gradients copied (compiled)", weights,
                 max(grads_in_forward, head_grad + grads_above + x.grads + x.compiled_copies), states,
                 base + kept_below[index], p.residual * h * tokens + tied_held))
+        if rank is not None and rank.flat_gradient is not None:
+            # FSDP1: the layer's last moment, the split's backward concatenating its views' gradients (the frozen
+            # ones too under use_orig_params) into the unit's flat gradient, before they are freed and it is
+            # accumulated or reduce-scattered (fsdp1.py); its activations are gone, its input's gradient alive
+            # (its input norm's backward is in flight: an RMSNorm computed in fp32 holds three h-wide fp32 tensors
+            # and one in the residual's dtype beside the input's gradient; traced on gloo ranks, tests/fsdp1_ranks.py)
+            views, flat = rank.flat_gradient
+            in_norm = (3 * FP32 + p.residual) * h * tokens if spec.norm == "rms" else 0
+            candidates.append(Phase(
+                "backward", f"layer {index} flat gradient (FSDP1)", weights,
+                max(grads_in_forward, head_grad + grads_above) + x.grads + views, states,
+                base + kept_below[index], p.residual * h * tokens + in_norm + flat + tied_held))
         candidates[start:] = [replace(c, at=Owner(OwnerKind.LAYER, index)) for c in candidates[start:]]
         grads_above += finished_shard(x)
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
@@ -1643,6 +1658,12 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         finished = 0 if stepped else grads - emb_grad if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, finished), states,
                                 acts.embedding_bytes, emb_grad + emb_input_grad, at=Owner(OwnerKind.EMBEDDING)))
+        if rank is not None and rank.root_flat_gradient:
+            # FSDP1: the root unit's split backward, last: its views' gradients (the embedding's, the head's, the
+            # final norm's) and their concatenation (fsdp1.py)
+            candidates.append(Phase("backward", "root flat gradient (FSDP1)", weights,
+                                    max(grads_in_forward, finished) + emb_grad, states, 0,
+                                    rank.root_flat_gradient))
     load, opt, between = _outer_phases(spec, st, recipe, optimizer, settings, rank, finetune)
     phases = (load,), tuple(candidates_fw), tuple(candidates), (opt,), (between,)
     buffers = rank.buffers if rank else ()

@@ -93,6 +93,11 @@ class EstimateInput(BaseModel):
     ddp_bucket_view: bool = Field(False, description="DDP with gradient_as_bucket_view=True.")
     fsdp_embedding_groups: bool = Field(False, description="FSDP2: the embedding and the LM head groups of their "
                                         "own, resharded after forward (torchtune's custom_sharded_layers).")
+    fsdp_version: int = Field(2, ge=1, le=2, description="2: FSDP2 (fully_shard); 1: FSDP1 "
+                              "(FullyShardedDataParallel, a flat parameter per decoder layer).")
+    fsdp_use_orig_params: bool = Field(False, description="FSDP1's use_orig_params=True.")
+    fsdp_no_sync: bool = Field(False, description="FSDP1: accumulation micro-batches in no_sync() (every unit's "
+                               "unsharded gradient kept until the synced one).")
     tp: int = Field(1, ge=1, le=1 << 20, description="Tensor parallel degree.")
     sp: bool = Field(False, description="Sequence parallel on the tensor-parallel GPUs.")
     pp: int = Field(1, ge=1, le=1 << 20, description="Pipeline stages.")
@@ -158,7 +163,8 @@ SETTINGS_FIELDS = ("recipe", "optimizer", "optimizer_impl", "batch", "seq", "gra
                    "checkpointing", "dropout", "loss", "activation_k", "optimizer_in_backward", "compile",
                    "offload_activations", "task", "num_labels")
 REQUEST_FIELDS = ("params", "gpus", "gpus_per_node", "zero", "fsdp", "offload", "ddp_bucket_view",
-                  "fsdp_embedding_groups", "bnb_version", "lora",
+                  "fsdp_embedding_groups", "fsdp_version", "fsdp_use_orig_params", "fsdp_no_sync", "bnb_version",
+                  "lora",
                   "lora_alpha", "lora_dropout", "lora_targets", "dora", "train_modules", "adapter_dtype", "qlora",
                   "base_quant", "double_quant", "gpu", "headroom", "fragmentation", "alloc_conf", "cuda_overhead",
                   "tp", "sp", "pp", "pp_schedule", "virtual_stages", "micro_batches", "cp", "ep", "pp_layers")

@@ -55,7 +55,7 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, factory, batch_fn,
     sharded = w.parallel is not None and w.parallel.engine != "single" and not tensor_parallel
     if sharded and w.parallel.engine != "fsdp2":
         raise ConfigError("trace runs one GPU, one rank of FSDP2 (--gpus N --fsdp full|grad-op) or of tensor "
-                          "parallelism (--gpus N --tp N [--sp]); DDP and DeepSpeed are estimated only")
+                          "parallelism (--gpus N --tp N [--sp]); DDP and DeepSpeed are estimated only, as is FSDP1")
     if replay_allocator and (tensor_parallel or sharded):
         raise ConfigError("trace --allocator replays the one-GPU trace; not with --fsdp or --tp yet")
     if replay_allocator:

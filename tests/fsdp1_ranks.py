@@ -1,0 +1,150 @@
+"""Real FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel) on CPU processes (gloo): what each rank allocates in
+each phase of a gradient-accumulated step, under torch's MemTracker.
+
+Run as ``python tests/fsdp1_ranks.py WORLD SETUPS_JSON``; prints one JSON line per rank, a list of runs, one per setup.
+A setup's keys: ``config`` (AutoConfig.for_model keys of a Llama), ``lora`` (peft's LoraConfig keys, or null: full
+fine-tuning), ``strategy`` ("full" or "grad-op"), ``use_orig_params``, ``checkpointing`` (every layer, torch's
+non-reentrant checkpoint wrapper inside its unit, as Fabric's activation_checkpointing_policy applies it),
+``accum`` (micro-batches; all but the last in ``no_sync()`` where ``no_sync``, as Fabric's ``no_backward_sync``
+runs them), ``batch``, ``seq``. The model is bf16 throughout (lit-gpt's bf16-true), each decoder layer an FSDP unit
+(ModuleWrapPolicy), the root unit the rest, fused AdamW over what trains (no step temporaries: trainmem's
+``--optimizer-impl fused``). Two steps run; a run holds the second's phases (the optimizer's states exist, as in a
+steady step): each phase is a ``with tracker:`` block of its own (MemTracker resets its peak on entry), so a run
+holds every micro-batch's forward and backward peak, the step's, and the bytes after zero_grad; and each unit's
+FlatParameter as FlatParamHandle laid it out. Used by tests/test_fsdp1.py (a subprocess, so the process group never
+touches pytest's process). The collector runs before each micro-batch and the step: once, under pytest, a
+unit-sized tensor of the synced backward outlived it until Python's collector ran (a reference cycle), which a GPU
+run's counter would see as well, as chance has it; the estimate models the step without it.
+"""
+
+import contextlib
+import gc
+import json
+import os
+import socket
+import sys
+import tempfile
+import warnings
+
+
+def _tracker():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        """Storages only: MemTracker's module hooks register gradient hooks that FSDP1's frozen views refuse."""
+
+        def _pre_fw_hook(self, *a):
+            pass
+
+        def _post_fw_hook(self, *a):
+            pass
+
+        def _pre_bw_hook(self, *a):
+            pass
+
+        def _post_bw_hook(self, *a):
+            pass
+
+        def total(self, kind="current"):
+            return sum(snap["Total"] for snap in self.get_tracker_snapshot(kind).values())
+
+    return Tracker()
+
+
+def _model(setup):
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**setup["config"])).to(torch.bfloat16)
+    if setup.get("lora"):
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(**setup["lora"]))
+        for p in model.parameters():  # bf16 adapters: FSDP1 flattens one dtype per unit
+            if p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+    strategy = {"full": ShardingStrategy.FULL_SHARD, "grad-op": ShardingStrategy.SHARD_GRAD_OP}[setup["strategy"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # _wrap_utils' warning on mixed requires_grad under use_orig_params
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), sharding_strategy=strategy,
+                     use_orig_params=setup["use_orig_params"], device_id=torch.device("cpu"), limit_all_gathers=True)
+    if setup.get("checkpointing"):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+    return model
+
+
+def _run(setup):
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = _model(setup)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    tracker = _tracker()
+    tracker.track_external(model, optimizer)
+    phases: list = []
+    for _ in range(2):
+        phases = []
+        for i in range(setup["accum"]):
+            gc.collect()
+            x = torch.randint(0, setup["config"]["vocab_size"], (setup["batch"], setup["seq"]))
+            last = i == setup["accum"] - 1
+            with model.no_sync() if setup.get("no_sync") and not last else contextlib.nullcontext():
+                with tracker:
+                    loss = model(input_ids=x, labels=x).loss
+                    phases.append({"phase": "forward", "peak": tracker.total("peak")})
+                with tracker:
+                    loss.backward()
+                    del loss
+                    phases.append({"phase": "backward", "peak": tracker.total("peak")})
+        gc.collect()
+        with tracker:
+            optimizer.step()
+            phases.append({"phase": "optimizer", "peak": tracker.total("peak")})
+            optimizer.zero_grad(set_to_none=True)
+            phases.append({"phase": "between_steps", "peak": tracker.total()})
+    flat = [{"numel": h.flat_param._unpadded_unsharded_size.numel(), "shard": h.flat_param._sharded_size.numel(),
+             "trains": h.flat_param.requires_grad}
+            for h in (m._handle for m in FSDP.fsdp_modules(model)) if h is not None]
+    return {"phases": phases, "flat_params": flat}
+
+
+def _rank(rank, world, setups, port, out):
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    runs = [_run(setup) for setup in setups]
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"rank": rank, "runs": runs}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    world, setups = int(sys.argv[1]), json.loads(sys.argv[2])
+    # imported once here and forked into the ranks (spawning would import torch, transformers and peft in each)
+    import peft  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from torch.distributed._tools import mem_tracker  # noqa: F401
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        mp.start_processes(_rank, args=(world, setups, port, out), nprocs=world, start_method="fork")
+        for rank in range(world):
+            print(open(f"{out}.{rank}").read())
+
+
+if __name__ == "__main__":
+    main()
