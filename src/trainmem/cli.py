@@ -261,6 +261,17 @@ MEASURE_IGNORES = ("gpu", "headroom", "fragmentation", "cuda_overhead", "gpus_pe
 one process and compares allocated bytes, refuses them in one line rather than ignore them."""
 
 
+def _refuse_fit_only_flags(what: str) -> None:
+    """measure's and diff's one-line refusal of the MEASURE_IGNORES flags given on the command line; ``what`` says
+    what the command does, the rest of the line is the same."""
+    ctx = click.get_current_context()
+    given = [name for name in MEASURE_IGNORES
+             if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)]
+    if given:
+        raise ConfigError(f"{what}: {', '.join('--' + name.replace('_', '-') for name in given)} only change what "
+                          "estimate says fits a GPU (use trainmem estimate for that)")
+
+
 def _one_process(w: _Workload, command: str) -> None:
     if w.parallel is not None and (w.parallel.engine != "single" or w.parallel.is_model_parallel):
         raise ConfigError(f"{command} runs one process: --gpus above 1, --zero, --fsdp, --tp, --pp, --cp and --ep "

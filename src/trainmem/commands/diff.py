@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..cli import (_MAX_STEP, MEASURE_IGNORES, _Whole, _console, _emit_json, _header, _model_dict, _one_process,
+from ..cli import (_MAX_STEP, _Whole, _console, _emit_json, _header, _model_dict, _one_process, _refuse_fit_only_flags,
                    _workload, _workload_options)
 from ..errors import ConfigError
 
@@ -23,14 +23,7 @@ def diff(batch, seq, no_round, every, **options) -> None:
     \b
     Example: trainmem diff llama-3.2-1b --batch 1 --seq 512 --recipe amp-bf16
     """
-    from click.core import ParameterSource
-
-    ctx = click.get_current_context()
-    given = {name for name in ctx.params if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
-    ignored = [f"--{name.replace('_', '-')}" for name in MEASURE_IGNORES if name in given]
-    if ignored:
-        raise ConfigError(f"diff compares allocated bytes: {', '.join(ignored)} only change what estimate says fits "
-                          "a GPU (use trainmem estimate for that)")
+    _refuse_fit_only_flags("diff compares allocated bytes")
     w = _workload(options, batch, seq, need_config="diff")
     _one_process(w, "diff")
     from ..diff import check_diffable, diff_step, render, to_dict

@@ -6,7 +6,7 @@ import contextlib
 
 import click
 
-from ..cli import (_console, _header, _model_dict, _emit_json, _workload, MEASURE_IGNORES, _one_process,
+from ..cli import (_console, _header, _model_dict, _emit_json, _workload, _refuse_fit_only_flags, _one_process,
                    _workload_options, _Whole, _MAX_STEP)
 from ..errors import ConfigError
 
@@ -27,20 +27,13 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     \b
     Example: trainmem measure gpt2 --batch 2 --seq 256 --recipe fp32 --device cpu
     """
-    from click.core import ParameterSource
-
     from ..stepmodel import estimate_model
     from ..measure import measure_steps, recipe_for_cpu, refuse_unmeasurable, resolve_device
     from ..units import format_bytes
 
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
-    ctx = click.get_current_context()
-    given = {name for name in ctx.params if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
-    ignored = [f"--{name.replace('_', '-')}" for name in MEASURE_IGNORES if name in given]
-    if ignored:
-        raise ConfigError(f"measure runs the step and compares allocated bytes: {', '.join(ignored)} only change "
-                          "what estimate says fits a GPU (use trainmem estimate for that)")
+    _refuse_fit_only_flags("measure runs the step and compares allocated bytes")
     snapshot_path = None
     if snapshot is not None:
         from ..outputs import check_output_file
@@ -73,7 +66,9 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
 
     errors = Console(stderr=True, highlight=False, soft_wrap=True)  # progress on stderr: --json keeps stdout
     device = resolve_device(device)
-    settings, changed = recipe_for_cpu(w.settings, device, "recipe" in given)
+    recipe_given = click.get_current_context().get_parameter_source("recipe") not in (
+        click.core.ParameterSource.DEFAULT, None)
+    settings, changed = recipe_for_cpu(w.settings, device, recipe_given)
     if changed:
         errors.print(f"measure: {changed}")
     spec, unit, as_json = w.spec, w.unit, options["as_json"]
