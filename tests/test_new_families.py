@@ -45,13 +45,17 @@ LONG = [
 ]
 
 
+def _every_phase_within_one_percent(config, settings):
+    row = compare(config, settings)
+    for phase, estimate, trace in ((row.phase, row.estimate, row.trace), *row.other_phases):
+        assert abs(_total_error(estimate, trace)) <= 0.01, (phase, estimate, trace)
+
+
 def _check(model_type, extra, recipe, checkpointing, attention, batch, seq, dropout=0.0):
     config = dict(_SMALL, model_type=model_type, **extra)
     settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=batch, seq=seq, optimizer="adamw",
                              dropout=dropout, attention=attention)
-    row = compare(config, settings)
-    for phase, estimate, trace in ((row.phase, row.estimate, row.trace), *row.other_phases):
-        assert abs(_total_error(estimate, trace)) <= 0.01, (phase, estimate, trace)
+    _every_phase_within_one_percent(config, settings)
 
 
 @slow
@@ -220,9 +224,7 @@ def _check_gpt_style(model_type, extra, recipe, checkpointing, attention, dropou
     config = dict(base, model_type=model_type, **extra)
     settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=4, seq=1024, optimizer="adamw",
                              dropout=dropout, attention=attention)
-    row = compare(config, settings)
-    for phase, estimate, trace in ((row.phase, row.estimate, row.trace), *row.other_phases):
-        assert abs(_total_error(estimate, trace)) <= 0.01, (phase, estimate, trace)
+    _every_phase_within_one_percent(config, settings)
 
 
 @slow
