@@ -567,9 +567,47 @@ def summary(results: list[Result]) -> str:
     return text + "."
 
 
+def flat_reserved(row: Row) -> Result:
+    """The row's reserved figure under the flat factor trainmem used before the allocator replay (allocated + 10%
+    of the dynamic memory: ``--fragmentation 0.1``)."""
+    flat = Row(row.source, row.where, row.setup, (*row.args, "--fragmentation", "0.1"), row.published, row.unit,
+               row.metric, row.specified, row.remark, row.unsupported)
+    return Result(row, run(flat).estimate_bytes, "")
+
+
+def reserved_table(results: list[Result]) -> str:
+    """The published max_memory_reserved() figures: the replayed reserved (what the table above compares) beside
+    the flat factor, each with its error, and how often the replay is the closer of the two."""
+    lines = ["| # | set-up | published | allocated | replayed reserved | flat factor | closer |",
+             "|---|---|---|---|---|---|---|"]
+    replayed, flat, closer = [], [], 0
+    for i, r in enumerate(results, 1):
+        if r.row.metric is not Metric.RESERVED or r.estimate_bytes is None:
+            continue
+        f = flat_reserved(r.row)
+        allocated = run(Row(r.row.source, r.row.where, r.row.setup, r.row.args, r.row.published, r.row.unit,
+                            Metric.ALLOCATED)).estimate_bytes
+        assert f.error is not None and r.error is not None and allocated is not None
+        if r.row.specified:
+            replayed.append(abs(r.error))
+            flat.append(abs(f.error))
+            closer += abs(r.error) < abs(f.error)
+        unit = r.row.unit
+        lines.append(f"| {i} | {r.row.setup}{'' if r.row.specified else ' (partly specified)'} | "
+                     f"{_figure(r.row.published, unit)} | {_figure(allocated / unit, unit)} | "
+                     f"{_figure(r.estimate_bytes / unit, unit)} ({r.error:+.1%}) | "
+                     f"{_figure(f.estimate_bytes / unit, unit)} ({f.error:+.1%}) | "
+                     f"{'replay' if abs(r.error) < abs(f.error) else 'flat'} |")
+    text = "\n".join(lines)
+    if replayed:
+        text += (f"\n\nReserved figures fully specified: {len(replayed)}; the replay is closer on {closer}; median "
+                 f"absolute error {statistics.median(replayed):.1%} replayed, {statistics.median(flat):.1%} flat.")
+    return text
+
+
 def block() -> str:
     results = [run(row) for row in ROWS]
-    return f"{BEGIN}\n{table(results)}\n\n{summary(results)}\n{END}"
+    return f"{BEGIN}\n{table(results)}\n\n{summary(results)}\n\n{reserved_table(results)}\n{END}"
 
 
 def docs_block(path: Path) -> str:

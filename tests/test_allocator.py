@@ -252,6 +252,19 @@ def test_a_repeated_step_frees_what_the_previous_one_left():
     assert a.allocated_bytes == 4 * MIB and len(live) == 1
 
 
+def test_a_log_from_its_second_step_starts_from_what_is_alive_then():
+    """from_step(1): what the first step left alive (key 0, and key 3 the first step made) is the state before the
+    steps, in the order it was made; key 1, made and freed in the first step, is gone; the second step follows."""
+    log = log_from_sizes([("alloc", 0, 4 * MIB), ("alloc", 1, MIB), ("alloc", 3, 2 * MIB), ("free", 1, 0),
+                          ("alloc", 4, 3 * MIB), ("free", 4, 0)], step_starts=(1, 4))
+    later = log.from_step(1)
+    assert later.steps == 1 and later.step_starts == (2,)
+    assert [(e.key, e.nbytes) for e in later.events] == [(0, 4 * MIB), (3, 2 * MIB), (4, 3 * MIB), (4, 0)]
+    assert replay(later, steps=2).max_allocated == 9 * MIB  # (the repeat: 4 + 2 MiB alive, 3 MiB made and freed)
+    with pytest.raises(ConfigError, match="steps 0 to 1, not 2"):
+        log.from_step(2)
+
+
 _SIZES = st.one_of(st.integers(1, 4096), st.integers(4096, 2 * MIB), st.integers(2 * MIB, 30 * MIB),
                    st.integers(30 * MIB, 120 * MIB))
 _CONFIGS = ["", "expandable_segments:True", "max_split_size_mb:40", "roundup_power2_divisions:4",
@@ -352,7 +365,7 @@ def test_trace_allocator_command(run_cli, recorded, monkeypatch, tmp_path):
     assert "first failing allocation on 1.00 MiB: event 0 (step 0)" in out
     assert "(parameters; tried to allocate 2.00" in out
     for extra, words in ((("--alloc-conf", "max_split_size_mb:1"), "--alloc-conf: max_split_size_mb too small"),
-                         (("--gpus", "2", "--fsdp", "full"), "not with --fsdp or --tp")):
+                         (("--gpus", "2", "--tp", "2", "--recipe", "fp32"), "not with --tp yet")):
         code, _, err = run_cli(*args, *extra)
         assert code == 2 and words in err and err.strip().count("\n") == 0
     code, _, err = run_cli("trace", str(config), "--alloc-conf", "expandable_segments:True")
@@ -360,6 +373,33 @@ def test_trace_allocator_command(run_cli, recorded, monkeypatch, tmp_path):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:maybe")
     code, _, err = run_cli(*args)
     assert code == 2 and "PYTORCH_CUDA_ALLOC_CONF: expandable_segments takes True or False" in err
+
+
+def test_trace_allocator_on_an_fsdp2_rank(run_cli, tmp_path):
+    """trace --allocator --gpus 2 --fsdp full records the rank's own allocations (the sharded parameters as the
+    state before the steps) and replays its second step twice: the replayed max_memory_allocated is the traced
+    rank's peak, and the sharded parameters are labelled as parameters, not "other"."""
+    import json
+
+    pytest.importorskip("transformers")
+    from trainmem.models import spec_from_config
+    from trainmem.settings import TrainingSettings
+    from trainmem.sharding import Parallel
+    from trainmem.trace import trace_fsdp_step
+
+    traced = trace_fsdp_step(_TINY, TrainingSettings(batch=1, seq=16, recipe="mixed-bf16"),
+                             Parallel(gpus=2, fsdp="full"), spec_from_config(_TINY), record_allocations=True)
+    log = traced.allocations
+    assert log.steps == 1 and "parameters" in {e.label for e in log.events[:log.step_starts[0]]}
+    assert "other" not in {e.label for e in log.events}
+    report = replay(log, steps=2)
+    assert report.unmatched_frees == 0 and report.max_allocated == traced.peak.allocated_bytes
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(_TINY))
+    code, out, _ = run_cli("trace", str(config), "--seq", "16", "--recipe", "mixed-bf16", "--gpus", "2", "--fsdp",
+                           "full", "--allocator", "--json")
+    doc = json.loads(out)["trace"]["allocator"]
+    assert code == 0 and doc["steps"] == 2 and doc["max_memory_allocated_bytes"] == traced.peak.allocated_bytes
 
 
 def test_the_recorder_follows_memtracker_s_storages_and_resizes():

@@ -209,8 +209,9 @@ def test_mixed_precision_precision_check_figures(run_cli):
     g, scaled = d["gradients"], d["gradients_scaled"]
     flushed_scaled = round(scaled["underflow_to_zero"] * scaled["count"])
     assert (f"it found {g['underflow_to_zero']:.2%} of gradients flushed to zero and {g['subnormal']:.0%} subnormal "
-            f"(most of them in the LM head) without scaling, {flushed_scaled} of its {g['count'] / 1e6:.1f} million "
-            "flushed at scale 1024") in text
+            f"(most of them in the LM head) without scaling, 8-10 of its {g['count'] / 1e6:.1f} million flushed at "
+            "scale 1024") in text
+    assert 8 <= flushed_scaled <= 10  # (the CPU's kernels move the last few: the docs give the range seen)
     by_type = d["by_layer_type"]
     assert max(by_type, key=lambda k: by_type[k]["gradients"]["subnormal"] * by_type[k]["gradients"]["count"]) == \
         "lm_head"

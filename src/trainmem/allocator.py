@@ -900,6 +900,24 @@ class AllocationLog:
             log = log.repeat_last_step()
         return log
 
+    def from_step(self, step: int) -> AllocationLog:
+        """The log as if it began at ``step`` (0-based): what is alive when that step starts, allocated in the order
+        it was made, is the state before the first step; that step and the ones after it follow. A warm-up step
+        whose allocations no later step repeats (a traced FSDP2 rank's first step: trace.trace_fsdp_step) is left
+        out of the pools the steady state starts from."""
+        if not 0 <= step < self.steps:
+            raise ConfigError(f"this allocation log has steps 0 to {self.steps - 1}, not {step}")
+        start = self.step_starts[step]
+        alive: dict[int, AllocEvent] = {}
+        for e in self.events[:start]:
+            if e.nbytes:
+                alive[e.key] = e
+            else:
+                alive.pop(e.key, None)
+        setup = tuple(alive.values())
+        shift = len(setup) - start
+        return AllocationLog(setup + self.events[start:], tuple(s + shift for s in self.step_starts[step:]))
+
     def repeat_last_step(self) -> AllocationLog:
         """The log with its last step once more. The repeat allocates fresh keys; a free of a key the step found
         alive (a gradient, a state the step replaces) frees what the step left in its place: the survivors of the

@@ -352,8 +352,20 @@ class LayoutStep:
 
     def _ratio(self, stage, batch: int, local: int) -> float | None:
         """The stage's replayed fragmentation ratio (StepModel.replayed_ratio): its in-flight micro-batches and
-        receive buffers are not in its replayed step, so the ratio, not the replay, carries over."""
-        return stage.step.replayed_ratio(batch, local) if self.device.fragmentation is None else None
+        receive buffers are not in its replayed step, so the ratio, not the replay, carries over. A stage that is
+        also a rank of a data-parallel engine keeps the flat factor: no published reserved figure of a
+        model-parallel run checks its replay (docs/accuracy.md), and a search would replay each of them (plan_speed:
+        16 times slower)."""
+        if self.device.fragmentation is not None or stage.step.rank is not None:
+            return None
+        return stage.step.replayed_ratio(batch, local)
+
+    def peak(self, batch: int, seq: int) -> Peak:
+        """The peak of the most loaded stage, its reserved memory by that stage's replayed ratio (as
+        :meth:`estimate` and :meth:`fitting_peak` count it)."""
+        loaded = [(self._stage_phases(stage, batch, seq), stage) for stage in self._stages]
+        phases, stage = max(loaded, key=lambda pair: max(ph.allocated_bytes for ph in pair[0]))  # (the first)
+        return peak_of_phases(phases, self.device, ratio=self._ratio(stage, batch, self._local_seq(seq)))
 
     def phases(self, batch: int, seq: int) -> tuple[Phase, ...]:
         """The phases of the most loaded stage."""

@@ -477,7 +477,8 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
 
     node = min(gpus_per_node, gpus)
     device = device or DeviceOptions()
-    if gpus == 1:  # (on several GPUs the data-parallel ranks keep the flat factor, the others replay their stages)
+    if gpus == 1:  # (on several GPUs each layout's step applies its own replayed ratio, as its estimate does:
+        # StepModel.replayed_ratio, one replay per compiled step)
         device = search_ratio(spec, seq, recipes[0], checkpointing[0], device, gpu)
     host_memory = int(host_memory_gib * 2**30)
     started = time.perf_counter()

@@ -32,7 +32,7 @@ from functools import partial
 
 from .allocator import DEFAULT_CONFIG, AllocationLog, AllocatorConfig, AllocEvent, ReplayReport, replay
 from .hardware import DEFAULT_FRAGMENTATION
-from .timeline import CATEGORIES, Phase, step_candidates
+from .timeline import CATEGORIES, Phase, gathers_before_first_layer, step_candidates
 from .units import format_bytes
 
 _event = partial(tuple.__new__, AllocEvent)
@@ -238,7 +238,8 @@ def step_sequence(step, batch: int, seq: int) -> StepSequence | None:
         step.spec, step._static_bytes, acts, step.recipe, step.optimizer, settings, step.rank, step.finetune,
         every_layer=True, layers=layers)
     queues = _queues(step, acts)
-    forward = tuple(_forward_moments(step, acts, layers, forward[-1])) + forward
+    early = int(gathers_before_first_layer(step.rank))  # (the moment before the first layer comes first)
+    forward = forward[:early] + tuple(_forward_moments(step, acts, layers, forward[-1])) + forward[early:]
     temps = {"temporaries": parameter_numels(step.spec)}  # (the foreach step's: one per parameter tensor)
     layer, loss = _patterns(step, acts)
     w = _Walker()
@@ -294,12 +295,11 @@ def reserved_basis(est) -> str:
         return (f"the step replayed through torch 2.13's CUDACachingAllocator ({settings}): max_memory_reserved(), "
                 f"{format_bytes(r.fragmentation, 'GiB')} fragmentation at the peak")
     if peak.reserved_from == "ratio":
-        return (f"allocated + the replayed fragmentation ratio of this model's step ({settings}); "
-                "max_memory_reserved()")
+        return (f"allocated + the fragmentation of this step replayed at micro-batch 1 through torch 2.13's "
+                f"CUDACachingAllocator, as a fraction of the dynamic memory ({settings}); max_memory_reserved()")
     if dev.fragmentation is not None:
         return f"+ {dev.fragmentation:.0%} of the dynamic memory (--fragmentation); max_memory_reserved()"
-    why = ("a data-parallel rank's replay is not validated yet" if est.rank is not None else
-           f"over {MAX_TENSORS:,} parameter tensors to replay" if too_many_tensors(est.model) else
+    why = (f"over {MAX_TENSORS:,} parameter tensors to replay" if too_many_tensors(est.model) else
            "no layer-by-layer step to replay")
     return f"+ {DEFAULT_FRAGMENTATION:.0%} of the dynamic memory (flat: {why}); max_memory_reserved()"
 
@@ -310,9 +310,8 @@ def plan_reserved_note(device) -> str:
     if device.fragmentation is not None:
         return f"reserved = allocated + {device.fragmentation:.0%} of the dynamic memory (--fragmentation)"
     if device.reserved_ratio is None:
-        return (f"reserved: layouts with data parallelism allocated + {DEFAULT_FRAGMENTATION:.0%} of the dynamic "
-                "memory (a rank's replay is not validated yet); the others allocated + the replayed fragmentation "
-                f"ratio of their step ({settings})")
+        return ("reserved = allocated + the fragmentation of each layout's step replayed at micro-batch 1, as a "
+                f"fraction of the dynamic memory ({settings}), as `trainmem estimate` counts a rank")
     return (f"reserved = allocated + {device.reserved_ratio:.0%} of the dynamic memory: the fragmentation of the "
             f"model's one-GPU step replayed through the caching allocator ({settings}); `trainmem estimate` "
             "replays a layout's own step")

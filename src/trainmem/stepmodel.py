@@ -278,9 +278,10 @@ class StepModel:
 
     def fitting_peak(self, batch: int, seq: int, gpu, exact: bool = False) -> Peak | None:
         """The peak at (batch, seq) if it fits ``gpu``, else None (what a search asks). Reserved memory: with
-        ``exact`` (--max-batch, --max-seq: a few probes) the step's own replay, as its estimate has it; else (plan:
-        thousands of probes, a replay costs 50-200 ms) the allocated peak plus the replayed fragmentation ratio of a
-        reference step (replayed_ratio). A step whose allocated bytes alone do not fit is not replayed."""
+        ``exact`` (--max-batch, --max-seq: a few probes) on one GPU the step's own replay, as its estimate has it;
+        else (plan: thousands of probes, a replay costs 50-200 ms; and a data-parallel rank, whose estimate applies
+        it) the allocated peak plus the replayed fragmentation ratio of a reference step (replayed_ratio). A step
+        whose allocated bytes alone do not fit is not replayed."""
         if not fits_at_least(self.floor(batch, seq), self.device, gpu):
             return None
         phases = self.phases(batch, seq)
@@ -288,7 +289,7 @@ class StepModel:
             peak = peak_of_phases(phases, self.device)
         elif not peak_of_phases(phases, self.device, reserved=0).fits(gpu):
             return None
-        elif exact:
+        elif exact and self.rank is None:
             peak = peak_of_phases(phases, self.device, reserved=self.replayed_reserved(batch, seq))
             if not peak.fits(gpu) and peak.reserved_from == "replay":
                 from .allocator import runs_within
@@ -308,7 +309,7 @@ class StepModel:
         from .replay import STEPS
 
         key = (batch, seq)
-        if self.rank is not None or self.traced:  # (a traced step has no timeline to replay: the flat factor)
+        if self.traced:  # (a traced step has no timeline to replay: the flat factor)
             return None
         if key in self._replays:
             report = self._replays[key]
@@ -320,14 +321,12 @@ class StepModel:
         return self._reserved[key]
 
     def replay(self, batch: int, seq: int):
-        """The caching allocator's replay of this step at (batch, seq) (replay.py; memoised), None without one.
-        None too on a rank of a data-parallel engine: its sequence is built (tests/test_replay.py) but trace
-        --allocator runs one GPU, so nothing has checked it yet, and on FSDP2 it replays to 30-50% above the
-        allocated peak, which no published figure supports: such a rank keeps the flat factor."""
+        """The caching allocator's replay of this step at (batch, seq) (replay.py; memoised), None without one
+        (a traced step: the flat factor)."""
         from .replay import replay_step
 
         key = (batch, seq)
-        if self.rank is not None or self.traced:  # (replay_sharded: not yet validated)
+        if self.traced:
             return None
         if key not in self._replays:
             self._replays[key] = replay_step(self, batch, seq, self.device.alloc_config or DEFAULT_ALLOC,
@@ -336,11 +335,11 @@ class StepModel:
 
     def sequence(self, batch: int, seq: int):
         """replay.step_sequence at (batch, seq) (memoised: a fit check on a card replays it again), None on a
-        rank of a data-parallel engine (see ``replay``)."""
+        traced step (see ``replay``)."""
         from .replay import step_sequence
 
         key = (batch, seq)
-        if self.rank is not None or self.traced:
+        if self.traced:
             return None
         if key not in self._sequences:
             self._sequences[key] = step_sequence(self, batch, seq)
@@ -350,9 +349,11 @@ class StepModel:
         """The replay's fragmentation over the dynamic memory at its peak (max_memory_reserved() less the
         allocated peak, over estimate.dynamic_bytes): the search's (DeviceOptions.reserved_ratio, one replay per
         plan search: plan.search_ratio), else this step's at micro-batch 1 and ``seq`` (so that a search and an
-        estimate of the same layout, whatever batch each asks first, apply the same ratio)."""
-        if self.rank is not None or self.traced:  # (a data-parallel rank keeps the flat factor, as its estimate
-            return None  # does: replay)
+        estimate of the same layout, whatever batch each asks first, apply the same ratio). A data-parallel rank's
+        estimate applies this ratio too, as a model-parallel stage's does (modelparallel.py), so that a plan's
+        search and its estimate agree: its replay at micro-batch 1 gives the ratio (docs/method.md §6)."""
+        if self.traced:  # (no timeline to replay: the flat factor)
+            return None
         if self.device.reserved_ratio is not None:
             return self.device.reserved_ratio
         if seq not in self._ratio:
@@ -416,12 +417,15 @@ class StepModel:
             notes.append(PAGED_NOTE)
         elif self.optimizer.paged:
             notes.append(self._paged_note)
-        # (one replay for the reserved line and the report behind it: Estimate.allocator)
-        report = self.replay(batch, seq) if self.device.fragmentation is None else None
+        # (one replay for the reserved line and the report behind it: Estimate.allocator; a data-parallel rank
+        # applies its step's replayed ratio: replayed_ratio)
+        replayed = self.device.fragmentation is None
+        report = self.replay(batch, seq) if replayed and self.rank is None else None
         reserved = None if report is None else report.max_reserved
+        ratio = self.replayed_ratio(batch, seq) if replayed and self.rank is not None else None
         return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, finetune=self.finetune,
                         activations=acts, phases=phases,
-                        peak=peak_of_phases(phases, self.device, reserved),
+                        peak=peak_of_phases(phases, self.device, reserved, ratio=ratio),
                         device=self.device, notes=tuple(notes), warnings=warnings, paged_bytes=self.paged_bytes,
                         allocation_log=None if reserved is None else self.sequence(batch, seq).log,
                         replayed=report)
@@ -632,10 +636,13 @@ def evaluate(step: StepModel, batch: int, seq: int) -> Evaluation:
     if not step.spec.has_architecture:
         return Evaluation((), None)
     phases = step.phases(batch, seq)
-    # (a model-parallel step's stages apply their ratios: its fitting_peak; evaluate gives the flat factor there)
-    replayed = getattr(step, "replayed_reserved", None)
-    reserved = replayed(batch, seq) if replayed is not None and step.device.fragmentation is None else None
-    return Evaluation(phases, peak_of_phases(phases, step.device, reserved))
+    if not isinstance(step, StepModel):  # (a model-parallel layout: each stage applies its replayed ratio)
+        return Evaluation(phases, step.peak(batch, seq))
+    if step.device.fragmentation is not None:
+        return Evaluation(phases, peak_of_phases(phases, step.device))
+    if step.rank is not None:
+        return Evaluation(phases, peak_of_phases(phases, step.device, ratio=step.replayed_ratio(batch, seq)))
+    return Evaluation(phases, peak_of_phases(phases, step.device, step.replayed_reserved(batch, seq)))
 
 
 def estimate_model(model: ModelSpec, settings: TrainingSettings | None = None,

@@ -1304,6 +1304,13 @@ def final_hidden_bytes(spec: ModelSpec, p: Precision, tokens: int, settings: Tra
             and not spec.projects_embeddings and spec.has_head else 0)
 
 
+def gathers_before_first_layer(rank) -> bool:
+    """Whether the step's first forward moment is before the first decoder layer: a sharded engine gathering that
+    layer while the root's gather buffer is still alive (FSDP2's "forward:start" buffers). step_candidates puts that
+    moment first among the forward moments; replay.step_sequence walks it before the layers."""
+    return bool(rank and any("forward:start" in b.phases for b in rank.buffers))
+
+
 def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate, recipe: Recipe,
                     optimizer: Optimizer, settings: TrainingSettings,
                     rank: RankLayout | None = None, finetune=None,
@@ -1459,7 +1466,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                                    saved - head_part - head_copy + acts.kv_cache_bytes + cast_cache
                                    + acts.decoder_locals_bytes + layer_output + FP32 * h * local, 0))
     candidates_fw.append(candidates_fw.pop(0))  # the loss comes last: on a tie the earlier moment is the peak
-    starts = int(bool(rank and any("forward:start" in b.phases for b in rank.buffers)))
+    starts = int(gathers_before_first_layer(rank))
     if starts:
         # A sharded engine gathering the first layer while the root's gather buffer is still alive (FSDP2): only
         # the embedding's saved tensors and its output exist yet.

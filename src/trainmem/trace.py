@@ -131,7 +131,8 @@ class _AllocationRecorder:
         entry = self._live.get(ident)
         if entry is not None and entry[0]() is storage:
             return
-        label = _CATEGORY_OF.get(getattr(reftype, "value", str(reftype)), "other")
+        label = _CATEGORY_OF.get(getattr(reftype, "value", str(reftype))) or _FSDP_CATEGORY.get(
+            getattr(reftype, "name", ""), "other")  # (MemTracker's reference types, or FSDPMemTracker's)
         key = self._allocate(nbytes, label)
         ref = weakref.ref(storage, lambda r, ident=ident, key=key: self._died(ident, key, r))
         self._live[ident] = [ref, key, nbytes, label]
@@ -534,18 +535,23 @@ def _fsdp_model(config: dict[str, Any], settings: TrainingSettings, parallel, me
 
 
 def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel, spec: ModelSpec | None = None,
-                    round_to_cuda: bool = True, finetune=None) -> TraceResult:
+                    round_to_cuda: bool = True, finetune=None, record_allocations: bool = False) -> TraceResult:
     """One rank of an FSDP2 run (``fully_shard`` on every decoder layer and the root), traced under FakeTensorMode
     with PyTorch's fake process group, whose collectives move no data: rank 0, which holds the largest shards.
     PyTorch's FSDPMemTracker (torch.distributed._tools.fsdp2_mem_tracker) follows every storage, collective
     buffers included, with the trace's corrections (what a GPU runs in place); a warm-up step first creates the
-    sharded optimizer states, as torchtitan's estimation script does."""
+    sharded optimizer states, as torchtitan's estimation script does. ``record_allocations`` records the
+    allocations and frees of both steps, as trace_step's (the sharded model and optimizer seen as the tracker
+    starts, before the first step), on the one stream the fake process group runs: FSDP2's all-gather and
+    reduce-scatter buffers, which a GPU allocates on their own streams, share the default stream's pool here."""
     import torch
     from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
 
     check_fsdp_traceable(settings, parallel)
     started = time.perf_counter()
-    with _fake_process_group(parallel.gpus) as mesh, _cuda_block_sizes(round_to_cuda), fake_gpu():
+    recorder = _AllocationRecorder() if record_allocations else None
+    with _fake_process_group(parallel.gpus) as mesh, _cuda_block_sizes(round_to_cuda), fake_gpu(), \
+            _recording(recorder):
         recipe = get_recipe(settings.recipe)
         model, optimizer = _fsdp_model(config, settings, parallel, mesh, spec, finetune)
         ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq))
@@ -559,6 +565,8 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
         tracker.track_inputs((ids,))
         with tracker:
             for iteration in range(2):
+                if recorder is not None:
+                    recorder.begin_step()
                 with autocast:
                     loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
@@ -576,7 +584,11 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
         before, peak, after = _tracked_optimizer_step(step_tracker, optimizer)
     phases = _rank_phases(_phase("load", "static state", after), _fsdp_phase("forward", "peak of forward", forward),
                           _fsdp_phase("backward", "peak of backward", backward), before, peak, after)
-    return TraceResult(phases, time.perf_counter() - started, round_to_cuda)
+    return TraceResult(phases, time.perf_counter() - started, round_to_cuda,
+                       allocations=recorder.log().from_step(1) if recorder is not None else None)
+    # (from the second step: the first, on the fake process group, allocates full-size fp32 optimizer
+    # temporaries of the embedding and the head that the second does not, and a GPU's steady state is the
+    # second step's; replay() repeats it to make two)
 
 
 TP_TRACE_RECIPES = ("fp32", "pure-bf16-bf16states")

@@ -52,8 +52,9 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, explain_reserved, **
         raise ConfigError("--explain-reserved shows the allocator replay, which --fragmentation replaces: give one")
     est, extra = estimate_searched(w.spec, w.settings, w.device, target, w.parallel, w.finetune, max_batch, max_seq)
     if explain_reserved and est.allocator is None:
-        raise ConfigError("--explain-reserved: this estimate has no allocator replay (it needs a layer-by-layer step: "
-                          "a model config, no --activation-k, one GPU or a data-parallel engine)")
+        raise ConfigError("--explain-reserved shows the replay of a one-GPU step (a model config, no --activation-k); "
+                          "a data-parallel rank or a model-parallel stage applies its step's replayed ratio, which "
+                          "the reserved line states")
     if plot is not None:
         from ..outputs import replacing
 

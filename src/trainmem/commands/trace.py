@@ -16,7 +16,8 @@ from ..units import parse_unit
 @click.option("--no-round", is_flag=True, help="Keep raw tensor sizes (CUDA rounds each allocation to 512 B).")
 @click.option("--allocator", "replay_allocator", is_flag=True,
               help="Replay two steps' allocations through a model of CUDA's caching allocator: max_memory_reserved, "
-                   "fragmentation at the peak, largest inactive split, and the first allocation that fails on --gpu.")
+                   "fragmentation at the peak, largest inactive split, and the first allocation that fails on --gpu. "
+                   "One GPU, or one FSDP2 rank (--gpus N --fsdp full: its second step, twice).")
 @click.option("--alloc-conf", default=None, metavar="TEXT",
               help="PYTORCH_CUDA_ALLOC_CONF options for --allocator, e.g. expandable_segments:True (default: the "
                    "environment's PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF).")
@@ -40,6 +41,7 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, factory, batch_fn,
              trainmem trace llama-3.2-1b --gpus 8 --fsdp full --lora 16
              trainmem trace llama-3-8b --gpus 2 --tp 2 --sp --recipe pure-bf16-bf16states
              trainmem trace llama-3.2-1b --allocator --alloc-conf expandable_segments:True --gpu L4
+             trainmem trace llama-3.2-1b --allocator --gpus 8 --fsdp full --recipe mixed-bf16
     """
     from ..step import check_runnable
 
@@ -56,8 +58,8 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, factory, batch_fn,
     if sharded and w.parallel.engine != "fsdp2":
         raise ConfigError("trace runs one GPU, one rank of FSDP2 (--gpus N --fsdp full|grad-op) or of tensor "
                           "parallelism (--gpus N --tp N [--sp]); DDP and DeepSpeed are estimated only, as is FSDP1")
-    if replay_allocator and (tensor_parallel or sharded):
-        raise ConfigError("trace --allocator replays the one-GPU trace; not with --fsdp or --tp yet")
+    if replay_allocator and tensor_parallel:
+        raise ConfigError("trace --allocator replays one GPU or one FSDP2 rank; not with --tp yet")
     if replay_allocator:
         from ..allocator import config_from_environment, parse_alloc_conf
 
@@ -96,7 +98,7 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, factory, batch_fn,
             result = trace_tp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round)
         elif sharded:
             result = trace_fsdp_step(config, settings, w.parallel, spec, round_to_cuda=not no_round,
-                                     finetune=w.finetune)
+                                     finetune=w.finetune, record_allocations=replay_allocator)
         else:
             result = trace_step(config, settings, spec, round_to_cuda=not no_round, finetune=w.finetune,
                                 record_allocations=replay_allocator)
