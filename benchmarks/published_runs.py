@@ -24,7 +24,7 @@ import io
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -570,9 +570,7 @@ def summary(results: list[Result]) -> str:
 def flat_reserved(row: Row) -> Result:
     """The row's reserved figure under the flat factor trainmem used before the allocator replay (allocated + 10%
     of the dynamic memory: ``--fragmentation 0.1``)."""
-    flat = Row(row.source, row.where, row.setup, (*row.args, "--fragmentation", "0.1"), row.published, row.unit,
-               row.metric, row.specified, row.remark, row.unsupported)
-    return Result(row, run(flat).estimate_bytes, "")
+    return Result(row, run(replace(row, args=(*row.args, "--fragmentation", "0.1"))).estimate_bytes, "")
 
 
 def reserved_table(results: list[Result]) -> str:
@@ -585,8 +583,7 @@ def reserved_table(results: list[Result]) -> str:
         if r.row.metric is not Metric.RESERVED or r.estimate_bytes is None:
             continue
         f = flat_reserved(r.row)
-        allocated = run(Row(r.row.source, r.row.where, r.row.setup, r.row.args, r.row.published, r.row.unit,
-                            Metric.ALLOCATED)).estimate_bytes
+        allocated = run(replace(r.row, metric=Metric.ALLOCATED)).estimate_bytes
         assert f.error is not None and r.error is not None and allocated is not None
         if r.row.specified:
             replayed.append(abs(r.error))

@@ -360,17 +360,20 @@ class LayoutStep:
             return None
         return stage.step.replayed_ratio(batch, local)
 
+    def _most_loaded(self, batch: int, seq: int) -> tuple[tuple[Phase, ...], _Stage]:
+        """The phases of the most loaded stage (the first of the largest), and that stage."""
+        return max(((self._stage_phases(stage, batch, seq), stage) for stage in self._stages),
+                   key=lambda pair: max(ph.allocated_bytes for ph in pair[0]))
+
     def peak(self, batch: int, seq: int) -> Peak:
         """The peak of the most loaded stage, its reserved memory by that stage's replayed ratio (as
         :meth:`estimate` and :meth:`fitting_peak` count it)."""
-        loaded = [(self._stage_phases(stage, batch, seq), stage) for stage in self._stages]
-        phases, stage = max(loaded, key=lambda pair: max(ph.allocated_bytes for ph in pair[0]))  # (the first)
+        phases, stage = self._most_loaded(batch, seq)
         return peak_of_phases(phases, self.device, ratio=self._ratio(stage, batch, self._local_seq(seq)))
 
     def phases(self, batch: int, seq: int) -> tuple[Phase, ...]:
         """The phases of the most loaded stage."""
-        return max((self._stage_phases(stage, batch, seq) for stage in self._stages),
-                   key=lambda phases: max(ph.allocated_bytes for ph in phases))
+        return self._most_loaded(batch, seq)[0]
 
     def estimate(self, batch: int, seq: int) -> Estimate:
         check_layout(self.spec, self.parallel, seq)

@@ -311,7 +311,8 @@ def plan_reserved_note(device) -> str:
         return f"reserved = allocated + {device.fragmentation:.0%} of the dynamic memory (--fragmentation)"
     if device.reserved_ratio is None:
         return ("reserved = allocated + the fragmentation of each layout's step replayed at micro-batch 1, as a "
-                f"fraction of the dynamic memory ({settings}), as `trainmem estimate` counts a rank")
+                f"fraction of the dynamic memory ({settings}), as `trainmem estimate` counts a rank; "
+                f"+ {DEFAULT_FRAGMENTATION:.0%} where a pipeline or tensor-parallel stage is also data-parallel")
     return (f"reserved = allocated + {device.reserved_ratio:.0%} of the dynamic memory: the fragmentation of the "
             f"model's one-GPU step replayed through the caching allocator ({settings}); `trainmem estimate` "
             "replays a layout's own step")

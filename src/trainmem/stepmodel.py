@@ -364,6 +364,16 @@ class StepModel:
                                 max(0, reserved - top.allocated_bytes) / dynamic)
         return self._ratio[seq]
 
+    def reserved_peak(self, phases: tuple[Phase, ...], batch: int, seq: int) -> Peak:
+        """The peak of ``phases`` (this step's at (batch, seq)) with reserved memory as its estimate counts it:
+        --fragmentation's flat factor where given; on a data-parallel rank its step's replayed ratio
+        (replayed_ratio); else the step's own replay (replayed_reserved); the flat factor where neither exists."""
+        if self.device.fragmentation is not None:
+            return peak_of_phases(phases, self.device)
+        if self.rank is not None:
+            return peak_of_phases(phases, self.device, ratio=self.replayed_ratio(batch, seq))
+        return peak_of_phases(phases, self.device, self.replayed_reserved(batch, seq))
+
     def estimate(self, batch: int, seq: int) -> Estimate:
         """The full estimate at (batch, seq), activations and notes included."""
         spec, settings = self.spec, self.settings_at(batch, seq)
@@ -417,17 +427,14 @@ class StepModel:
             notes.append(PAGED_NOTE)
         elif self.optimizer.paged:
             notes.append(self._paged_note)
-        # (one replay for the reserved line and the report behind it: Estimate.allocator; a data-parallel rank
-        # applies its step's replayed ratio: replayed_ratio)
-        replayed = self.device.fragmentation is None
-        report = self.replay(batch, seq) if replayed and self.rank is None else None
-        reserved = None if report is None else report.max_reserved
-        ratio = self.replayed_ratio(batch, seq) if replayed and self.rank is not None else None
+        # (one replay for the reserved line and the report behind it, Estimate.allocator: reserved_peak reads the
+        # memoised report; a data-parallel rank applies its step's replayed ratio instead)
+        report = self.replay(batch, seq) if self.device.fragmentation is None and self.rank is None else None
+        peak = self.reserved_peak(phases, batch, seq)
         return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, finetune=self.finetune,
-                        activations=acts, phases=phases,
-                        peak=peak_of_phases(phases, self.device, reserved, ratio=ratio),
+                        activations=acts, phases=phases, peak=peak,
                         device=self.device, notes=tuple(notes), warnings=warnings, paged_bytes=self.paged_bytes,
-                        allocation_log=None if reserved is None else self.sequence(batch, seq).log,
+                        allocation_log=None if peak.reserved_from != "replay" else self.sequence(batch, seq).log,
                         replayed=report)
 
 
@@ -638,11 +645,7 @@ def evaluate(step: StepModel, batch: int, seq: int) -> Evaluation:
     phases = step.phases(batch, seq)
     if not isinstance(step, StepModel):  # (a model-parallel layout: each stage applies its replayed ratio)
         return Evaluation(phases, step.peak(batch, seq))
-    if step.device.fragmentation is not None:
-        return Evaluation(phases, peak_of_phases(phases, step.device))
-    if step.rank is not None:
-        return Evaluation(phases, peak_of_phases(phases, step.device, ratio=step.replayed_ratio(batch, seq)))
-    return Evaluation(phases, peak_of_phases(phases, step.device, step.replayed_reserved(batch, seq)))
+    return Evaluation(phases, step.reserved_peak(phases, batch, seq))
 
 
 def estimate_model(model: ModelSpec, settings: TrainingSettings | None = None,

@@ -542,7 +542,7 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
     buffers included, with the trace's corrections (what a GPU runs in place); a warm-up step first creates the
     sharded optimizer states, as torchtitan's estimation script does. ``record_allocations`` records the
     allocations and frees of both steps, as trace_step's (the sharded model and optimizer seen as the tracker
-    starts, before the first step), on the one stream the fake process group runs: FSDP2's all-gather and
+    starts, before the first step), and keeps the second (AllocationLog.from_step), on the one stream the fake process group runs: FSDP2's all-gather and
     reduce-scatter buffers, which a GPU allocates on their own streams, share the default stream's pool here."""
     import torch
     from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
@@ -584,11 +584,11 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
         before, peak, after = _tracked_optimizer_step(step_tracker, optimizer)
     phases = _rank_phases(_phase("load", "static state", after), _fsdp_phase("forward", "peak of forward", forward),
                           _fsdp_phase("backward", "peak of backward", backward), before, peak, after)
-    return TraceResult(phases, time.perf_counter() - started, round_to_cuda,
-                       allocations=recorder.log().from_step(1) if recorder is not None else None)
-    # (from the second step: the first, on the fake process group, allocates full-size fp32 optimizer
+    # (the log from the second step: the first, on the fake process group, allocates full-size fp32 optimizer
     # temporaries of the embedding and the head that the second does not, and a GPU's steady state is the
     # second step's; replay() repeats it to make two)
+    return TraceResult(phases, time.perf_counter() - started, round_to_cuda,
+                       allocations=recorder.log().from_step(1) if recorder is not None else None)
 
 
 TP_TRACE_RECIPES = ("fp32", "pure-bf16-bf16states")
