@@ -112,6 +112,9 @@ class LayerActivations:
     backward keeps, and Gemma's fp32 ``1 + weight`` of each RMSNorm."""
     checkpoint_terms: tuple[Term, ...]
     """What a checkpointed layer keeps instead of ``terms`` (its input)."""
+    attention_input_casts: int = 0
+    """Of ``constant_bytes``, autocast's half copies of the attention's input projections: the only ones made by
+    the time its kernel runs (autocast casts a weight when its matmul is called)."""
     kernel: str = EAGER
     """The attention kernel a GPU runs for this layer (kernels.py)."""
     cache_extra: float = 0.0
@@ -816,8 +819,23 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         # (traced: ALiBi, amp-fp16, 1 x 1,000, 3.2 MiB of 120 short at the backward peak without them)
         saved = (c * a * d if "q" not in views else 0) + (c * kept_heads * d if "k" not in views else 0) \
             + (c * spec.hidden_size if p.autocast else 0)
-        return AttentionTerms(tuple(terms), EAGER, cache_extra, held, released, 2 * r * a * s + c * a * d,
-                              forward=forward, softmax_extra=extra * a * s, returned_to_model=r * a * s,
+        # Backward at the softmax: its output (saved) and the gradients of its output and input, s x s each, in the
+        # softmax's dtype. With ALiBi and half hidden states (pure-*) the logits are fp32 (the half scores are
+        # upcast first): after the softmax's backward, which frees its output, the cast's and the in-place scale's
+        # backward make two fp32 gradients, the larger moment (traced: pure-bf16, 2 x 1,000, -15.5% at the backward
+        # peak without them)
+        backward = 2 * r * a * s + c * a * d
+        if not rotary and r != FP32:
+            released += r * a * s
+            backward = 2 * FP32 * a * s + c * a * d
+        # Without checkpointing, FalconAttention's locals nothing saves are alive at the softmax too: the
+        # query_key_value output where no view keeps it, and under autocast the fp32 norm output(s) whose half
+        # copies the Linears save (traced: RoPE, fp32, 1 x 1,000: -2.4% at the forward peak without them)
+        locals_at_softmax = (0 if views else v_bytes * (a + 2 * kv) * d) \
+            + (_falcon_norm_outputs(spec, layer, p) if p.autocast else 0)
+        return AttentionTerms(tuple(terms), EAGER, cache_extra, held, released, backward,
+                              forward=forward, softmax_extra=extra * a * s + locals_at_softmax,
+                              returned_to_model=r * a * s,
                               recompute_saved=saved,
                               matmul_backward=c * a * s + 2 * c * a * d,
                               after_softmax=c * a * d + ((c if r != c or dropout > 0 else 0) + (
@@ -854,7 +872,23 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
             terms.append(Term("ALiBi mask cast/padded per layer (heads x padded columns)",
                               c * a * efficient_mask_width(s), kind=ALIBI_MASK_COPY))
         extra = (0.0 if qk_bytes == c else k_cache) + (0.0 if v_bytes == c else v_cache)
-        return AttentionTerms(tuple(terms), EFFICIENT, extra, 0.0, 0.0, c * 4 * a * d)  # dq, dk, dv, d(output)
+        # A checkpointed forward's worst moment is at the kernel: FalconAttention's locals, autocast's half copies
+        # of fp32 arguments, and the mask as the kernel prepares it. With RoPE, the boolean mask is converted to a
+        # float (b, 1, s, s) one and padded to 16 columns (a copy, where s is not a multiple), both alive before
+        # the output exists, as in _attention_terms (traced: Falcon, one head of width 100, fp32, selective
+        # checkpointing, 1 x 1,000, seed 20261203 case 4 of ``validate --random``: -23.4% at the forward peak
+        # without them); ALiBi's float bias is cast (autocast) and padded per call.
+        inputs = _falcon_forward_inputs(spec, layer, p, v_bytes, qk_bytes) \
+            + sdpa_autocast_casts(p, a, kv_heads, d, d, qk_bytes, v_bytes)
+        width = efficient_mask_width(s)
+        if rotary:
+            padded, unpadded = c * width, (c * s if width != s else 0)
+        else:
+            padded = c * a * width if r != c or width != s else 0
+            unpadded = c * a * s if r != c and width != s else 0
+        forward = inputs + padded + max(c * a * d + efficient_lse_per_token(a, s), unpadded)
+        return AttentionTerms(tuple(terms), EFFICIENT, extra, 0.0, 0.0, c * 4 * a * d,  # dq, dk, dv, d(output)
+                              forward=forward)
     # A single key/value head broadcast over one sequence's heads reshapes without a copy (stride 0)
     kv_kept = 1 if kv_heads == 1 and settings.batch == 1 else a
     # A checkpointed forward keeps nothing: its worst moment is the kernel's scores beside FalconAttention's
@@ -872,8 +906,39 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         terms += [Term("attention dropout mask", MASK * a * s), Term("dropped probabilities (fp32)", FP32 * a * s)]
     terms.append(Term("attention output copied contiguous (dense input)", c * a * d, input_of="o_input"))
     released, backward = math_backward_per_token(c, a, d, s, sdpa_dropout)
-    return AttentionTerms(tuple(terms), MATH, k_cache + v_cache, 0.0, released, backward, forward=forward,
-                          matmul_backward=math_matmul_backward_per_token(c, a, d, s))
+    # A one-head v broadcast over one sequence's heads (stride 0) is saved at one head, and the gradient of v is
+    # summed back to it before the softmax's backward (traced: multi-query, amp-bf16, 1 x 1,000: -1.0% at the
+    # backward peak with every head's)
+    released -= FP32 * (a - kv_kept) * d
+    backward -= FP32 * (a - kv_kept) * d
+    # Without checkpointing, at the kernel's softmax: its masked scores (fp32) beside what is saved, and the locals
+    # nothing saves: the norm outputs under autocast (the Linears save their half copies), the query_key_value
+    # output, q and k as the kernel reads them where no cache's torch.cat replaced them, the kernel's fp32 copies
+    # of half q and k (v's is saved), autocast's casts and the mask as prepared for the call (traced: ALiBi,
+    # amp-fp16, head dim 100, 2 x 1,000: -5.2% at the forward peak without them).
+    # (in fp32 the kernel's v is the one passed, which it saves: the cache's tensor where there is one)
+    v_is_cache = c == FP32 and use_cache and kv_kept == kv_heads
+    q_copy, k_copy, v_copy = _falcon_qkv_copies(att, v_bytes, qk_bytes)
+    # Where one key/value head is expanded to every head (several sequences), the product with v copies v after
+    # the softmax: at the softmax v is only the one passed (or its fp32 copy), a local (traced: multi-query, 2 x
+    # 1,000, +1.2% with the copy counted there)
+    v_expanded = kv_kept != kv_heads
+    caller = (_falcon_norm_outputs(spec, layer, p) if p.autocast else 0) + v_bytes * (a + 2 * kv) * d + q_copy \
+        + (0 if use_cache else k_copy + (v_copy if c != FP32 or v_expanded else 0))
+    acc = FP32 * (a * d + kv_heads * d + (kv_heads * d if v_expanded else 0)) if c != FP32 else 0
+    # q is laid out (b, s, a, d) (``_split_heads``' transpose); with several sequences and heads the scores'
+    # matmul cannot fold batch and heads into a view of the scaled q, so it saves a contiguous copy and the scaled
+    # q itself is a local (as in math_softmax_locals; traced: 2 x 1,000, four heads, -1.1% without it)
+    scaled_q = FP32 * a * d if settings.batch > 1 and a > 1 else 0
+    mask_local = c * s if rotary else (c * a * s if p.autocast and r != c else 0)
+    softmax_extra = FP32 * a * s + caller + acc + scaled_q + mask_local \
+        + sdpa_autocast_casts(p, a, kv_heads, d, d, qk_bytes, v_bytes)
+    after_softmax = c * a * d + ((MASK + FP32) * a * s if sdpa_dropout > 0 else 0) \
+        + (FP32 * kv_kept * d if v_expanded else 0)
+    return AttentionTerms(tuple(terms), MATH, k_cache + (0.0 if v_is_cache else v_cache), 0.0, released, backward,
+                          forward=forward, matmul_backward=math_matmul_backward_per_token(c, a, d, s),
+                          softmax_extra=softmax_extra,
+                          after_softmax=after_softmax)
 
 
 def _falcon_eager_views(att: Attention, rotary: bool, use_cache: bool, one_sequence: bool,
@@ -882,9 +947,13 @@ def _falcon_eager_views(att: Attention, rotary: bool, use_cache: bool, one_seque
     (modeling_falcon.py ``_split_heads``): in the old layouts q without RoPE, and k and v also without a cache
     (DynamicLayer.update's torch.cat makes new ones) where every head has its own (multi-query indexes its one
     key/value head with a list, which copies); only with one sequence (the matmul's reshape of a strided
-    (batch, heads) pair copies otherwise) and no autocast cast."""
-    if not (one_sequence and uncast) or att.kv_broadcast:
-        return ()  # (the new architecture's ``flatten`` of its grouped heads copies q, k and v)
+    (batch, heads) pair copies otherwise, unless there is one head) and no autocast cast. The new architecture
+    indexes k and v with a list (copies) and flattens q's (groups, heads per group) pair, a view only with one
+    head per group (traced: one head, 2 x 1,000, -4.8% at the backward peak with q counted as a copy)."""
+    if not ((one_sequence or att.num_heads == 1) and uncast):
+        return ()
+    if att.kv_broadcast:
+        return ("q",) if att.num_kv_heads == att.num_heads and not rotary else ()
     multi_head_views = att.num_kv_heads == att.num_heads
     return tuple(name for name, is_view in (("q", not rotary), ("k", multi_head_views and not rotary and not use_cache),
                                             ("v", multi_head_views and not use_cache)) if is_view)
@@ -893,23 +962,34 @@ def _falcon_eager_views(att: Attention, rotary: bool, use_cache: bool, one_seque
 def _falcon_forward_inputs(spec: ModelSpec, layer: Layer, p: Precision, fused_bytes: int, qk_bytes: int) -> float:
     """FalconAttention.forward's locals at its kernel, per token (modeling_falcon.py ``_split_heads``): the norm
     output(s) (the new architecture's second norm, for the MLP, is computed first), the query_key_value output,
-    and q, k, v as the kernel reads them: the new architecture copies all three to every head (flatten of a
-    broadcast), the multi-query layout copies k and v (index with a list), the multi-head one takes views; RoPE
-    then makes new q and k."""
+    and q, k, v as the kernel reads them (_falcon_qkv_copies)."""
     att = layer.attention
-    a, kv, d, c = att.num_heads, att.num_kv_heads, att.head_dim, p.compute
-    rotary = att.rotary_dim > 0
-    norms = 2 if att.kv_broadcast and layer.num_norms == 2 else 1
-    inputs = p.residual * spec.hidden_size * norms + fused_bytes * (a + 2 * kv) * d
+    a, kv, d = att.num_heads, att.num_kv_heads, att.head_dim
+    return _falcon_norm_outputs(spec, layer, p) + fused_bytes * (a + 2 * kv) * d \
+        + sum(_falcon_qkv_copies(att, fused_bytes, qk_bytes))
+
+
+def _falcon_norm_outputs(spec: ModelSpec, layer: Layer, p: Precision) -> float:
+    """The norm outputs a Falcon layer computes before its attention, per token (the new architecture's second
+    norm, for the MLP, is computed first)."""
+    norms = 2 if layer.attention.kv_broadcast and layer.num_norms == 2 else 1
+    return p.residual * spec.hidden_size * norms
+
+
+def _falcon_qkv_copies(att: Attention, fused_bytes: int, qk_bytes: int) -> tuple[float, float, float]:
+    """Bytes per token of q, k and v beyond the query_key_value output they come from: the new architecture copies
+    all three to every head (flatten of a broadcast), the multi-query layout copies k and v (index with a list),
+    the multi-head one takes views; RoPE then makes new q and k."""
+    a, kv, d = att.num_heads, att.num_kv_heads, att.head_dim
     if att.kv_broadcast:
         q = k = v = fused_bytes * a * d
     elif kv == 1:
         q, k, v = 0, fused_bytes * d, fused_bytes * d
     else:
         q = k = v = 0
-    if rotary:
+    if att.rotary_dim > 0:
         q, k = qk_bytes * a * d, qk_bytes * (a if att.kv_broadcast else kv) * d
-    return inputs + q + k + v
+    return q, k, v
 
 
 _DTYPE_OF_BYTES = {4: "fp32", 2: "bf16", 1: "fp8"}
@@ -1187,13 +1267,14 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
         terms.append(Term(f"keys and values gathered from the other {spec.context_shards - 1} context-parallel "
                           "ranks", (spec.context_shards - 1) * p.compute * kv_width))
 
-    constant = 0
+    constant = attention_input_casts = 0
     if p.autocast:
         from .models import layer_tensors
 
-        matmul_weights = sum(t.numel for t in layer_tensors(layer, h, spec.norm_vectors)
-                             if len(t.shape) == 2 and t.role != "norm")  # (Cohere's q/k norm weights are 2-D)
-        constant += p.compute * matmul_weights
+        matrices = [t for t in layer_tensors(layer, h, spec.norm_vectors)
+                    if len(t.shape) == 2 and t.role != "norm"]  # (Cohere's q/k norm weights are 2-D)
+        constant += p.compute * sum(t.numel for t in matrices)
+        attention_input_casts = p.compute * sum(t.numel for t in matrices if t.role == "attention_input")
     if gemma:  # GemmaRMSNorm multiplies by (1 + weight.float()), a new fp32 vector kept by the product
         constant += FP32 * h * layer.num_norms
         if att.qk_norm:
@@ -1203,7 +1284,8 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     to_v_dtype = spec.traits.eager_attention == "fp32_scores"
     if settings.checkpointing == "op":
         checkpoint += op_sac_terms(layer, h, p, attention.kernel, s)
-    return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention.kernel, attention.cache_extra,
+    return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention_input_casts,
+                            attention.kernel, attention.cache_extra,
                             attention.returned_extra, attention_bytes, attention.released, attention.backward,
                             max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout,
                                                                         _half_q(spec, att) or to_v_dtype),
@@ -1595,7 +1677,8 @@ def _activation_estimate(spec: ModelSpec, settings: TrainingSettings, layers, to
         constant_terms=tuple(constant), logits_bytes=logits_bytes, loss_transient_bytes=loss_transient,
         checkpointing=settings.checkpointing, kv_cache_bytes=kv_cache,
         mask_bytes=masks_built if settings.checkpointing == "none" else masks_built - masks_used,
-        decoder_locals_bytes=int(_decoder_locals(spec, p, emb_dropout, settings.batch) * tokens)
+        decoder_locals_bytes=int((_decoder_locals(spec, p, emb_dropout, settings.batch)
+                                  + _unused_rotary_tables(spec, settings, p)) * tokens)
         if spec.has_embedding else 0,
         offloaded=settings.offload_activations, compiled=settings.compile,
     )
@@ -1618,6 +1701,18 @@ def _decoder_locals(spec: ModelSpec, p: Precision, emb_dropout: float, batch: in
     if spec.traits.decoder_locals == "dropped_embeddings" and emb_dropout > 0:
         return embedded
     return 0
+
+
+def _unused_rotary_tables(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> float:
+    """Per token: the rotary cos and sin a base model builds for layers that apply no rotary (Falcon with ALiBi,
+    FamilyTraits.rotary_tables_without_rotary), (1, s, head dim) each, locals of its forward through the layer
+    loop. Without checkpointing nothing keeps them past it (with checkpointing they are constants, kept for the
+    recompute; traced: ALiBi, amp-bf16, 1 x 1,000, 0.8 MB short at the last layer's softmax without them)."""
+    if not spec.traits.rotary_tables_without_rotary or settings.checkpointing != "none" or \
+            any(layer.attention.rotary_dim for layer, _ in spec.layer_runs):
+        return 0.0
+    head_dim = max(layer.attention.head_dim for layer, _ in spec.layer_runs)
+    return 2 * _rotary_table_bytes(spec, p) * head_dim / settings.batch
 
 
 def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from .activations import (COMPILED_LOSS_BACKWARD, FP32, INDEX, MASK, OP_SAVED, OP_SAVED_UNTAKEN, ActivationEstimate,
                           LayerActivations, Precision, _hidden_dropout_sites, _router_score_bytes,
                           recompute_masks_freed)
+from .kernels import MATH
 from .models import MLP_ROLES, ModelSpec, layer_tensors
 from .optimizers import Optimizer
 from .owners import Owner, OwnerKind
@@ -216,6 +217,18 @@ def _shares_one_norm(spec: ModelSpec, layer) -> bool:
     attention's (traced: Cohere, one hidden-state tensor at the attention's backward). FalconDecoderLayer's own
     terms cover Falcon-7B."""
     return layer.parallel_residual and layer.num_norms == 1 and spec.traits.block == "standard"
+
+
+def _norm_gradients_waiting(spec: ModelSpec, la: LayerActivations) -> int:
+    """Hidden-state gradients (residual dtype) alive at the attention's backward: the residual stream's, and where
+    the MLP read the same norm output in parallel, the gradient of that output the MLP's backward made, waiting for
+    the attention's (_shares_one_norm; FalconDecoderLayer with one norm and the SDPA math kernel likewise, traced:
+    multi-query and new-architecture layers, 1-2 x 1,000, -0.9 to -1.0% at the backward peak without it; its eager
+    and fused-kernel terms were fitted with this tensor inside them)."""
+    layer = la.layer
+    falcon_shared = (spec.traits.block == "falcon" and layer.parallel_residual and layer.num_norms == 1
+                     and la.kernel == MATH)
+    return 2 if _shares_one_norm(spec, layer) or falcon_shared else 1
 
 
 def _layer_input_saved(spec: ModelSpec, p: Precision) -> bool:
@@ -1037,8 +1050,7 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # At that moment its rsqrt and normalised value are already freed; its fp32 input is not.
             output_norm_freed=int(_term_bytes(output_norm, "post_feedforward_norm", exclude=("input_fp32",)) * tokens),
             attention_live=attention_live,
-            attention_transient=int((la.attention_backward + p.residual * spec.hidden_size * (
-                2 if _shares_one_norm(spec, layer) else 1)) * tokens),
+            attention_transient=int((la.attention_backward + p.residual * spec.hidden_size * _norm_gradients_waiting(spec, la)) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens)
             + (_lora_recompute_end(spec, la, p, settings, finetune) * tokens if finetune is not None else 0),
@@ -1059,8 +1071,7 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             matmul_live=(attention_live + int(la.attention_released * tokens)
                          - p.compute * layer.attention.num_heads * layer.attention.v_head_dim * tokens
                          if la.matmul_backward else 0),
-            matmul_transient=int((la.matmul_backward + p.residual * spec.hidden_size * (
-                2 if _shares_one_norm(spec, layer) else 1)) * tokens),
+            matmul_transient=int((la.matmul_backward + p.residual * spec.hidden_size * _norm_gradients_waiting(spec, la)) * tokens),
             # The gradient reaching the MLP's output is the residual stream's own, unless a dropout (a new masked
             # copy), autocast (a half cast) or a norm on the layer's output (its input's gradient) sits between them.
             # Routed experts: the gradient of their outputs, in expert order (top-k x h), is what reaches them.
@@ -1405,14 +1416,18 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     elif layers:
         # The last layer's down projection: everything the layers saved, the masks they shared and the KV cache
         # are alive, and its output is being written (a large attention mask or cache can put the peak here).
-        layers_saved = (acts.embedding_bytes + acts.constant_bytes + sum(x.kept for x in layers)
+        # (the LM head's autocast weight copy is made when the head runs, after the layers)
+        layers_saved = (acts.embedding_bytes + acts.constant_bytes - head_copy + sum(x.kept for x in layers)
                         + acts.decoder_locals_bytes - leaf)
         last = acts.layers[-1]
         if last.softmax_extra:
             # Eager and math attention: the last layer's softmax, with its s x s input (and an fp32 upcast) beside
             # what is saved, before the MLP block and the attention's later tensors exist.
             mlp_part = (last.bytes_per_token - last.attention_bytes_per_token) * tokens
-            before = layers_saved - int(mlp_part + last.after_softmax * tokens)
+            # (of its weights' autocast copies only the attention's input projections' are made by then; traced:
+            # Falcon, amp-bf16, math kernel, 1 x 1,000, +1.8% at the forward peak with all of them)
+            later_casts = 0 if layers[-1].checkpointed else last.constant_bytes - last.attention_input_casts
+            before = layers_saved - int(mlp_part + last.after_softmax * tokens) - later_casts
             # The last layer's input and the embedding's output (LlamaModel.forward's ``inputs_embeds``) are held
             # by the forward's locals; where the first module reading them keeps a copy instead, they are tensors of
             # their own beside what is saved (traced at the softmax: Llama in half precision, Cohere in any).
