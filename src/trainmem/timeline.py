@@ -1437,6 +1437,17 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
                                    + (p.compute * h + _down_projection_locals(spec, last, p)) * tokens, 0))
+        moe = last.layer.moe
+        if moe is not None and moe.gate == "clamped_swiglu":
+            # GptOssExperts._apply_gate's product in the last layer: what _moe_recompute_end counts at it (the
+            # gathered biases and the clamped up beside what is saved; the down projection's output and inv_perm
+            # not made yet), with the routing locals and, under autocast, the MLP's fp32 argument (traced: fp32,
+            # 1 x 1,024, -2.5% at the forward peak without this moment)
+            at_product = moe.top_k * (p.experts * (3 * moe.expert_intermediate_size - h) - INDEX)
+            argument = p.residual * h if p.autocast else 0
+            candidates_fw.append(Phase("forward", "last layer's experts' clamped SwiGLU", weights, grads_in_forward,
+                                       states, layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
+                                       + int((at_product + _routing_locals(moe, p) + argument) * tokens), 0))
         if spec.traits.block == "standard":
             candidates_fw.append(Phase("forward", "last layer's residual sum", weights, grads_in_forward, states,
                                        layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
