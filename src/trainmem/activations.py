@@ -475,7 +475,8 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         v_kept = fused_views or kv_viewed
         # Llama-style eager attention returns the dropped-out probabilities; when they are fp32 (autocast with
         # rotary q) the matmul with v keeps a half cast instead, so the returned tensor is extra.
-        if dropout > 0 and p.autocast and qk_bytes == FP32 and spec.traits.eager_attention == "llama":
+        # (GPT-OSS casts to v's dtype after the dropout: what it returns is the half cast the matmul keeps)
+        if dropout > 0 and p.autocast and qk_bytes == FP32 and spec.traits.eager_attention == "llama" and not att.sinks:
             returned = FP32 * a * s
     if not use_cache and att.fused_qkv and rotary and kernel in (FLASH, EFFICIENT) and v_kept:
         # Without a cache copy (gradient checkpointing turns use_cache off) v is a view of the fused q/k/v
