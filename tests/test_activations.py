@@ -54,7 +54,7 @@ def test_whole_model_saved_bytes_match_pytorch(family, recipe):
 # The other families, on the tiny configs that exercise their features (GQA, qk-norm, sandwich norms,
 # parallel residuals, fused projections, LayerNorm, MoE routing).
 OTHER = ["qwen3", "qwen3_moe", "gemma", "gemma3_text", "phi3", "gpt_neox", "opt", "falcon-sequential", "olmo2",
-         "olmo2-bias-tied", "cohere", "cohere-qk-norm-untied", "phi", "phi-gqa-qk-norm-tied", "granite",
+         "olmo2-bias-tied", "cohere", "cohere-qk-norm-untied", "phi", "phi-gqa-qk-norm-tied", "granite", "gpt_oss", "gpt_oss-nobias-tied",
          "starcoder2-nobias-untied-window", "stablelm-bias-parallel-tied"]
 OTHER += ["smollm3-window-bias-untied", "internlm3-bias", "ernie4_5", "glm4", "olmo3", "cohere2"]
 OTHER += ["gptj", "gptj-inner-tied-full-rotary", "gpt_bigcode", "gpt_bigcode-mha-inner-untied", "olmo",

@@ -1,5 +1,5 @@
 """OLMo-2 (``olmo2``), Cohere (``cohere``), Phi-1.5 / Phi-2 (``phi``), Granite, StarCoder2, StableLM, GPT-J,
-GPT-BigCode and OLMo-1 (``olmo``): a
+GPT-BigCode, OLMo-1 (``olmo``) and GPT-OSS (``gpt_oss``): a
 traced step of small models (the real transformers model on fake tensors, trace.py) against the estimate, every
 phase within 1% in total, in fp32 / amp-bf16 / mixed-bf16 / pure-bf16, with and without full checkpointing, eager
 and SDPA, with and without dropout. Exact parameter counts of the real checkpoints: each against the count
@@ -272,6 +272,49 @@ def test_olmo_within_one_percent_of_the_trace(extra, recipe, checkpointing, atte
            4, 1024, dropout)
 
 
+# GPT-OSS (modeling_gpt_oss.py): the sinks' softmax (no upcast, one more column, ``attn_weights`` and
+# ``combined_logits`` bound beside it), the top-k router with a bias, the grouped_mm experts with biases and the
+# clamped SwiGLU (9 expert-wide tensors at its product). Sequences cross the 128-token window; SDPA runs eager
+# (GptOssPreTrainedModel._supports_sdpa is False). Experts narrower than the width, as in no real model, so that
+# the expert and the hidden widths are told apart.
+GPT_OSS = dict(_SMALL, intermediate_size=384, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+               sliding_window=128, vocab_size=1031)
+GPT_OSS_CASES = [
+    ({}, "fp32", "none", "eager", 2, 256, 0.0),
+    ({}, "fp32", "full", "eager", 1, 1024, 0.0),
+    ({}, "fp32", "none", "eager", 1, 1024, 0.0),
+    ({}, "amp-bf16", "none", "sdpa", 2, 256, 0.0),
+    ({}, "amp-bf16", "full", "eager", 2, 256, 0.0),
+    ({}, "amp-bf16", "full", "eager", 1, 1024, 0.0),
+    ({}, "amp-bf16", "full", "eager", 2, 256, 0.1),
+    ({}, "mixed-bf16", "none", "eager", 2, 512, 0.0),
+    ({}, "mixed-bf16", "full", "sdpa", 2, 512, 0.0),
+    ({}, "mixed-bf16", "selective", "eager", 1, 256, 0.0),
+    (dict(tie_word_embeddings=True, attention_bias=False, num_hidden_layers=4, num_local_experts=8,
+          num_experts_per_tok=4, vocab_size=4103), "fp32", "full", "eager", 2, 256, 0.0),
+    (dict(tie_word_embeddings=True, attention_bias=False, num_hidden_layers=4, num_local_experts=8,
+          num_experts_per_tok=4, vocab_size=4103), "mixed-bf16", "selective", "eager", 2, 384, 0.0),
+]
+
+
+@slow
+@pytest.mark.parametrize("extra, recipe, checkpointing, attention, batch, seq, dropout", GPT_OSS_CASES)
+def test_gpt_oss_within_one_percent_of_the_trace(extra, recipe, checkpointing, attention, batch, seq, dropout):
+    config = dict(GPT_OSS, model_type="gpt_oss", **extra)
+    settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=batch, seq=seq, optimizer="adamw",
+                             dropout=dropout, attention=attention)
+    _every_phase_within_one_percent(config, settings)
+
+
+def test_gpt_oss_has_no_sdpa_path():
+    """GptOssPreTrainedModel._supports_sdpa is False and transformers' default for it is eager: --attention sdpa is
+    estimated as eager, as the trace builds it."""
+    from trainmem.activations import effective_kernel
+    from trainmem.catalog import catalog_spec
+
+    assert effective_kernel(catalog_spec("gpt-oss-20b"), "sdpa") == "eager"
+
+
 def test_gptj_refuses_a_rotary_width_its_tables_cannot_take():
     from trainmem.errors import ModelError
     from trainmem.models import spec_from_config
@@ -312,6 +355,13 @@ EXACT_COUNTS.update({
     "olmo-1b-hf": 1_176_764_416,
     "olmo-7b-hf": 6_888_095_744,
     "olmo-7b-0424-hf": 6_888_095_744,
+})
+
+
+EXACT_COUNTS.update({
+    # (OpenAI's model card: 20.91B and 116.83B parameters in total)
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
 })
 
 

@@ -70,6 +70,12 @@ TINY_CONFIGS: dict[str, dict] = {
                                 n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=2, q_lora_rank=None,
                                 kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_group=2,
                                 topk_group=1),
+    # GPT-OSS: sinks, q/k/v/o biases, alternating sliding and full layers, the router's and experts' biases
+    "gpt_oss": dict(_BASE, model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=8),
+    "gpt_oss-nobias-tied": dict(_BASE, model_type="gpt_oss", head_dim=24, num_local_experts=3, num_experts_per_tok=3,
+                                attention_bias=False, tie_word_embeddings=True,
+                                layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
 }
 
 # SmolLM3, InternLM3, ERNIE 4.5, GLM-4, OLMo-3 and Cohere 2: each with the layer pattern that changes its modules

@@ -433,9 +433,18 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             released += c * a * dv  # the batched matmul's copy of v (a strided view of c_attn's output)
         matmul_backward = c * a * s + 2 * c * a * dv
         held_by_layer = dropout_bytes * a * s + (c * spec.hidden_size if gpt2_eager else 0)
+        if att.sinks:
+            # (the returned weights are ``probs[..., :-1]`` cast to v's dtype: a view keeping the sink column too
+            # where the softmax is already in it, the cast copy under autocast)
+            held_by_layer = c * a * s + (c * a if p.residual == c else 0)
         # (the cast back to q's dtype under autocast: eager_softmax_moment's cast_to)
         softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s, 0 if gpt2_eager else dropout_bytes,
                                                             spec.traits.eager_attention == "fp32_scores")
+        if att.sinks:
+            # GPT-OSS keeps ``attn_weights`` (scores plus mask) and ``combined_logits`` (s + 1 wide) bound beside the
+            # softmax output through the cast to v's dtype (a term after the softmax that exists at that moment)
+            softmax_extra = p.residual * a * (2 * s + 1)
+            after_softmax = sum(t.bytes_per_token for t in eager if t.kind == CONTIGUOUS_OUTPUT)
         laid_out = batch > 1 and a > 1
         if views_repeated:
             # (query: a view of c_attn's output, a local until the attention returns, so the output stays whole; v's
@@ -469,7 +478,8 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         v_kept = fused_views or kv_viewed
         # Llama-style eager attention returns the dropped-out probabilities; when they are fp32 (autocast with
         # rotary q) the matmul with v keeps a half cast instead, so the returned tensor is extra.
-        if dropout > 0 and p.autocast and qk_bytes == FP32 and spec.traits.eager_attention == "llama":
+        # (GPT-OSS casts to v's dtype after the dropout: what it returns is the half cast the matmul keeps)
+        if dropout > 0 and p.autocast and qk_bytes == FP32 and spec.traits.eager_attention == "llama" and not att.sinks:
             returned = FP32 * a * s
     if not use_cache and att.fused_qkv and rotary and kernel in (FLASH, EFFICIENT) and v_kept:
         # Without a cache copy (gradient checkpointing turns use_cache off) v is a view of the fused q/k/v
@@ -569,6 +579,12 @@ def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precis
     # are; in half precision a family that asks for an fp32 softmax also holds the upcast copy of its half input;
     # GPT-2 and Falcon take it in the half dtype.
     upcasts = any(t.kind == SOFTMAX_PROBABILITIES and t.bytes_per_token == FP32 * a * s for t in attention.terms)
+    if att.sinks:
+        # GPT-OSS at ``.to(value_states.dtype)``: the scores plus the mask (``attn_weights``, still bound), the
+        # logits less their maximum (``combined_logits``, s + 1 wide), the softmax output and, where v is half and
+        # the softmax fp32 (autocast), the cast (traced: amp-bf16, full checkpointing, 1 x 1,024, -19% without it)
+        probs = p.residual
+        return inputs + (3 * probs + (c if probs != c else 0)) * a * s + 2 * probs * a
     if p.autocast or c == FP32:
         # (under autocast with q already half, OLMo-2 and Cohere, ``.to(query.dtype)`` copies the fp32 softmax
         # output while its input is still bound: a third s x s tensor)
@@ -730,8 +746,16 @@ def _eager_terms(spec: ModelSpec, att: Attention, p: Precision, s: int, batch: i
     # scores' dtype (GPT-2, Falcon, OPT compute it in the matmul's dtype without autocast).
     softmax_fp32 = p.autocast or spec.traits.eager_attention != "gpt2"
     probs = FP32 if softmax_fp32 else c
+    if att.sinks:
+        # GPT-OSS (modeling_gpt_oss.py, eager_attention_forward): the scores plus the mask (in the hidden states'
+        # dtype, so fp32 under autocast) joined by ``torch.cat`` to the per-head sink logit, less their row maximum
+        # (``max`` keeps its int64 indices), then ``softmax(..., dtype=combined_logits.dtype)``: no upcast, one
+        # more column, which ``probs[..., :-1]`` drops by a view that keeps the whole output.
+        probs = p.residual
     terms.append(Term("softmax probabilities" + (" (fp32)" if probs == FP32 else ""), probs * a * s,
                       kind=SOFTMAX_PROBABILITIES))
+    if att.sinks:
+        terms += [Term("softmax output's sink column", probs * a), Term("row maxima's indices (int64)", INDEX * a)]
     if probs != c or dropout > 0:
         # the probabilities cast to the compute dtype, or dropped out, are what the matmul with v keeps
         terms.append(Term("probabilities in compute dtype (matmul with v)", c * a * s, kind=COMPUTE_PROBABILITIES))
@@ -1112,16 +1136,25 @@ def _moe_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
     w = p.experts
     terms = _router_terms(moe, h, p)
     weight_bytes = p.compute if moe.weights_in_compute_dtype else _router_score_bytes(moe, p)
+    # (with biases, ``gate_up_proj_bias[expert_ids_g]`` keeps the sorted expert ids as a fourth index)
+    indices = 4 if moe.bias else 3
     terms += [
-        Term("routing bookkeeping per (token, expert) pair (3 int64 indices and the weight)",
-             k * (3 * INDEX + weight_bytes)),
+        Term(f"routing bookkeeping per (token, expert) pair ({indices} int64 indices and the weight)",
+             k * (indices * INDEX + weight_bytes)),
         Term("tokens gathered per selected expert", k * w * h, input_of="expert_input"),
         Term("expert gate_up outputs", k * 2 * w * i, "routed_experts", "intermediate"),
-        # (the product is the down projection's input: half of this term)
-        Term("expert activation and product", k * 2 * w * i, "routed_experts", "intermediate", "expert_down_input",
-             input_share=0.5),
-        Term("expert outputs (weighted by the router)", k * w * h, "routed_experts", "intermediate"),
     ]
+    if moe.gate == "clamped_swiglu":
+        # GptOssExperts._apply_gate: ``gate.clamp(max=limit)`` (kept by the product with the sigmoid), its sigmoid
+        # (``torch.sigmoid(gate * alpha)``: the scalar product keeps nothing), ``glu``, ``up + 1`` (the clamp of up
+        # keeps gate_up's view) and their product (the down projection's input: a fifth of this term).
+        terms.append(Term("expert clamped gate, its sigmoid, glu, up + 1 and their product", k * 5 * w * i,
+                          "routed_experts", "intermediate", "expert_down_input", input_share=0.2))
+    else:
+        # (the product is the down projection's input: half of this term)
+        terms.append(Term("expert activation and product", k * 2 * w * i, "routed_experts", "intermediate",
+                          "expert_down_input", input_share=0.5))
+    terms.append(Term("expert outputs (weighted by the router)", k * w * h, "routed_experts", "intermediate"))
     if moe.shared_intermediate_size:
         shared = MLP(moe.shared_intermediate_size, True, moe.activation)
         terms += [Term(f"shared expert: {t.name}", t.bytes_per_token, "shared_expert",
@@ -1154,6 +1187,10 @@ def _router_terms(moe: MoE, h: int, p: Precision) -> list[Term]:
         if moe.normalize_top_k else []
     if moe.router == "softmax":
         return [Term("router softmax (fp32)", FP32 * e), Term("top-k indices (int64)", INDEX * k)] + norm
+    if moe.router == "topk_softmax":
+        # GptOssTopKRouter: ``torch.topk`` of the logits (its indices kept), then the softmax of the k values in the
+        # logits' dtype (the compute dtype: F.linear's output)
+        return [Term("router softmax over the top-k logits", p.compute * k), Term("top-k indices (int64)", INDEX * k)]
     # Under autocast F.linear casts the fp32 upcast back to half: that copy is one of the MLP input's casts.
     upcast = FP32 * h if p.compute != FP32 and not p.autocast else 0
     terms = [Term("router input in fp32", upcast, input_of="router_input"), Term("router sigmoid scores", scores * e),
@@ -1586,7 +1623,8 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         kinds = {layer.sliding_window is not None for layer, _ in spec.layer_runs}
         tables = min(spec.traits.rotary_tables, len(kinds))
         if not spec.traits.rotary_tables_per_layer or settings.checkpointing != "none":
-            width = max(rotary_dims) // (2 if spec.traits.rotary_tables_split else 1)  # (GPT-J: halves of one)
+            # (GPT-J: halves of one; GPT-OSS: the frequencies alone)
+            width = max(rotary_dims) // (2 if spec.traits.rotary_tables_split or spec.traits.rotary_tables_half else 1)
             constant.append(Term("rotary cos, sin", tables * 2 * _rotary_table_bytes(spec, p) * s * width))
 
     masks_built, masks_used = _mask_bytes(spec, settings, p)

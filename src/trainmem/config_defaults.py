@@ -105,6 +105,10 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
             "max_position_embeddings": 2048, "enable_bias": True, "layer_norm_elementwise_affine": True,
             "word_embed_proj_dim": HIDDEN, "do_layer_norm_before": True, "_remove_final_layer_norm": False},
     "bloom": {"tie_word_embeddings": True, "attention_dropout": 0.0, "hidden_dropout": 0.0},
+    # configuration_gpt_oss.py (GptOssConfig; its head_dim is 64 whatever hidden_size says; hidden_act is read by no
+    # module, the experts' SwiGLU is their own)
+    "gpt_oss": {**_LLAMA_FAMILY, "num_key_value_heads": 8, "head_dim": 64, "attention_bias": True,
+                "max_position_embeddings": 131072, "sliding_window": 128},
     # configuration_phi.py (PhiConfig; rope_parameters' partial_rotary_factor defaults to 0.5 there)
     "phi": {"num_key_value_heads": HEADS, "head_dim": HEAD_DIM, "hidden_act": "gelu_new", "tie_word_embeddings": False,
             "max_position_embeddings": 2048, "attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,

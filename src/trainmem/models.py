@@ -65,6 +65,9 @@ class Attention:
     """Keys and values are broadcast to every query head before attention (Falcon's new decoder architecture)."""
     logit_softcap: float | None = None
     """Gemma 2/3's ``attn_logit_softcapping``: eager attention squashes the scores with cap * tanh(scores / cap)."""
+    sinks: bool = False
+    """A learned logit per head (``sinks``, one parameter vector of num_heads) that eager attention appends to every
+    row of the scores before the softmax and drops after it (modeling_gpt_oss.py, eager_attention_forward)."""
     # Multi-head latent attention (DeepSeek-V2/V3): low-rank query and compressed key/value.
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -96,9 +99,10 @@ class MoE:
     """Width of the always-on shared expert MLP (0 when there is none)."""
     shared_expert_gate: bool = False
     """Qwen2-MoE's sigmoid gate (a Linear hidden->1) on the shared expert."""
-    router: Literal["softmax", "sigmoid_grouped"] = "softmax"
-    """softmax over all experts then top-k (Mixtral, Qwen-MoE), or DeepSeek-V3's sigmoid scores with group-limited
-    top-k (DeepseekV3TopkRouter)."""
+    router: Literal["softmax", "sigmoid_grouped", "topk_softmax"] = "softmax"
+    """softmax over all experts then top-k (Mixtral, Qwen-MoE), DeepSeek-V3's sigmoid scores with group-limited
+    top-k (DeepseekV3TopkRouter), or top-k of the logits then a softmax over the k values in the logits' dtype
+    (GptOssTopKRouter)."""
     normalize_top_k: bool = True
     """Top-k weights divided by their sum (Mixtral always; ``norm_topk_prob`` elsewhere)."""
     weights_in_compute_dtype: bool = False
@@ -109,6 +113,13 @@ class MoE:
     shared_always_built: bool = False
     """DeepSeek-V3 builds its shared-expert MLP whatever ``n_shared_experts`` is: with 0 it is zero wide, yet under
     autocast its gate and up projections still cast their input to half."""
+    bias: bool = False
+    """The router and the experts' projections have biases (GptOssTopKRouter.bias, GptOssExperts.gate_up_proj_bias
+    and down_proj_bias), and the expert weights are stored transposed, (experts, in, out)."""
+    gate: Literal["act_times_up", "clamped_swiglu"] = "act_times_up"
+    """How an expert turns its gate_up output into the down projection's input: ``act(gate) * up`` of the two halves
+    (integrations/moe.py, _default_apply_gate), or GPT-OSS's interleaved gate and up, clamped, ``(up + 1) * gate *
+    sigmoid(alpha * gate)`` (modeling_gpt_oss.py, GptOssExperts._apply_gate)."""
     expert_shards: int = 1
     """Expert parallelism: the routed experts are split across this many ranks (each holds num_experts / shards);
     the router stays whole (modelparallel.py)."""
@@ -284,6 +295,10 @@ class FamilyTraits:
     cos and a sin of rotary dim each (Llama); each layer repeat_interleaves them to full width
     (rotary_tables_per_layer) once for k and once more for q (GPTJAttention calls ``apply_rotary_pos_emb`` on each),
     so the products keep two such pairs."""
+    rotary_tables_half: bool = False
+    """The model's cos and sin are of the frequencies themselves, rotary dim / 2 wide (GptOssRotaryEmbedding:
+    ``emb = freqs``, where Llama's is ``torch.cat((freqs, freqs), dim=-1)``), which the attention multiplies with
+    the two halves of q and k (modeling_gpt_oss.py, _apply_rotary_emb)."""
     layer_norm_upcast: bool = False
     """The LayerNorm normalises an fp32 copy of its input and casts its output back (OlmoLayerNorm:
     ``F.layer_norm(hidden_states.to(dtype=torch.float32), ...).to(orig_dtype)``), so it keeps that fp32 copy, not
@@ -481,6 +496,8 @@ def _attention_tensors(att: Attention, hidden: int) -> list[ParamTensor]:
         out += _linear("k_proj", h, kv * d, att.qkv_bias, "attention_input")
         out += _linear("v_proj", h, kv * dv, att.qkv_bias, "attention_input")
     out += _linear("o_proj", a * dv, h, att.o_bias, "attention_output")
+    if att.sinks:  # (GptOssAttention.sinks: nn.Parameter(torch.empty(num_attention_heads)))
+        out.append(ParamTensor("sinks", (a,), "attention_input"))
     if att.qk_norm and att.qk_norm_width == "projection":
         out += _norm("q_norm", a * d, 1) + _norm("k_norm", kv * d, 1)
     elif att.qk_norm and att.qk_norm_width == "head_weights":
@@ -506,11 +523,21 @@ def _mlp_tensors(mlp: MLP, hidden: int, prefix: str = "mlp", roles: tuple[str, s
 
 
 def _expert_numel(moe: MoE, hidden: int) -> int:
-    return 3 * hidden * moe.expert_intermediate_size
+    i = moe.expert_intermediate_size
+    return 3 * hidden * i + ((2 * i + hidden) if moe.bias else 0)
 
 
 def _moe_tensors(moe: MoE, hidden: int) -> list[ParamTensor]:
     h, e, i = hidden, moe.local_experts, moe.expert_intermediate_size
+    if moe.bias:  # modeling_gpt_oss.py: GptOssTopKRouter (weight, bias), GptOssExperts (transposed, with biases)
+        return [
+            ParamTensor("mlp.router.weight", (moe.num_experts, h), "router"),
+            ParamTensor("mlp.router.bias", (moe.num_experts,), "router"),
+            ParamTensor("mlp.experts.gate_up_proj", (e, h, 2 * i), "expert"),
+            ParamTensor("mlp.experts.gate_up_proj_bias", (e, 2 * i), "expert"),
+            ParamTensor("mlp.experts.down_proj", (e, i, h), "expert_down"),
+            ParamTensor("mlp.experts.down_proj_bias", (e, h), "expert_down"),
+        ]
     # transformers 5 stores the routed experts as two 3-D tensors (MixtralExperts and friends).
     out = [
         ParamTensor("mlp.gate.weight", (moe.num_experts, h), "router"),
@@ -1059,6 +1086,26 @@ def _parse_qwen3_moe(c: _Config) -> dict[str, Any]:
     )
 
 
+def _parse_gpt_oss(c: _Config) -> dict[str, Any]:
+    """modeling_gpt_oss.py: Llama's layer (two RMSNorms that multiply the fp32 normalised value by their weight, as
+    OLMo-2's) with q/k/v/o biases (``attention_bias``, true by default), a learned sink logit per head
+    (GptOssAttention.sinks), sliding-window and full layers by ``layer_types`` (configuration_gpt_oss.py: even
+    layers slide by default) and a MoE block in every layer: GptOssTopKRouter (a Linear with a bias, top-k of the
+    logits, softmax over the k) and GptOssExperts (transposed 3-D weights with biases, gate and up interleaved in
+    gate_up_proj, the clamped SwiGLU of ``swiglu_alpha`` and ``swiglu_limit``). ``hidden_act`` is read by no
+    module."""
+    experts, top_k = _moe_fields(c, experts_keys=("num_experts", "num_local_experts"))  # (the attribute_map alias)
+    moe = MoE(experts, top_k, c.req("intermediate_size"), "clamped_swiglu", router="topk_softmax",
+              normalize_top_k=False, weights_in_compute_dtype=True, bias=True, gate="clamped_swiglu")
+    bias = bool(c.get("attention_bias"))
+    window = c.get("sliding_window")
+    spec = _llama_like(c, qkv_bias=bias, o_bias=bias, moe_for_layer=lambda _: moe,
+                       windows=lambda n: _layer_windows(c, n, window, lambda i: bool((i + 1) % 2)))
+    spec["layer_runs"] = tuple((replace(layer, attention=replace(layer.attention, sinks=True)), n)
+                               for layer, n in spec["layer_runs"])
+    return spec
+
+
 def _parse_gemma(c: _Config) -> dict[str, Any]:
     bias = bool(c.get("attention_bias"))
     return _llama_like(c, qkv_bias=bias, o_bias=bias)
@@ -1393,6 +1440,7 @@ PARSERS: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "gptj": _parse_gptj,
     "gpt_bigcode": _parse_gpt_bigcode,
     "olmo": _parse_olmo,
+    "gpt_oss": _parse_gpt_oss,
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(PARSERS)
 
@@ -1443,6 +1491,10 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "gpt_bigcode": FamilyTraits(fused_qkv_layout="blocks", hidden_dropout="per_block", embedding_dropout=True,
                                 position_ids="per_sequence", decoder_locals="token_and_shared_position"),
     "olmo": FamilyTraits(layer_norm_upcast=True, rotary_in_input_dtype=True, rotary_tables_fp32=True),
+    # (GptOssPreTrainedModel._supports_sdpa is False: --attention sdpa runs eager, as transformers' default does;
+    # GptOssModel.forward builds the full and the sliding mask whatever the layers use)
+    "gpt_oss": FamilyTraits(sdpa_supported=False, rms_norm_fp32_product=True,
+                            eager_masks_always_built=frozenset({False, True}), rotary_tables_half=True),
 }
 """Each family's traits; a family not listed has Llama's. Gemma 2/3 and Qwen2-MoE build the full and the sliding
 eager mask whatever their layers use, Qwen2/Qwen3 the full one always; the others (Mistral, Mixtral, Phi-3,

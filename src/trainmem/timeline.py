@@ -398,7 +398,7 @@ def _routing_locals(moe, p: Precision) -> int:
     an fp32 upcast in DeepseekV3TopkRouter, half under autocast), the top-k weights themselves (the in-place
     division saves a clone, the gathers only indices), the sorted expert ids ``expert_ids_g`` and ``histc``'s
     input (fp32 on the CPU, int32 on CUDA: 4 bytes either way)."""
-    logits = p.compute if moe.router == "softmax" else _router_score_bytes(moe, p)
+    logits = p.compute if moe.router in ("softmax", "topk_softmax") else _router_score_bytes(moe, p)
     return moe.num_experts * logits + moe.top_k * (_routing_weight_bytes(moe, p) + INDEX + FP32)
 
 
@@ -416,6 +416,12 @@ def _moe_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     weighted = la.returned_extra + moe.top_k * _weighted_bytes(moe, p) * h
     argument = p.residual * h if p.autocast else p.compute * h if _shared_first(layer) and p.compute != FP32 else 0
     routed = int((weighted + _routing_locals(moe, p) + moe.top_k * INDEX + argument) * tokens)
+    if moe.gate == "clamped_swiglu":
+        # GptOssExperts._apply_gate's product, recomputed: beyond what the recompute has saved by then, the gathered
+        # gate_up biases and the clamped up (3 I, no backward keeps them), while the down projection's output and
+        # inv_perm are not made yet (traced: amp-bf16, full checkpointing, -2.2% at the backward peak without it)
+        at_product = moe.top_k * (p.experts * (3 * moe.expert_intermediate_size - h) - INDEX)
+        routed = max(routed, int((la.returned_extra + at_product + _routing_locals(moe, p) + argument) * tokens))
     if not _shared_first(layer):
         return routed
     return max(routed - _shared_experts_freed(spec, la, p, tokens), int(weighted * tokens))
@@ -470,6 +476,11 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
         # one gate_up output (2 I wide: Phi-3's gate_up_proj, the experts') stays alive beside the activation and
         # the product, its two halves being views of it
         wide = 4
+    if layer.moe and layer.moe.gate == "clamped_swiglu":
+        # GptOssExperts._apply_gate, at ``(up + 1) * glu``: gate_up's output (2 I), the gathered gate_up biases
+        # grouped_mm_experts_forward still holds in ``selected_biases`` (2 I), the clamped gate and up, glu, up + 1
+        # and the product (traced: fp32, full checkpointing, -11.4% at the forward peak with the 4 I of act * up)
+        wide = 9
     mlp = wide * _mlp_bytes(layer, p) * _mlp_width(layer)
     if layer.moe:  # grouped_mm_experts_forward holds the gathered tokens in a local until it returns
         mlp += layer.moe.top_k * p.experts * h
@@ -1441,6 +1452,17 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
                                    + (p.compute * h + _down_projection_locals(spec, last, p)) * tokens, 0))
+        moe = last.layer.moe
+        if moe is not None and moe.gate == "clamped_swiglu":
+            # GptOssExperts._apply_gate's product in the last layer: what _moe_recompute_end counts at it (the
+            # gathered biases and the clamped up beside what is saved; the down projection's output and inv_perm
+            # not made yet), with the routing locals and, under autocast, the MLP's fp32 argument (traced: fp32,
+            # 1 x 1,024, -2.5% at the forward peak without this moment)
+            at_product = moe.top_k * (p.experts * (3 * moe.expert_intermediate_size - h) - INDEX)
+            argument = p.residual * h if p.autocast else 0
+            candidates_fw.append(Phase("forward", "last layer's experts' clamped SwiGLU", weights, grads_in_forward,
+                                       states, layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
+                                       + int((at_product + _routing_locals(moe, p) + argument) * tokens), 0))
         if spec.traits.block == "standard":
             candidates_fw.append(Phase("forward", "last layer's residual sum", weights, grads_in_forward, states,
                                        layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned

@@ -607,7 +607,7 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
     # multiples of 8, grouped-query and multi-query attention, MLPs 2-4x wide, vocabularies 8-64x the width.
     model_type = pick("model_type", model_types or SUPPORTED_MODEL_TYPES)
     head_dim = pick("head_dim", (64, 80, 96, 128, 100, 36))
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"):
         head_dim = head_dim // 16 * 16  # grouped_mm needs 16-byte aligned rows
     kv = pick("kv_heads", (1, 2, 4))
     group = pick("group", (1, 2, 4))
@@ -740,6 +740,15 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
         cfg.update(hidden_size=hidden, n_head=heads, n_layer=layers, hidden_dropout=dropout,
                    attention_dropout=dropout,
                    apply_residual_connection_post_layernorm=pick("post_ln_residual", (False, True)))
+    elif model_type == "gpt_oss":
+        # (its head width given: GptOssConfig's 64 whatever the width; sliding and full layers alternate by default
+        # or every layer slides; the experts as wide as the model (gpt-oss-20b's 2,880) or narrower)
+        experts = pick("experts", (2, 3, 4))
+        cfg.update(llama_like, head_dim=head_dim, attention_bias=bias, sliding_window=window or 4096,
+                   num_local_experts=experts, num_experts_per_tok=pick("top_k", tuple(range(1, experts + 1))),
+                   intermediate_size=pick("expert_width", (hidden, max(16, hidden // 32 * 16))))
+        if pick("every_layer_slides", (False, True)):
+            cfg["layer_types"] = ["sliding_attention"] * layers
     elif model_type == "deepseek_v3":
         rope = pick("rope_dim", (16, 32))
         experts = pick("experts", (2, 4))
