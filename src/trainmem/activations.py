@@ -1374,6 +1374,13 @@ class ActivationEstimate:
     """--offload-activations: the checkpointed layers' inputs live in host memory (host_bytes) until backward."""
 
     @property
+    def checkpoint_compiled(self) -> bool:
+        """Whether each checkpointed layer's checkpoint is inside its compiled region (torchtitan's order for its
+        SAC, --checkpointing op: compiled_checkpoint_terms), so that it recomputes inside its compiled backward.
+        --checkpointing full with --compile is torchtune's order, the compiled layer inside the checkpoint."""
+        return self.compiled and self.checkpointing in CHECKPOINT_COMPILED
+
+    @property
     def host_bytes(self) -> int:
         """Host memory at the end of forward: every tensor of OFFLOAD_MIN_BYTES or more saved inside the decoder
         (each checkpointed layer's input, the embedding's indices, the final norm's tensors), each a copy of its
@@ -1495,7 +1502,11 @@ def compile_modelled(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings
     return None
 
 
-def compiled_layer(la: LayerActivations, h: int, p: Precision) -> LayerActivations:
+CHECKPOINT_COMPILED = ("op", "selective")
+"""The checkpointing whose checkpoint torch.compile wraps (torchtitan: apply_ac, then apply_compile per block)."""
+
+
+def compiled_layer(la: LayerActivations, h: int, p: Precision, checkpointing: str = "none") -> LayerActivations:
     """What a torch.compile'd Llama-style layer saves (AOTAutograd's min-cut partitioner, default memory budget,
     traced with aot_eager_decomp_partition): the layer input and each RMSNorm's rstd (the fp32 upcasts are
     recomputed), the two norm outputs (matmul inputs), q after rotary, k, v, SDPA's logsumexp, the attention output
@@ -1524,8 +1535,34 @@ def compiled_layer(la: LayerActivations, h: int, p: Precision) -> LayerActivatio
         Term("gate, up outputs", 2 * c * mlp.intermediate_size),
         Term("SiLU(gate) x up (down input)", c * mlp.intermediate_size, "down_input", "linear_input"),
     )
-    return replace(la, terms=attention_terms + mlp_terms,
+    kept = compiled_checkpoint_terms(la) if checkpointing in CHECKPOINT_COMPILED else la.checkpoint_terms
+    return replace(la, terms=attention_terms + mlp_terms, checkpoint_terms=kept,
                    attention_bytes_per_token=sum(t.bytes_per_token for t in attention_terms))
+
+
+COMPILED_SAVED = "compiled_saved"
+"""Term kind of a checkpointed compiled layer's saved op output (compiled_checkpoint_terms)."""
+
+
+def compiled_checkpoint_terms(la: LayerActivations) -> tuple[Term, ...]:
+    """What a compiled layer inside a checkpoint keeps until its backward, in torchtitan's order (the checkpoint
+    applied to the block, then torch.compile of the block: the compiled region is the checkpoint). Dynamo turns
+    the checkpoint into ``tag_activation_checkpoint``, which runs the policy on every op of the region while
+    AOTAutograd traces it and tags the node with its answer (torch/_higher_order_ops/wrap.py,
+    ``tag_activation_checkpoint_impl``: plain checkpointing, ``_always_prefer_recompute``;
+    torch/utils/checkpoint.py, ``_CachingTorchDispatchMode.__torch_dispatch__``: ``node.meta["recompute"] =
+    policy``). The min-cut partitioner then must recompute a PREFER_RECOMPUTE node (partitioners.py,
+    ``must_recompute`` and its infinite edge to the sink) and may not recompute a MUST_SAVE one
+    (``should_ban_recomputation``: "marked MUST_SAVE"), which it saves only where backward needs its value: so
+    the layer keeps its input (a graph input), under --checkpointing op the policy's saved outputs but down_proj's
+    (the layer's last matmul, read only by the residual add, whose backward needs nothing), and under selective
+    nothing else. The SDPA kernel's output and logsumexp are saved as the policy's (its two philox scalars too,
+    a few bytes). Traced with aot_eager_decomp_partition (tests/test_opsac.py)."""
+    inputs = tuple(t for t in la.checkpoint_terms if t.kind not in (OP_SAVED, OP_SAVED_UNTAKEN))
+    saved = tuple(Term(t.name.replace("saved by the op policy", "saved by the op policy, compiled"),
+                       t.bytes_per_token, t.module, COMPILED_SAVED)
+                  for t in la.checkpoint_terms if t.kind == OP_SAVED)
+    return inputs + saved
 
 
 def op_sac_terms(layer: Layer, h: int, p: Precision, kernel: str, seq: int) -> tuple[Term, ...]:
@@ -1586,7 +1623,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         runs.append(computed[(layer, count, checkpointed)])
     layers = tuple(runs)
     if settings.compile:
-        layers = tuple(compiled_layer(la, h, p) for la in layers)
+        layers = tuple(compiled_layer(la, h, p, settings.checkpointing) for la in layers)
     emb_dropout = spec.dropout.embedding if settings.dropout is None else settings.dropout
 
     embedding = [Term("input_ids (embedding backward)", INDEX, "embedding", "input_ids")] if spec.has_embedding else []

@@ -236,7 +236,9 @@ class TrainingStep:
         """True while a checkpointed layer's forward is being recomputed inside backward."""
         if settings.compile:
             torch._dynamo.reset()  # a fresh cache per model: dynamo stops compiling a code object after 8 variants
-        if settings.checkpointing != "none":
+        if settings.checkpointing != "none" and settings.compile:
+            self._compile_checkpointed_layers()
+        elif settings.checkpointing != "none":
             from .settings import SELECTIVE_EVERY
 
             enable_checkpointing(self.model, SELECTIVE_EVERY if settings.checkpointing == "selective" else 1,
@@ -348,6 +350,37 @@ class TrainingStep:
 
         for layer in decoder_layers(causal_lm(self.model)):
             layer.compile(backend=COMPILE_BACKEND)
+
+    def _compile_checkpointed_layers(self) -> None:
+        """torchtitan's order (torchtitan/models/llama3/infra/parallelize.py: ``apply_ac`` on every block, then
+        ``apply_compile``, ``torch.compile(transformer_block, fullgraph=True)`` on each): each checkpointed layer's
+        forward runs inside a non-reentrant ``torch.utils.checkpoint`` (``--checkpointing op``: torchtitan's
+        policy, opsac.context_fn; ``selective``: layers 0, 2, 4, ... whole), and the compiled region is the
+        checkpoint itself. Dynamo turns the checkpoint into ``tag_activation_checkpoint``, which tags every node of
+        the region with the policy's answer (torch/_higher_order_ops/wrap.py, ``tag_activation_checkpoint_impl``;
+        plain checkpointing answers PREFER_RECOMPUTE for every op) and the min-cut partitioner honours the tags
+        (torch/_functorch/partitioners.py, ``must_recompute``, ``should_ban_recomputation``). The recompute runs
+        inside the compiled backward graph, so there is no recompute marker (``recomputing`` stays False)."""
+        from torch.utils.checkpoint import checkpoint
+
+        from .opsac import context_fn
+        from .probe import decoder_layers
+        from .settings import SELECTIVE_EVERY
+
+        # no KV cache, as transformers turns it off under its own checkpointing (and torchtitan's model has none)
+        causal_lm(self.model).config.use_cache = False
+        op = self.settings.checkpointing == "op"
+        every = SELECTIVE_EVERY if self.settings.checkpointing == "selective" else 1
+        kwargs: dict[str, Any] = dict(use_reentrant=False)
+        if op:
+            kwargs.update(context_fn=context_fn, preserve_rng_state=False)
+        for index, layer in enumerate(decoder_layers(causal_lm(self.model))):
+            if index % every == 0:
+                # (a function of ours, not a partial of checkpoint: dynamo starts at the first frame outside torch)
+                def checkpointed(*args, _forward=layer.forward, **kw):
+                    return checkpoint(_forward, *args, **kwargs, **kw)
+                layer.forward = checkpointed
+            layer.compile(backend=COMPILE_BACKEND, fullgraph=True)
 
     def _mark_recomputes(self) -> None:
         """Wrap each layer's checkpoint function so that ``self.recomputing`` tells when its forward runs again in

@@ -986,16 +986,31 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         layer = la.layer
         full = int(la.bytes_per_token * tokens) + la.constant_bytes
         kept = acts.layer_saved_bytes(la)
+        # A compiled layer whose checkpoint is inside its compiled region (acts.checkpoint_compiled) recomputes
+        # inside its one backward graph, each recomputed value just before its first
+        # use (partitioners.py, reordering_to_mimic_autograd_engine): in backward it holds what the compiled layer
+        # without a checkpoint saves, at the same moments; before, only its checkpoint_terms
+        # (activations.compiled_checkpoint_terms). So it walks the uncheckpointed moments from ``kept``.
+        recomputes = la.checkpointed and not acts.checkpoint_compiled
+        if la.checkpointed and acts.checkpoint_compiled:
+            # at its MLP's backward the attention block is not recomputed yet: what it kept stands for it (the
+            # kept gate or up output is one of the MLP's own tensors; a kept o_proj output has been read by the
+            # recompute of the residual after attention, its last use, and freed, as the backward graph frees
+            # every saved tensor after its last use)
+            mlp_kept = int(sum(t.bytes_per_token for t in la.checkpoint_terms
+                               if t.module in MLP_LINEARS + ("o_proj",)) * tokens)
+            full = kept - mlp_kept + int((la.bytes_per_token - la.attention_bytes_per_token) * tokens) \
+                + la.constant_bytes
         # Under full checkpointing the recompute's first norm reads the kept layer input. Where it saves that
         # tensor itself (LayerNorm; RMSNorm when the stream is already fp32, so its upcast is a no-op) the
         # recomputed activations share it with what the checkpoint kept.
-        shared_input = (p.residual * spec.hidden_size * tokens if la.checkpointed
+        shared_input = (p.residual * spec.hidden_size * tokens if recomputes
                         and (spec.norm == "layer" or p.residual == FP32) else 0)
         if spec.traits.norm_centred_twice:
             shared_input = 0  # CohereLayerNorm keeps x - mean, a new tensor, never its input
         if spec.traits.layer_norm_upcast and p.residual != FP32:
             shared_input = 0  # OlmoLayerNorm keeps its fp32 copy of a half layer input
-        if spec.traits.norm_placement == "post" and la.checkpointed:
+        if spec.traits.norm_placement == "post" and recomputes:
             # No input norm (OLMo-2): q/k/v save the layer input itself unless autocast casts it for each of them
             shared_input = 0 if p.autocast else p.residual * spec.hidden_size * tokens
         full -= shared_input
@@ -1023,7 +1038,7 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         first_norm = _numel(tensors, "input_norm")
         attention_part = int(la.attention_bytes_per_token * tokens) + (p.compute * projections if p.autocast else 0)
         attention_live = attention_part - int(la.attention_released * tokens)
-        if la.checkpointed:
+        if recomputes:
             attention_live += kept + (full - int(la.bytes_per_token * tokens) - la.constant_bytes)
         dora_transient, dora_freed = _dora_backward(spec, la, p, tokens, finetune) if finetune is not None else (0, 0)
         item = _LayerBytes(
@@ -1096,12 +1111,16 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             returned_to_model=int(la.returned_to_model * tokens),
             compiled_copies=_compiled_gradient_copies(tensors, gradients_of) if settings.compile else 0,
             compiled_mlp=(_compiled_mlp_backward(spec, la, p, tokens, tensors, finetune)
-                          if settings.compile and not la.checkpointed else (0, 0)),
-            checkpointed=la.checkpointed,
+                          if settings.compile and not recomputes else (0, 0)),
+            checkpointed=recomputes,
         )
         made[key] = item
         out.extend([item] * la.count)
     return out
+
+
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+"""The modules of the MLP's Linears, as Terms name them (opsac.projection_order)."""
 
 
 def _compiled_mlp_backward(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int, tensors,
@@ -1482,6 +1501,13 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             mlp = last.layer.mlp
             not_yet = (1 + any(t.module == "down_input" for t in last.terms)) * p.compute * mlp.intermediate_size
             held = 0 if any(t.module == "mlp_input" for t in last.terms) else p.compute * h
+            if last.checkpointed:
+                # inside a checkpoint (compiled_checkpoint_terms): beside what it keeps, the residual after
+                # attention and the MLP's input, which its forward graph still reads (the gate's half output, where
+                # not kept, is freed by its upcast)
+                # (a kept up output is not made yet: up_proj runs after the SiLU)
+                not_yet = sum(t.bytes_per_token for t in last.checkpoint_terms if t.module == "up_proj")
+                held = (p.residual + p.compute) * h
             candidates_fw.append(Phase(
                 "forward", "last layer's compiled SiLU", weights, grads_in_forward, states,
                 layers_saved + acts.kv_cache_bytes + acts.mask_bytes
