@@ -521,7 +521,8 @@ class CachingAllocator:
                  if b.prev is None or not b.prev.mapped]
         segments = []
         for head in sorted(heads, key=lambda b: b.ptr):
-            blocks, b = [], head
+            blocks: list[tuple[int, bool]] = []
+            b: _Block | None = head
             while b is not None and b.mapped:
                 blocks.append((b.size, b.allocated))
                 b = b.next
@@ -822,6 +823,7 @@ class CachingAllocator:
             return None
         while candidate.size < size:
             following = candidate.next
+            assert following is not None  # (_find_expandable_block found blocks after it that hold size)
             if not self._map_block(following, min(size - candidate.size, following.size), pool):
                 return None
             candidate = following
@@ -832,6 +834,7 @@ class CachingAllocator:
         """garbage_collect_cached_blocks (only with a per-process memory fraction under 1, as malloc calls it only
         when allowed_memory_maximum is set): past garbage_collection_threshold of the allowed memory, cudaFree the
         unsplit cached large blocks not reused for longer than the average, until enough is freed."""
+        assert self.allowed_maximum is not None  # (called only when self._collects)
         threshold = int(self.config.garbage_collection_threshold * self.allowed_maximum)
         if self.reserved_bytes <= threshold:
             return
@@ -1077,7 +1080,8 @@ def _run(log: AllocationLog, config: AllocatorConfig, capacity: int | None, devi
     oom = None
     unmatched = 0
     events = log.events if stop is None else log.events[:stop]
-    malloc, free, pop = allocator.malloc, allocator.free, live.pop
+    malloc, free = allocator.malloc, allocator.free
+    pop: Callable[[int, None], _Block | None] = live.pop
     record_allocated, record_reserved = after.append, reserved_after.append
     for index, (key, nbytes, label) in enumerate(events):
         if nbytes:
@@ -1087,8 +1091,8 @@ def _run(log: AllocationLog, config: AllocatorConfig, capacity: int | None, devi
                 live[key] = malloc(nbytes, label)
             except OutOfMemory as error:
                 by_label: dict[str, int] = {}
-                for block in live.values():
-                    by_label[block.label] = by_label.get(block.label, 0) + block.size
+                for held in live.values():
+                    by_label[held.label] = by_label.get(held.label, 0) + held.size
                 oom = OOMReport(index, _step_of(log, index), error.requested, error.rounded, error.alloc_size,
                                 error.allocated, error.reserved, capacity or 0, len(live),
                                 tuple(sorted(by_label.items(), key=lambda kv: -kv[1])), label)

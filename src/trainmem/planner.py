@@ -101,7 +101,8 @@ def sweep(model: ModelSpec, settings: TrainingSettings, batches: list[int], seqs
           device: DeviceOptions, layouts: list[Parallel] | None = None, finetune=None) -> list[Estimate]:
     """One estimate per (layout, batch, seq), layout-major, then batch-major."""
     out = []
-    for parallel in layouts or [None]:
+    each: list[Parallel | None] = list(layouts) if layouts else [None]
+    for parallel in each:
         step = compile_step(model, settings, device, parallel, finetune)
         out += [step.estimate(b, s) for b in batches for s in seqs]
     return out

@@ -507,15 +507,15 @@ def reduce_bucket_buffers(ds, stage: int, grad_bytes: int, source_note: str = ""
 def _zero_layout(spec: ModelSpec, recipe: Recipe, states_full: int, parallel: Parallel) -> RankLayout:
     n, world, stage, ds = spec.num_parameters, parallel.gpus, parallel.zero, parallel.deepspeed
     w, g, m = recipe.weight_bytes, recipe.gradient_bytes, recipe.master_bytes
+    assert stage is not None  # (the deepspeed engine's layout: Parallel.zero is set)
+    buffers: list[Buffer] = []
     if stage == 0:
-        buffers = []
         if m and g != 4:  # DeepSpeed's BF16_Optimizer (bf16 without ZeRO): an fp32 flat gradient accumulator
             buffers.append(Buffer("fp32 gradient accumulation buffer", 4 * n, "gradients", ALL_PHASES,
                                   "BF16_Optimizer.fp32_groups_gradients_flat"))
         return RankLayout(w * n, g * n, m * n, states_full, n, 1, tuple(buffers))
     part = _zero_elements(spec, n, world, parallel.experts_split)
     states = -(-states_full * part // n)  # elementwise states follow the padded partition
-    buffers: list[Buffer] = []
     persistent = 0
     if stage == 3:
         persistent = sum(g_.repeat * t.numel for g_ in spec.param_groups for t in g_.tensors

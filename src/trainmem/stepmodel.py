@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .activations import ActivationEstimate, estimate_activations
 from .errors import ConfigError
-from .allocator import DEFAULT_CONFIG as DEFAULT_ALLOC
+from .allocator import DEFAULT_CONFIG as DEFAULT_ALLOC, ReplayReport
 from .estimate import (NO_PEAK, DeviceOptions, Estimate, Peak, StaticComponent, dynamic_bytes, paged_state_bytes,
                        peak_of_phases, position_warning, static_components, validation_notes)
 from .models import ModelSpec
@@ -42,6 +42,7 @@ from .timeline import (Phase, expanded_layers, forward_floor, peak_of, seed_acti
 from .estimate import fits_at_least  # (beside peak_of_phases, where modelparallel finds it too)
 
 if TYPE_CHECKING:
+    from .modelparallel import LayoutStep
     from .lora import FineTune  # (lora.py is imported where a step has adapters: a full fine-tune never loads it)
 
 PAGED_NOTE = ("paged optimizer states (paged_bytes) live in CUDA unified memory (cudaMallocManaged): "
@@ -201,7 +202,7 @@ class StepModel:
         if settings.activation_k is not None and not spec.has_architecture:
             raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
                               f"{spec.source or spec.name} has none (give a model name or config.json)")
-        self._replays: dict[tuple[int, int], object] = {}
+        self._replays: dict[tuple[int, int], ReplayReport | None] = {}
         self._sequences: dict[tuple[int, int], object] = {}
         self._reserved: dict[tuple[int, int], int | None] = {}
         self._ratio: dict[int, float | None] = {}
@@ -403,7 +404,7 @@ class StepModel:
             phases = tuple(peak_of(c) for c in self.candidates(batch, seq)[1])
             acts = estimate_activations(spec, self.recipe, settings)
             per_layer_values = batch * seq * spec.hidden_size * spec.num_layers * 2
-            notes = (
+            seed_notes = (
                 f"activations from the seed's rule b*s*h*L*k*2 with k={settings.activation_k:g}",
                 f"the architecture model ({settings.attention} attention, {settings.recipe}) gives "
                 f"{acts.layers_bytes / 2**30:.2f} GiB for the decoder layers "
@@ -413,14 +414,17 @@ class StepModel:
             )
             return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank,
                             activation_k_bytes=seed_activation_bytes(spec, settings),
-                            phases=phases, peak=peak_of_phases(phases, self.device), device=self.device, notes=notes,
+                            phases=phases, peak=peak_of_phases(phases, self.device), device=self.device,
+                            notes=seed_notes,
                             warnings=warnings, paged_bytes=self.paged_bytes)
         form = self.form(batch, seq)
         if form is not None:
             acts = self.activations(settings)
             phases = tuple(f.phase(batch) for f in form)
         else:
-            acts, candidates = self.candidates(batch, seq, peaks_only=True)
+            found, candidates = self.candidates(batch, seq, peaks_only=True)
+            assert found is not None  # (activation_k is None here: the architecture's activations)
+            acts = found
             phases = tuple(peak_of(c) for c in candidates)
         notes = list(self.unchecked)
         if self.paged_bytes:
@@ -551,6 +555,7 @@ def _compile_seq(step: StepModel, seq: int) -> tuple[_PhaseForm, ...] | None:
     if not step.spec.has_architecture or step.settings.activation_k is not None:
         return None  # nothing to search (no peak), or the seed rule, whose k makes its bytes fractional
     (acts_a, cands_a), (acts_b, cands_b) = (step.candidates(b, seq) for b in _SAMPLES)
+    assert acts_a is not None and acts_b is not None  # (activation_k is None: the architecture's activations)
     batch_free = (acts_a.layers == acts_b.layers and acts_a.embedding_terms == acts_b.embedding_terms
                   and acts_a.head_terms == acts_b.head_terms)
     # the terms outside the per-token ones are constant, or proportional to the batch (masks with a batch dim)
@@ -574,12 +579,12 @@ def _compile_seq(step: StepModel, seq: int) -> tuple[_PhaseForm, ...] | None:
             slope = tuple(d // step_b for d in diff)
             moments.append(_Moment(ca.moment, at_2, slope, sum(at_2), sum(slope)))
         forms.append(_envelope(phase_a[0].name, moments))
-    forms = tuple(forms)
+    compiled = tuple(forms)
     for batch in _CHECKS:  # the argument above, checked
         direct = tuple(peak_of(c) for c in step.candidates(batch, seq, peaks_only=True)[1])
-        if tuple(f.phase(batch) for f in forms) != direct:
+        if tuple(f.phase(batch) for f in compiled) != direct:
             return None
-    return forms
+    return compiled
 
 
 def _envelope(name: str, moments: list[_Moment]) -> _PhaseForm:
@@ -630,7 +635,7 @@ def compile_step(spec: ModelSpec, settings: TrainingSettings | None = None,
     if parallel is not None and parallel.is_model_parallel:
         from .modelparallel import LayoutStep
 
-        step = LayoutStep(spec, settings, device, parallel, finetune, cache, compile_stage=compile_step)
+        step: StepModel | LayoutStep = LayoutStep(spec, settings, device, parallel, finetune, cache, compile_stage=compile_step)
     else:
         step = StepModel(spec, settings, device, parallel, finetune)
     if cache is not None:
