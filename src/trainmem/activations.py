@@ -16,6 +16,7 @@ the residual stream (fp32 under autocast, else the weights' dtype). A tensor tha
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -1457,7 +1458,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     p = Precision.of(recipe)
     h, v, s = spec.hidden_size, spec.vocab_size, settings.seq
     tokens = settings.batch * s
-    computed: dict[tuple, LayerActivations] = {}  # (selective checkpointing splits a run into a run per layer)
+    computed: dict[tuple[object, ...], LayerActivations] = {}  # (selective checkpointing splits a run into a run per layer)
     runs = []
     for layer, count, checkpointed in checkpointed_runs(spec, settings.checkpointing):
         if (layer, count, checkpointed) not in computed:
@@ -1583,7 +1584,8 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
                                 loss_transient, p, emb_dropout, masks_built, masks_used)
 
 
-def _activation_estimate(spec: ModelSpec, settings: TrainingSettings, layers, tokens: int, embedding, head, constant,
+def _activation_estimate(spec: ModelSpec, settings: TrainingSettings, layers: tuple[LayerActivations, ...],
+                         tokens: int, embedding: Iterable[Term], head: Iterable[Term], constant: Iterable[Term],
                          logits_bytes: int, loss_transient: int, p: Precision, emb_dropout: float, masks_built: int,
                          masks_used: int) -> ActivationEstimate:
     # DynamicLayer.update torch.cat's each layer's keys and values into the cache the model returns; what attention
