@@ -81,6 +81,18 @@ def test_precision_check_cli(run_cli, tmp_path, model, extra):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+def test_precision_check_config_without_vocab_size(run_cli, tmp_path):
+    """A model_type without a parser whose config leaves vocab_size to transformers' default (PersimmonConfig's
+    262,144): the tokens' range is the built model's (this was int(None)'s TypeError traceback)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "persimmon", "hidden_size": 64, "intermediate_size": 128,
+                                  "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 256}))
+    code, out, err = run_cli("precision-check", str(config), "--seq", "16", "--steps", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["losses"]
+
+
 def test_precision_check_bad_input(run_cli):
     code, _, err = run_cli("precision-check", "gpt2", "--layers", "0")
     assert code == 2 and "--layers must be a positive integer" in err

@@ -16,6 +16,7 @@ the residual stream (fp32 under autocast, else the weights' dtype). A tensor tha
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -523,9 +524,9 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         # to a multiple of 16 (F.pad, a copy, where s is not one): both are alive at once, before the output
         # exists, beside q, k and v (traced: a checkpointed Qwen3 layer with a sliding window, 1 x 1,000, was
         # -1.57% at the forward peak without them); the padded one stays through the kernel.
-        padded = c * efficient_mask_width(s)
+        mask_padded = c * efficient_mask_width(s)
         unpadded = c * s if efficient_mask_width(s) != s else 0
-        forward = inputs + padded + max(c * a * dv + efficient_lse_per_token(a, s), unpadded)
+        forward = inputs + mask_padded + max(c * a * dv + efficient_lse_per_token(a, s), unpadded)
     return AttentionTerms(tuple(terms), kernel, cache_extra, returned, released, backward, forward=forward,
                           forward_inputs=inputs, softmax_extra=softmax_extra, after_softmax=after_softmax,
                           returned_to_model=returned_to_model, held_by_layer=held_by_layer,
@@ -814,13 +815,13 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         terms.append(Term("attention output, merged (dense input)", c * a * d, input_of="o_input"))
         # (v's backward frees nothing where v is a view of the fused output q or k still keeps)
         v_freed = c * kept_heads * d if "v" not in views else c * (a + 2 * kv) * d if views == ("v",) else 0
-        released = c * a * d + v_freed + (c * a * s if r != c or dropout > 0 else 0)
+        released: float = c * a * d + v_freed + (c * a * s if r != c or dropout > 0 else 0)
         # At the softmax (without checkpointing): the scores (a local), the masked scores the softmax reads (fp32
         # under autocast, where the mask is) and, with ALiBi, the fp32 upcast, the biased logits and (in half
         # precision) the cast back the softmax makes for its dtype argument.
         masked = FP32 if p.autocast else c
         if rotary:
-            extra = c + masked
+            extra: float = c + masked
         else:
             extra = c + 3 * FP32 if c != FP32 else 3 * FP32
             if r != FP32:
@@ -875,7 +876,7 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         q_view = not rotary and proj_bytes == c
         k_view = multi_head_views and not rotary and not use_cache and proj_bytes == c
         v_view = multi_head_views and not use_cache and proj_bytes == c
-        views = [name for name, is_view in (("q", q_view), ("k", k_view), ("v", v_view)) if is_view]
+        views = tuple(name for name, is_view in (("q", q_view), ("k", k_view), ("v", v_view)) if is_view)
         if views:
             terms.append(Term(f"query_key_value output (kept by the view{'s' if len(views) > 1 else ''} "
                               f"{', '.join(views)})", c * (a + 2 * kv) * d))
@@ -1062,7 +1063,7 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
         # the batched matmul with v copies the strided view of kv_b_proj's output
         terms += [Term("v, contiguous copy", c * a * dv), Term("attention output, contiguous (o_proj input)",
                                                                 c * a * dv, input_of="o_input")]
-        released = 2 * c * a * dv + (c * a * s if c != FP32 or dropout > 0 else 0)
+        released: float = 2 * c * a * dv + (c * a * s if c != FP32 or dropout > 0 else 0)
         if dropout > 0 and q_bytes != FP32:
             # the dropout (on probabilities cast to q's half dtype) has run its backward by the softmax's: its mask
             # is freed (with fp32 probabilities the dropout's own moment, mask alive, is the larger)
@@ -1442,7 +1443,7 @@ def effective_kernel(spec: ModelSpec, kernel: str) -> str:
 def llama_style_layers(spec: ModelSpec) -> bool:
     """Every layer shaped as Llama's: attention (no MLA) then a gated dense MLP, two norms, sequential residuals,
     no projected embeddings: the ground the compiled-layer model is built on."""
-    return lora_layers_modelled(spec) and all(lay.mlp.gated for lay, _ in spec.layer_runs)
+    return lora_layers_modelled(spec) and all(lay.dense_mlp.gated for lay, _ in spec.layer_runs)
 
 
 def lora_layers_modelled(spec: ModelSpec) -> bool:
@@ -1464,7 +1465,7 @@ def op_checkpointing_unmodelled(spec: ModelSpec, settings: TrainingSettings) -> 
     """Why --checkpointing op is not modelled for this set-up, or None: Llama-like dense layers (llama, mistral,
     qwen2 and the like), SDPA."""
     if not llama_style_layers(spec) or any(
-            lay.attention.fused_qkv or lay.mlp.fused_gate_up or lay.attention.qk_norm or lay.attention.kind != "mha"
+            lay.attention.fused_qkv or lay.dense_mlp.fused_gate_up or lay.attention.qk_norm or lay.attention.kind != "mha"
             for lay, _ in spec.layer_runs) or spec.traits.norm_placement == "post" or \
             spec.traits.rms_norm_fp32_plus_one:
         return (f"checkpointing 'op' (torchtitan's per-op SAC) is modelled for Llama-like layers (llama, mistral, "
@@ -1484,7 +1485,7 @@ def compile_modelled(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings
     full rotary, two RMSNorms, no q/k norms, SDPA, half precision without autocast, no dropout (checked against
     the aot_eager_decomp_partition trace, tests/test_finetune_switches.py)."""
     if (not llama_style_layers(spec) or spec.norm != "rms" or spec.traits.rms_norm_fp32_plus_one
-            or any(lay.attention.qk_norm or lay.attention.fused_qkv or lay.mlp.fused_gate_up
+            or any(lay.attention.qk_norm or lay.attention.fused_qkv or lay.dense_mlp.fused_gate_up
                    or lay.attention.rotary_dim != lay.attention.head_dim for lay, _ in spec.layer_runs)):
         return f"{spec.model_type}'s layers (compiled layers are modelled for Llama-style layers)"
     if recipe.autocast or recipe.compute == "fp32":
@@ -1516,7 +1517,7 @@ def compiled_layer(la: LayerActivations, h: int, p: Precision, checkpointing: st
     from dataclasses import replace
 
     layer, c, r = la.layer, p.compute, p.residual
-    att, mlp = layer.attention, layer.mlp
+    att, mlp = layer.attention, layer.dense_mlp
     a, kv, d = att.num_heads, att.num_kv_heads, att.head_dim
     attention_terms = (
         Term("layer input", r * h, "input_norm"),
@@ -1613,7 +1614,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     p = Precision.of(recipe)
     h, v, s = spec.hidden_size, spec.vocab_size, settings.seq
     tokens = settings.batch * s
-    computed: dict[tuple, LayerActivations] = {}  # (selective checkpointing splits a run into a run per layer)
+    computed: dict[tuple[object, ...], LayerActivations] = {}  # (selective checkpointing splits a run into a run per layer)
     runs = []
     for layer, count, checkpointed in checkpointed_runs(spec, settings.checkpointing):
         if (layer, count, checkpointed) not in computed:
@@ -1740,7 +1741,8 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
                                 loss_transient, p, emb_dropout, masks_built, masks_used)
 
 
-def _activation_estimate(spec: ModelSpec, settings: TrainingSettings, layers, tokens: int, embedding, head, constant,
+def _activation_estimate(spec: ModelSpec, settings: TrainingSettings, layers: tuple[LayerActivations, ...],
+                         tokens: int, embedding: Iterable[Term], head: Iterable[Term], constant: Iterable[Term],
                          logits_bytes: int, loss_transient: int, p: Precision, emb_dropout: float, masks_built: int,
                          masks_used: int) -> ActivationEstimate:
     # DynamicLayer.update torch.cat's each layer's keys and values into the cache the model returns; what attention

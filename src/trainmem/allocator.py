@@ -313,7 +313,8 @@ class _Block:
     __slots__ = ("size", "ptr", "small", "allocated", "mapped", "prev", "next", "counter", "segment", "gc_base",
                  "requested", "label")
 
-    def __init__(self, allocator: CachingAllocator, size: int, ptr: int, small: bool, segment=None):
+    def __init__(self, allocator: CachingAllocator, size: int, ptr: int, small: bool,
+                 segment: _ExpandableSegment | None = None) -> None:
         self.size, self.ptr, self.small, self.segment = size, ptr, small, segment
         self.allocated, self.mapped = False, True
         self.prev: _Block | None = None
@@ -521,7 +522,8 @@ class CachingAllocator:
                  if b.prev is None or not b.prev.mapped]
         segments = []
         for head in sorted(heads, key=lambda b: b.ptr):
-            blocks, b = [], head
+            blocks: list[tuple[int, bool]] = []
+            b: _Block | None = head
             while b is not None and b.mapped:
                 blocks.append((b.size, b.allocated))
                 b = b.next
@@ -735,6 +737,7 @@ class CachingAllocator:
                 self._unmap_block(block, pool)
                 if not block.mapped and block.prev is None and block.next is None:  # release_expandable_segment
                     pool.erase_unmapped(block)
+                    assert block.segment is not None  # (to_unmap holds the expandable segments' blocks)
                     self.expandable.remove(block.segment)
 
     def _release_block(self, block: _Block, pool: _Pool) -> None:
@@ -746,6 +749,7 @@ class CachingAllocator:
 
     def _unmap_block(self, block: _Block, pool: _Pool) -> None:
         """unmap_block: unmap the whole pages inside a free block of an expandable segment."""
+        assert block.segment is not None  # (a block of an expandable segment)
         ptr, size = block.segment.unmap_range(block.ptr, block.size)
         if size == 0:
             return
@@ -796,6 +800,7 @@ class CachingAllocator:
     def _map_block(self, block: _Block, size: int, pool: _Pool) -> bool:
         """map_block: map the pages covering the first ``size`` bytes of an unmapped block (the rest stays unmapped),
         merge with the free mapped neighbours; False where the device has no room (cuMemCreate's OOM)."""
+        assert block.segment is not None  # (a block of an expandable segment)
         ptr, mapped = block.segment.map_range(block.ptr, size)
         assert ptr == block.ptr
         if mapped == 0 or (self.capacity is not None and self.reserved_bytes + mapped > self.capacity):
@@ -822,6 +827,7 @@ class CachingAllocator:
             return None
         while candidate.size < size:
             following = candidate.next
+            assert following is not None  # (_find_expandable_block found blocks after it that hold size)
             if not self._map_block(following, min(size - candidate.size, following.size), pool):
                 return None
             candidate = following
@@ -832,6 +838,7 @@ class CachingAllocator:
         """garbage_collect_cached_blocks (only with a per-process memory fraction under 1, as malloc calls it only
         when allowed_memory_maximum is set): past garbage_collection_threshold of the allowed memory, cudaFree the
         unsplit cached large blocks not reused for longer than the average, until enough is freed."""
+        assert self.allowed_maximum is not None  # (called only when self._collects)
         threshold = int(self.config.garbage_collection_threshold * self.allowed_maximum)
         if self.reserved_bytes <= threshold:
             return
@@ -879,7 +886,7 @@ class AllocationLog:
     events: tuple[AllocEvent, ...]
     step_starts: tuple[int, ...] = (0,)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.step_starts or list(self.step_starts) != sorted(self.step_starts) or not all(
                 0 <= s <= len(self.events) for s in self.step_starts):
             raise ConfigError(f"an allocation log's step starts must be ascending indices into its "
@@ -1067,17 +1074,18 @@ def _step_of(log: AllocationLog, index: int) -> int:
 
 
 def _run(log: AllocationLog, config: AllocatorConfig, capacity: int | None, device_total: int | None,
-         stop: int | None = None):
+         stop: int | None = None) -> tuple[CachingAllocator, list[int], list[int], OOMReport | None, int]:
     """Replay events [0, stop): the allocator, the allocated bytes after each event, the OOM (if any) and the
     number of frees of unknown keys."""
     allocator = CachingAllocator(config, capacity, device_total)
     live: dict[int, _Block] = {}
     after: list[int] = []
     reserved_after: list[int] = []
-    oom = None
+    oom: OOMReport | None = None
     unmatched = 0
     events = log.events if stop is None else log.events[:stop]
-    malloc, free, pop = allocator.malloc, allocator.free, live.pop
+    malloc, free = allocator.malloc, allocator.free
+    pop: Callable[[int, None], _Block | None] = live.pop
     record_allocated, record_reserved = after.append, reserved_after.append
     for index, (key, nbytes, label) in enumerate(events):
         if nbytes:
@@ -1087,8 +1095,8 @@ def _run(log: AllocationLog, config: AllocatorConfig, capacity: int | None, devi
                 live[key] = malloc(nbytes, label)
             except OutOfMemory as error:
                 by_label: dict[str, int] = {}
-                for block in live.values():
-                    by_label[block.label] = by_label.get(block.label, 0) + block.size
+                for held in live.values():
+                    by_label[held.label] = by_label.get(held.label, 0) + held.size
                 oom = OOMReport(index, _step_of(log, index), error.requested, error.rounded, error.alloc_size,
                                 error.allocated, error.reserved, capacity or 0, len(live),
                                 tuple(sorted(by_label.items(), key=lambda kv: -kv[1])), label)

@@ -8,12 +8,21 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from . import __version__
 from .errors import ConfigError, TrainmemError
 from .units import DEFAULT_UNIT, parse_unit
+
+if TYPE_CHECKING:  # (names for the annotations only: the commands import these modules when they run)
+    from .estimate import DeviceOptions
+    from .hardware import GPU
+    from .lora import FineTune
+    from .models import ModelSpec
+    from .settings import TrainingSettings
+    from .sharding import Parallel
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
@@ -171,15 +180,21 @@ def _emit_json(document: dict) -> None:
 class _Workload:
     """What the workload flags describe: the validated request and the output unit."""
 
-    spec: object
-    config: dict | None
+    spec: ModelSpec
+    config: dict[str, Any] | None
     """The model's config.json (None for --params)."""
-    settings: object
-    device: object
-    gpu: object
+    settings: TrainingSettings
+    device: DeviceOptions
+    gpu: GPU | None
     unit: str
-    parallel: object = None
-    finetune: object = None
+    parallel: Parallel
+    finetune: FineTune | None = None
+
+    @property
+    def model_config(self) -> dict[str, Any]:
+        """The config.json of a command that asked for one (``need_config``: make_request refuses --params)."""
+        assert self.config is not None, "a command that reads the config passes need_config to _workload"
+        return self.config
 
 
 SETTING_FLAGS = ("recipe", "optimizer", "optimizer_impl", "grad_accum", "attention", "checkpointing", "dropout",
@@ -429,10 +444,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainmem: error: {where}{exc.format_message()}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
-        extra = OPTIONAL_PACKAGES.get((exc.name or "").split(".")[0])
+        package = (exc.name or "").split(".")[0]
+        extra = OPTIONAL_PACKAGES.get(package)
         if extra is None:
             raise
-        print(f"trainmem: error: this command needs {exc.name.split('.')[0]}, which is not installed; "
+        print(f"trainmem: error: this command needs {package}, which is not installed; "
               f"pip install 'trainmem[{extra}]'", file=sys.stderr)
         return 2
     except click.exceptions.Abort:

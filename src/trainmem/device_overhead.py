@@ -23,6 +23,11 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .estimate import Estimate
+    from .hardware import GPU
 
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -42,7 +47,7 @@ class OverheadLine:
     source: str
     in_total: bool = True
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "label": self.label, "bytes": self.bytes, "source": self.source, "in_total": self.in_total}
 
 
@@ -59,19 +64,19 @@ def cublas_workspace_bytes(hopper: bool, environ: Mapping[str, str] | None = Non
     return sum(int(size) * KIB * int(count) for size, count in entries)
 
 
-def _hopper(gpu) -> bool:
+def _hopper(gpu: GPU | None) -> bool:
     """Hopper's larger default; without a named card too (the larger of the two, and the tables of an estimate
     without --gpu stay those of one on an H100)."""
     return gpu is None or gpu.name.split("-")[0] in ("H100", "H200", "GH200", "H20", "H800")
 
 
-def estimate_overhead_lines(est, gpu=None) -> tuple[OverheadLine, ...]:
+def estimate_overhead_lines(est: Estimate, gpu: GPU | None = None) -> tuple[OverheadLine, ...]:
     """overhead_lines for an estimate: its --cuda-overhead, the GPU asked about, its GPU count."""
     gpus = est.parallel.gpus if est.parallel is not None else 1
     return overhead_lines(est.device.cuda_overhead_bytes, gpu or est.gpu, gpus)
 
 
-def overhead_lines(cuda_overhead_bytes: int, gpu=None, gpus: int = 1,
+def overhead_lines(cuda_overhead_bytes: int, gpu: GPU | None = None, gpus: int = 1,
                    environ: Mapping[str, str] | None = None) -> tuple[OverheadLine, ...]:
     """The --cuda-overhead total as labelled lines (their sum is the total), and NCCL's buffers apart."""
     workspace = cublas_workspace_bytes(_hopper(gpu), environ)

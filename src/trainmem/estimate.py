@@ -56,7 +56,7 @@ class DeviceOptions:
     reserved_ratio: float | None = None
     """Set by a plan search: the replayed fragmentation ratio its fit checks apply (plan.search_ratio)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.headroom, (int, float)) or not 1.0 <= self.headroom <= MAX_HEADROOM:
             raise ConfigError(f"headroom must be a number from 1.0 to {MAX_HEADROOM:g}, got {self.headroom!r}")
         if self.fragmentation is not None and (not isinstance(self.fragmentation, (int, float))
@@ -112,7 +112,7 @@ class Estimate:
     """sharding.RankLayout of one GPU under a data-parallel engine (its buffers, host memory), None on one GPU."""
     finetune: Any = None
     """lora.FineTune when adapters train on a frozen (possibly quantized) base."""
-    per_rank: tuple = ()
+    per_rank: tuple[Any, ...] = ()
     """modelparallel.RankRole of each kind of rank of a model-parallel layout; the figures above are the most
     loaded one's."""
     rank_model: ModelSpec | None = None

@@ -190,7 +190,7 @@ def _role_stages(parallel: Parallel) -> list[tuple[str, tuple[int, ...]]]:
     p = parallel.pp
     if p == 1:
         return [("every rank", (0,))]
-    roles = [("first stage", (0,))]
+    roles: list[tuple[str, tuple[int, ...]]] = [("first stage", (0,))]
     if p > 2:
         roles.append(("middle stages", tuple(range(1, p - 1))))
     return roles + [("last stage", (p - 1,))]
@@ -223,7 +223,8 @@ class _Stage(NamedTuple):
     """One pipeline stage a LayoutStep evaluates: the role it stands for, its compiled step and what it holds."""
 
     role: str
-    index: int
+    number: int
+    """The stage's place in the pipeline (not ``index``, which would shadow tuple.index)."""
     in_flight: int
     step: Any
     spec: ModelSpec
@@ -277,7 +278,7 @@ class LayoutStep:
         """What a stage's rank holds beyond its layers' own step at (batch, local tokens): the other micro-batches'
         activations in flight, the all-to-all buffers, the pipeline's receive buffers."""
         return (self._held_extra(stage.step, stage.in_flight, batch, local),
-                self._all_to_all(stage.spec, batch, local), self._receive_buffers(stage.index, batch, local))
+                self._all_to_all(stage.spec, batch, local), self._receive_buffers(stage.number, batch, local))
 
     def _stage_phases(self, stage: _Stage, batch: int, seq: int,
                       extras: tuple[int, int, int] | None = None) -> tuple[Phase, ...]:
@@ -348,6 +349,7 @@ class LayoutStep:
             # (the most loaded stage as phases() picks it: the first of the largest, in stage order)
             if top is None or (load, -i) > (top[0], -top[1]):
                 top = (load, i, phases)
+        assert top is not None  # (a layout has at least one stage)
         return peak_of_phases(top[2], self.device, ratio=self._ratio(self._stages[top[1]], batch, local))
 
     def _ratio(self, stage, batch: int, local: int) -> float | None:
@@ -402,7 +404,7 @@ class LayoutStep:
                         peak=peak_of_phases(phases, self.device, ratio=self._ratio(stage, batch, local)),
                         in_flight_bytes=held, parallel=self.parallel, rank_model=stage.spec,
                         notes=base.notes + tuple(n for n in (acts_note, received_note) if n))
-            roles.append(RankRole(name, stages if name != "middle stages" else (stage.index,), in_flight, e))
+            roles.append(RankRole(name, stages if name != "middle stages" else (stage.number,), in_flight, e))
         top = max(roles, key=lambda r: r.estimate.peak.allocated_bytes if r.estimate.peak else 0)
         notes = top.estimate.notes + layout_notes(self.parallel)
         return replace(top.estimate, model=self.spec, per_rank=tuple(roles), notes=notes)

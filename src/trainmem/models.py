@@ -144,6 +144,18 @@ class Layer:
     """Tokens a query attends back to in this layer (Mistral, Gemma 2/3 local layers, Qwen with
     use_sliding_window); None for full causal attention."""
 
+    @property
+    def dense_mlp(self) -> MLP:
+        """``mlp``, where the caller has established that the layer is dense (not MoE)."""
+        assert self.mlp is not None, "the MLP of an MoE layer asked for"
+        return self.mlp
+
+    @property
+    def moe_block(self) -> MoE:
+        """``moe``, where the caller has established that the layer is MoE."""
+        assert self.moe is not None, "the MoE block of a dense layer asked for"
+        return self.moe
+
 
 @dataclass(frozen=True)
 class Dropout:

@@ -45,6 +45,7 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
 from .estimate import DeviceOptions, Estimate, Peak
@@ -55,6 +56,9 @@ from .recipes import DTYPE_BYTES, get_recipe
 from .settings import SELECTIVE_EVERY, make_settings
 from .sharding import Parallel
 from .stepmodel import StepModel, compile_step
+
+if TYPE_CHECKING:
+    from .lora import FineTune
 
 TIME_MODEL = ("step = max(compute, communication) + offload + exposed; compute = model FLOPs (6N + causal attention, "
               "+ the forward again under full checkpointing) / (tp x pp) at mfu x peak dense bf16 FLOPS, x (1 + "
@@ -177,7 +181,7 @@ class Plan:
     host_bytes_per_node: int
     step: StepModel = field(repr=False, compare=False)
     seq: int = 0
-    finetune: object = field(default=None, repr=False)
+    finetune: FineTune | None = field(default=None, repr=False)
     """The LoRA adapters the search trained (lora.FineTune), or None: full fine-tuning."""
 
     @property
@@ -213,7 +217,7 @@ class PlanSearch:
     cut_short: bool = False
     """True when the time budget (or a cap) ended the search before every layout was looked at: the plans are the
     ones found by then, and a faster or fitting layout may be missing."""
-    finetune: object = field(default=None, repr=False)
+    finetune: FineTune | None = field(default=None, repr=False)
     """The LoRA adapters searched (lora.FineTune), or None: full fine-tuning."""
 
 
@@ -245,7 +249,8 @@ def _model_parallel_engines(data_parallel: int, cp: int = 1, ep: int = 1):
     refuses ZeRO-2 and 3)."""
     if data_parallel == 1:
         return [("no data parallelism", None, None, ("none",))]
-    engines = [("FSDP2 full", None, "full", ("none",)), ("DDP", None, None, ("none",))]
+    engines: list[tuple[str, int | None, str | None, tuple[str, ...]]] = [("FSDP2 full", None, "full", ("none",)),
+                                                                           ("DDP", None, None, ("none",))]
     if cp == ep == 1:
         engines.append(("ZeRO-1", 1, None, ("none",)))
     return engines
@@ -297,7 +302,7 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
     split = layout.model_parallel
     n = spec.num_active_parameters
     # the share of the layers whose forward runs again in backward
-    full = {"none": 0.0, "full": 1.0}.get(layout.checkpointing) if layout.checkpointing != "selective" else \
+    full = {"none": 0.0, "full": 1.0}[layout.checkpointing] if layout.checkpointing != "selective" else \
         -(-spec.num_layers // SELECTIVE_EVERY) / spec.num_layers
     # multiply-adds per token of q.k^T and p.v in forward, over the keys a query sees (half the sequence on
     # average under the causal mask, or the window)
@@ -702,6 +707,8 @@ def run_plan(model, gpu: str, gpus: int | None = None, seq: int = 2048, global_b
                          options.get("host_memory_gib", DEFAULT_HOST_MEMORY_GIB), global_batch, time_budget_s)
     req = make_request(model, gpu=gpu, hub=hub, seq=seq, recipe=recipe or "mixed-bf16",
                        checkpointing=checkpointing or "none", **(lora or {}))
+    target = req.gpu
+    assert target is not None  # (gpu is a name: make_request looked the card up)
     if req.finetune is not None:
         options["finetune"] = req.finetune
     options.setdefault("device", req.device)
@@ -721,12 +728,12 @@ def run_plan(model, gpu: str, gpus: int | None = None, seq: int = 2048, global_b
     if min_gpus_wanted:
         if global_batch is not None:
             raise ConfigError("--min-gpus answers a GPU count (one sequence per GPU): it takes no --global-batch")
-        result = min_gpus(req.model, req.gpu, seq, gpus_per_node, time_budget_s=time_budget_s, **options)
+        result = min_gpus(req.model, target, seq, gpus_per_node, time_budget_s=time_budget_s, **options)
         if result is None:
-            raise ConfigError(f"no count of {req.gpu.name} up to {MAX_MIN_GPUS:,} trains {req.model.name} at {seq} "
+            raise ConfigError(f"no count of {target.name} up to {MAX_MIN_GPUS:,} trains {req.model.name} at {seq} "
                               "tokens with the layouts searched" + (" in the time budget" if time_budget_s is not None
                                                                     else ""))
         answer, found = result
         return found, answer
-    return search(req.model, req.gpu, gpus, seq, global_batch, gpus_per_node, time_budget_s=time_budget_s,
+    return search(req.model, target, gpus, seq, global_batch, gpus_per_node, time_budget_s=time_budget_s,
                   **options), None

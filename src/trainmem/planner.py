@@ -7,7 +7,7 @@ boundary in O(log n) evaluations, each a few microseconds once a sequence length
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import ConfigError
 from .estimate import DeviceOptions, Estimate
@@ -16,6 +16,10 @@ from .models import ModelSpec
 from .settings import TrainingSettings
 from .sharding import Parallel
 from .stepmodel import compile_step
+
+if TYPE_CHECKING:
+    from .lora import FineTune
+    from .request import Request
 
 MAX_SEARCH = 1 << 24
 
@@ -47,15 +51,15 @@ def _require_architecture(model: ModelSpec, seq: bool = False) -> None:
 
 
 def max_batch(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions,
-              parallel: Parallel | None = None, finetune=None) -> int:
+              parallel: Parallel | None = None, finetune: FineTune | None = None) -> int:
     _require_architecture(model)
     step = compile_step(model, settings, device, parallel, finetune)
     return _largest(lambda b: step.fitting_peak(b, settings.seq, gpu, exact=True) is not None)
 
 
 def estimate_searched(model: ModelSpec, settings: TrainingSettings, device: DeviceOptions, gpu: GPU | None,
-                      parallel: Parallel | None = None, finetune=None, find_batch: bool = False,
-                      find_seq: bool = False) -> tuple[Estimate, dict]:
+                      parallel: Parallel | None = None, finetune: FineTune | None = None, find_batch: bool = False,
+                      find_seq: bool = False) -> tuple[Estimate, dict[str, Any]]:
     """What ``trainmem estimate`` answers (and the web page's /api/estimate): the estimate, after --max-batch and
     --max-seq have replaced the batch or the sequence by the largest that fits ``gpu``, and those answers
     (``max_batch``, ``max_seq``, ``max_seq_is_position_limit``; 0 when nothing fits)."""
@@ -63,7 +67,7 @@ def estimate_searched(model: ModelSpec, settings: TrainingSettings, device: Devi
 
     from .stepmodel import estimate_model
 
-    extra: dict = {}
+    extra: dict[str, Any] = {}
     if find_batch or find_seq:
         if gpu is None:
             raise ConfigError("--max-batch and --max-seq need --gpu NAME")
@@ -90,7 +94,7 @@ def seq_limit(model: ModelSpec) -> int:
 
 
 def max_seq(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: DeviceOptions,
-            parallel: Parallel | None = None, finetune=None) -> int:
+            parallel: Parallel | None = None, finetune: FineTune | None = None) -> int:
     """The longest sequence that fits, capped at :func:`seq_limit` (a longer one would fit memory, not the model)."""
     _require_architecture(model, seq=True)
     step = compile_step(model, settings, device, parallel, finetune)
@@ -98,16 +102,17 @@ def max_seq(model: ModelSpec, settings: TrainingSettings, gpu: GPU, device: Devi
 
 
 def sweep(model: ModelSpec, settings: TrainingSettings, batches: list[int], seqs: list[int],
-          device: DeviceOptions, layouts: list[Parallel] | None = None, finetune=None) -> list[Estimate]:
+          device: DeviceOptions, layouts: list[Parallel] | None = None, finetune: FineTune | None = None) -> list[Estimate]:
     """One estimate per (layout, batch, seq), layout-major, then batch-major."""
     out = []
-    for parallel in layouts or [None]:
+    each: list[Parallel | None] = list(layouts) if layouts else [None]
+    for parallel in each:
         step = compile_step(model, settings, device, parallel, finetune)
         out += [step.estimate(b, s) for b in batches for s in seqs]
     return out
 
 
-def _searchable(model, gpu, options):
+def _searchable(model: Any, gpu: str | GPU | None, options: dict[str, Any]) -> Request:
     from .request import make_request
 
     if gpu is None:
@@ -117,19 +122,21 @@ def _searchable(model, gpu, options):
     return req
 
 
-def find_max_batch(model, gpu, **options) -> int:
+def find_max_batch(model: Any, gpu: str | GPU | None, **options: Any) -> int:
     """The largest micro-batch of ``model`` that fits ``gpu`` (0 if none); ``options`` as trainmem.estimate's."""
     req = _searchable(model, gpu, options)
+    assert req.gpu is not None  # (_searchable refused gpu=None; make_request looked the card up)
     return max_batch(req.model, req.settings, req.gpu, req.device, req.parallel, req.finetune)
 
 
-def find_max_seq(model, gpu, **options) -> int:
+def find_max_seq(model: Any, gpu: str | GPU | None, **options: Any) -> int:
     """The longest sequence of ``model`` that fits ``gpu`` (0 if none), capped at its position limit."""
     req = _searchable(model, gpu, options)
+    assert req.gpu is not None  # (_searchable refused gpu=None; make_request looked the card up)
     return max_seq(req.model, req.settings, req.gpu, req.device, req.parallel, req.finetune)
 
 
-def sweep_grid(model, batches, seqs, **options) -> list[Estimate]:
+def sweep_grid(model: Any, batches: Any, seqs: Any, **options: Any) -> list[Estimate]:
     """One estimate per (batch, seq) pair, batch-major; ``options`` as trainmem.estimate's."""
     from dataclasses import replace as with_gpu
 

@@ -75,9 +75,10 @@ def plot_estimate(est: Estimate, path: str | os.PathLike, unit: str = "GiB", gpu
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     if len(names) == 1:
         ax.set_xlim(-1.5, 1.5)
-    peak_phase = est.peak.phase if est.peak else None
-    ax.set_xticks(positions, [f"{n}\n(peak: {est.peak.moment})" if n == peak_phase else n for n in names],
-                  fontsize=8)
+    peak = est.peak
+    peak_phase = peak.phase if peak else None
+    ax.set_xticks(positions, [f"{n}\n(peak: {peak.moment})" if peak is not None and n == peak_phase else n
+                              for n in names], fontsize=8)
     totals = {n: sum(bars[n].values()) for n in names}
     for i, n in enumerate(names):
         ax.text(i, to_unit(totals[n], unit), format_bytes(totals[n], unit), ha="center", va="bottom", fontsize=8)
@@ -125,6 +126,7 @@ def plot_sweep(estimates: list[Estimate], path: str | os.PathLike, unit: str = "
         if e.per_gpu:
             other += f", {e.parallel.gpus} GPUs ZeRO-{e.parallel.zero}" if e.parallel.zero is not None else \
                 f", {e.parallel.gpus} GPUs {e.parallel.engine}"
+        assert e.peak is not None  # (sweep refused estimates without activations)
         curves.setdefault(other, []).append((x, e.peak.required_bytes))
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 5.6))

@@ -51,11 +51,11 @@ def check_arguments(steps: int = 1, lr: float = 1e-4, loss_scale: float = 1.0, b
     for key, value, largest in (("steps", steps, MAX_STEPS), ("batch", batch, MAX_BATCH)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= largest:
             raise ConfigError(f"{name(key)} must be a whole number from 1 to {largest:,}, got {value!r}")
-    for key, value, (low, high) in (("lr", lr, LR_RANGE), ("loss_scale", loss_scale, LOSS_SCALE_RANGE)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+    for key, number, (low, high) in (("lr", lr, LR_RANGE), ("loss_scale", loss_scale, LOSS_SCALE_RANGE)):
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not low <= number <= high:
             shown = (f"2**{math.log2(low):.0f} to 2**{math.log2(high):.0f}" if key == "loss_scale"
                      else f"{low:g} to {high:g}")
-            raise ConfigError(f"{name(key)} must be a number from {shown}, got {value!r}")
+            raise ConfigError(f"{name(key)} must be a number from {shown}, got {number!r}")
 
 
 def layer_type(name: str) -> str:
@@ -300,6 +300,7 @@ def resize_config(config: dict, hidden: int | None, layers: int | None) -> dict:
     if hidden is not None:
         old_h = cfg.get("hidden_size") or cfg.get("n_embd")
         heads = cfg.get("num_attention_heads") or cfg.get("n_head")
+        assert old_h and heads  # (check_resize refused a config without them)
         head_dim = cfg.get("head_dim") or old_h // heads
         new_heads = max(1, hidden // head_dim)
         kv = cfg.get("num_key_value_heads") or heads

@@ -9,10 +9,13 @@ so the result tables print as without it. Counting works whether or not anything
 from __future__ import annotations
 
 import sys
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import logging
 
 
-def _isatty(stream) -> bool:
+def _isatty(stream: object) -> bool:
     isatty = getattr(stream, "isatty", None)
     try:
         return bool(isatty and isatty())
@@ -64,7 +67,7 @@ class Progress:
             self._bar.update(self._task, advance=amount,
                              **({"description": escape(description)} if description is not None else {}))
 
-    def print(self, console, *objects, **kwargs) -> None:
+    def print(self, console: Any, *objects: Any, **kwargs: Any) -> None:
         """Print a line of the command's own output on ``console`` (stdout) while the progress line runs: through the
         progress line's console when stdout is the same terminal, so that the line lands above the bar instead of
         inside it."""
@@ -73,7 +76,7 @@ class Progress:
         else:
             console.print(*objects, **kwargs)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
@@ -88,10 +91,10 @@ _LIBRARY_LOGGERS = ("DeepSpeed", "bitsandbytes", "transformers", "peft", "accele
 class _BelowError:
     """A logging filter that keeps ERROR and above."""
 
-    def filter(self, record) -> bool:
+    def filter(self, record: logging.LogRecord) -> bool:
         import logging
 
-        return record.levelno >= logging.ERROR
+        return bool(record.levelno >= logging.ERROR)
 
 
 def quiet_libraries() -> None:

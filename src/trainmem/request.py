@@ -23,6 +23,7 @@ from .sharding import Parallel, read_deepspeed_config
 from .units import parse_sized
 
 if TYPE_CHECKING:
+    from .allocator import AllocatorConfig
     from .lora import FineTune  # (imported by _finetune, for --lora only)
 
 MAX_PARAMS = 1e16
@@ -70,7 +71,7 @@ def _number(name: str, value: Any) -> float:
     return value
 
 
-def _alloc_config(alloc_conf: str | None):
+def _alloc_config(alloc_conf: str | None) -> AllocatorConfig:
     """The allocator settings the replay assumes: ``alloc_conf`` (--alloc-conf), else PYTORCH_CUDA_ALLOC_CONF (or
     torch's other names for it) from the environment, as torch reads them."""
     from .allocator import config_from_environment, parse_alloc_conf
@@ -78,22 +79,22 @@ def _alloc_config(alloc_conf: str | None):
     return parse_alloc_conf(alloc_conf) if alloc_conf is not None else config_from_environment()
 
 
-def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: Any = None,
+def make_request(model: str | os.PathLike[str] | ModelSpec | None = None, *, params: Any = None,
                  gpu: str | GPU | None = None, gpu_memory: str | int | None = None,
                  headroom: float = DEFAULT_HEADROOM, fragmentation: float | None = None, alloc_conf: str | None = None,
                  cuda_overhead: float = DEFAULT_CUDA_OVERHEAD_MIB, hub: bool = False, need_config: str = "",
                  gpus: int = 1, gpus_per_node: int = 0, zero: int | None = None, fsdp: str | None = None,
                  offload: str = "none", ddp_bucket_view: bool = False, fsdp_embedding_groups: bool = False,
                  fsdp_version: int = 2, fsdp_use_orig_params: bool = False, fsdp_no_sync: bool = False,
-                 ds_config: str | os.PathLike | None = None,
+                 ds_config: str | os.PathLike[str] | None = None,
                  lora: int | None = None, lora_alpha: float | None = None, lora_targets: Any = ("q", "v"),
                  lora_dropout: float = 0.0, dora: bool = False, train_modules: Any = (),
                  adapter_dtype: str = "auto", base_quant: str | None = None, double_quant: bool = False,
                  qlora: bool = False, bnb_version: str | None = None, tp: int = 1, sp: bool = False, pp: int = 1,
                  pp_schedule: str = "1f1b",
                  virtual_stages: int = 1, micro_batches: int = 0, cp: int = 1, ep: int = 1, pp_layers: Any = None,
-                 accelerate_config: str | os.PathLike | None = None,
-                 torchtitan_config: str | os.PathLike | None = None, **settings: Any) -> Request:
+                 accelerate_config: str | os.PathLike[str] | None = None,
+                 torchtitan_config: str | os.PathLike[str] | None = None, **settings: Any) -> Request:
     """Validate a request. ``model`` is a catalog name, a Hub repo id, a path to a config.json or its folder, or a
     ModelSpec; ``params`` a nominal size instead (``7e9``, ``"7B"``). ``cuda_overhead`` is in MiB. ``hub`` allows
     fetching a config from the Hugging Face Hub (never otherwise: a Hub id must be in the local cache).
@@ -193,7 +194,7 @@ def make_request(model: str | os.PathLike | ModelSpec | None = None, *, params: 
     return Request(spec, config, training, device, target, parallel, finetune)
 
 
-def _task_spec(model, hub: bool, training: TrainingSettings) -> tuple[ModelSpec, dict[str, Any]]:
+def _task_spec(model: str | os.PathLike[str] | None, hub: bool, training: TrainingSettings) -> tuple[ModelSpec, dict[str, Any]]:
     """The spec of another head than a causal LM's (tasks.py): its parameters counted on the meta device, its step
     on the traced path, whether or not the model_type has a hand-written description (that describes a causal LM)."""
     from .catalog import load_config
@@ -204,8 +205,9 @@ def _task_spec(model, hub: bool, training: TrainingSettings) -> tuple[ModelSpec,
                             num_labels=training.num_labels), config
 
 
-def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlora,
-              dropout=0.0, dora=False, train_modules=(), bnb_version=None) -> FineTune | None:
+def _finetune(rank: int | None, alpha: float | None, targets: Any, adapter_dtype: str, base_quant: str | None,
+              double_quant: bool, qlora: bool, dropout: float = 0.0, dora: bool = False, train_modules: Any = (),
+              bnb_version: str | None = None) -> FineTune | None:
     if qlora:
         if base_quant not in (None, "nf4") or double_quant is False and base_quant is not None:
             raise ConfigError("--qlora is nf4 with double quantization; give it alone or --base-quant instead")
@@ -226,7 +228,7 @@ def _finetune(rank, alpha, targets, adapter_dtype, base_quant, double_quant, qlo
                     double_quant, _release(bnb_version))
 
 
-def _release(text) -> tuple[int, ...] | None:
+def _release(text: object) -> tuple[int, ...] | None:
     """A release number ("0.42.0", "0.43") as a tuple of ints."""
     if text is None:
         return None
@@ -236,7 +238,7 @@ def _release(text) -> tuple[int, ...] | None:
     return tuple(int(part) for part in parts)
 
 
-def _names(value, what: str, example: str) -> tuple[str, ...]:
+def _names(value: object, what: str, example: str) -> tuple[str, ...]:
     """A comma-separated string or a list of names, as a tuple."""
     if isinstance(value, str):
         return tuple(t.strip() for t in value.split(",") if t.strip())
@@ -245,7 +247,7 @@ def _names(value, what: str, example: str) -> tuple[str, ...]:
     raise ConfigError(f"{what} must be names such as {example}, got {value!r}")
 
 
-def _with_deepspeed_config(parallel: Parallel, path, spec: ModelSpec) -> Parallel:
+def _with_deepspeed_config(parallel: Parallel, path: str | os.PathLike[str], spec: ModelSpec) -> Parallel:
     if parallel.fsdp is not None:
         raise ConfigError("--ds-config is DeepSpeed's: it does not go with --fsdp")
     knobs, stage, offload = read_deepspeed_config(path, spec.hidden_size or 1, parallel.zero)
@@ -258,7 +260,8 @@ def _with_deepspeed_config(parallel: Parallel, path, spec: ModelSpec) -> Paralle
                    offload=parallel.offload if parallel.offload != "none" else (offload or "none"))
 
 
-def estimate(model=None, device: DeviceOptions | None = None, **options) -> Estimate:
+def estimate(model: str | os.PathLike[str] | ModelSpec | None = None, device: DeviceOptions | None = None,
+             **options: Any) -> Estimate:
     """Estimate the memory of training ``model`` (a catalog name, Hub id, config path or ModelSpec).
 
     ``options`` are the request's (request.make_request: ``params``, ``gpu``, ``headroom``, ``fragmentation``,

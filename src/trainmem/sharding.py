@@ -31,8 +31,8 @@ engines' code (../shared/reference/scale.md cites the commits):
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
@@ -75,7 +75,7 @@ _DS_INT_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_max_live_
                 "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "sub_group_size")
 
 
-def read_deepspeed_config(path: str | Path, hidden_size: int,
+def read_deepspeed_config(path: str | os.PathLike[str], hidden_size: int,
                           given_stage: int | None = None) -> tuple[DeepSpeedConfig, int | None, str | None]:
     """(the memory knobs, the ZeRO stage, the offload) a DeepSpeed config file sets; None where it says nothing.
     ``"auto"`` values are resolved as the Hugging Face Trainer does (transformers integrations/deepspeed.py:
@@ -128,7 +128,7 @@ def read_deepspeed_config(path: str | Path, hidden_size: int,
         if name not in ("none", "cpu", "nvme"):
             raise ConfigError(f"{path}: zero_optimization.{key}.device must be \"none\", \"cpu\" or \"nvme\" "
                               f"(lower case, as DeepSpeed's OffloadDeviceEnum takes it), got {name!r}")
-        return name
+        return str(name)
 
     optimizer_device, param_device = device("offload_optimizer"), device("offload_param")
     offload = None
@@ -488,13 +488,13 @@ def rank_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_fu
     return _fsdp_layout(spec, recipe, optimizer, states_full, parallel)
 
 
-def grad_partition_buffer(ds, part: int) -> Buffer:
+def grad_partition_buffer(ds: DeepSpeedConfig, part: int) -> Buffer:
     """The fp32 copy of a rank's gradient partition that ZeRO's step makes where gradients are not fp32."""
     return Buffer("fp32 gradient partition at step()", 4 * min(part, ds.sub_group_size), "temporaries",
                   ("optimizer",), "single_grad_partition / _prepare_fp32_grad_for_sub_group")
 
 
-def reduce_bucket_buffers(ds, stage: int, grad_bytes: int, source_note: str = "") -> list[Buffer]:
+def reduce_bucket_buffers(ds: DeepSpeedConfig, stage: int, grad_bytes: int, source_note: str = "") -> list[Buffer]:
     """ZeRO's gradient reduce bucket(s), two under overlap_comm at stages 1-2, where DeepSpeed allocates them."""
     if not (ds.contiguous_gradients or stage == 3):
         return []
@@ -507,15 +507,15 @@ def reduce_bucket_buffers(ds, stage: int, grad_bytes: int, source_note: str = ""
 def _zero_layout(spec: ModelSpec, recipe: Recipe, states_full: int, parallel: Parallel) -> RankLayout:
     n, world, stage, ds = spec.num_parameters, parallel.gpus, parallel.zero, parallel.deepspeed
     w, g, m = recipe.weight_bytes, recipe.gradient_bytes, recipe.master_bytes
+    assert stage is not None  # (the deepspeed engine's layout: Parallel.zero is set)
+    buffers: list[Buffer] = []
     if stage == 0:
-        buffers = []
         if m and g != 4:  # DeepSpeed's BF16_Optimizer (bf16 without ZeRO): an fp32 flat gradient accumulator
             buffers.append(Buffer("fp32 gradient accumulation buffer", 4 * n, "gradients", ALL_PHASES,
                                   "BF16_Optimizer.fp32_groups_gradients_flat"))
         return RankLayout(w * n, g * n, m * n, states_full, n, 1, tuple(buffers))
     part = _zero_elements(spec, n, world, parallel.experts_split)
     states = -(-states_full * part // n)  # elementwise states follow the padded partition
-    buffers: list[Buffer] = []
     persistent = 0
     if stage == 3:
         persistent = sum(g_.repeat * t.numel for g_ in spec.param_groups for t in g_.tensors

@@ -24,11 +24,11 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .activations import ActivationEstimate, estimate_activations
 from .errors import ConfigError
-from .allocator import DEFAULT_CONFIG as DEFAULT_ALLOC
+from .allocator import DEFAULT_CONFIG as DEFAULT_ALLOC, ReplayReport
 from .estimate import (NO_PEAK, DeviceOptions, Estimate, Peak, StaticComponent, dynamic_bytes, paged_state_bytes,
                        peak_of_phases, position_warning, static_components, validation_notes)
 from .models import ModelSpec
@@ -42,6 +42,14 @@ from .timeline import (Phase, expanded_layers, forward_floor, peak_of, seed_acti
 from .estimate import fits_at_least  # (beside peak_of_phases, where modelparallel finds it too)
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from .hardware import GPU
+    from .modelparallel import LayoutStep
+    from .optimizers import Optimizer
+    from .recipes import Recipe
+    from .replay import StepSequence
+    from .timeline import _LayerBytes
     from .lora import FineTune  # (lora.py is imported where a step has adapters: a full fine-tune never loads it)
 
 PAGED_NOTE = ("paged optimizer states (paged_bytes) live in CUDA unified memory (cudaMallocManaged): "
@@ -201,8 +209,8 @@ class StepModel:
         if settings.activation_k is not None and not spec.has_architecture:
             raise ConfigError("--activation-k needs the hidden size and layer count of a model config; "
                               f"{spec.source or spec.name} has none (give a model name or config.json)")
-        self._replays: dict[tuple[int, int], object] = {}
-        self._sequences: dict[tuple[int, int], object] = {}
+        self._replays: dict[tuple[int, int], ReplayReport | None] = {}
+        self._sequences: dict[tuple[int, int], StepSequence | None] = {}
         self._reserved: dict[tuple[int, int], int | None] = {}
         self._ratio: dict[int, float | None] = {}
         """replayed_ratio's answers per sequence length."""
@@ -230,7 +238,8 @@ class StepModel:
         """The activations at ``settings`` (this step's, at some batch and seq)."""
         return _activations_at(self.spec, self.recipe, settings, self.finetune, layers=False)[0]
 
-    def activations_and_layers(self, settings: TrainingSettings) -> tuple[ActivationEstimate, tuple | None]:
+    def activations_and_layers(self, settings: TrainingSettings
+                               ) -> tuple[ActivationEstimate, tuple[_LayerBytes, ...] | None]:
         """The activations at ``settings`` and the timeline's per-layer bytes made from them (what replay.py walks)."""
         return _activations_at(self.spec, self.recipe, settings, self.finetune)
 
@@ -276,7 +285,7 @@ class StepModel:
             return 0  # (a compiled form answers in less time than the bound takes)
         return forward_floor(self._static_bytes, self.activations(settings), self.recipe, settings, self.rank)
 
-    def fitting_peak(self, batch: int, seq: int, gpu, exact: bool = False) -> Peak | None:
+    def fitting_peak(self, batch: int, seq: int, gpu: GPU, exact: bool = False) -> Peak | None:
         """The peak at (batch, seq) if it fits ``gpu``, else None (what a search asks). Reserved memory: with
         ``exact`` (--max-batch, --max-seq: a few probes) on one GPU the step's own replay, as its estimate has it;
         else (plan: thousands of probes, a replay costs 50-200 ms; and a data-parallel rank, whose estimate applies
@@ -320,7 +329,7 @@ class StepModel:
                                    max_reserved(sequence.log, self.device.alloc_config or DEFAULT_ALLOC, STEPS))
         return self._reserved[key]
 
-    def replay(self, batch: int, seq: int):
+    def replay(self, batch: int, seq: int) -> ReplayReport | None:
         """The caching allocator's replay of this step at (batch, seq) (replay.py; memoised), None without one
         (a traced step: the flat factor)."""
         from .replay import replay_step
@@ -333,7 +342,7 @@ class StepModel:
                                              sequence=self.sequence(batch, seq))
         return self._replays[key]
 
-    def sequence(self, batch: int, seq: int):
+    def sequence(self, batch: int, seq: int) -> StepSequence | None:
         """replay.step_sequence at (batch, seq) (memoised: a fit check on a card replays it again), None on a
         traced step (see ``replay``)."""
         from .replay import step_sequence
@@ -392,7 +401,8 @@ class StepModel:
         if not spec.has_architecture and spec.built_config:
             from .tracedstep import traced_estimate  # (imports torch only when it records)
 
-            return traced_estimate(self, batch, seq, warnings)
+            traced: Estimate = traced_estimate(self, batch, seq, warnings)
+            return traced
         if not spec.has_architecture:
             note = ("activations need the architecture: give a model config, not only --params"
                     if spec.is_nominal else
@@ -403,7 +413,7 @@ class StepModel:
             phases = tuple(peak_of(c) for c in self.candidates(batch, seq)[1])
             acts = estimate_activations(spec, self.recipe, settings)
             per_layer_values = batch * seq * spec.hidden_size * spec.num_layers * 2
-            notes = (
+            seed_notes = (
                 f"activations from the seed's rule b*s*h*L*k*2 with k={settings.activation_k:g}",
                 f"the architecture model ({settings.attention} attention, {settings.recipe}) gives "
                 f"{acts.layers_bytes / 2**30:.2f} GiB for the decoder layers "
@@ -413,14 +423,17 @@ class StepModel:
             )
             return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank,
                             activation_k_bytes=seed_activation_bytes(spec, settings),
-                            phases=phases, peak=peak_of_phases(phases, self.device), device=self.device, notes=notes,
+                            phases=phases, peak=peak_of_phases(phases, self.device), device=self.device,
+                            notes=seed_notes,
                             warnings=warnings, paged_bytes=self.paged_bytes)
         form = self.form(batch, seq)
         if form is not None:
             acts = self.activations(settings)
             phases = tuple(f.phase(batch) for f in form)
         else:
-            acts, candidates = self.candidates(batch, seq, peaks_only=True)
+            found, candidates = self.candidates(batch, seq, peaks_only=True)
+            assert found is not None  # (activation_k is None here: the architecture's activations)
+            acts = found
             phases = tuple(peak_of(c) for c in candidates)
         notes = list(self.unchecked)
         if self.paged_bytes:
@@ -431,20 +444,22 @@ class StepModel:
         # memoised report; a data-parallel rank applies its step's replayed ratio instead)
         report = self.replay(batch, seq) if self.device.fragmentation is None and self.rank is None else None
         peak = self.reserved_peak(phases, batch, seq)
+        # (a reserved line from the replay has its step's sequence)
+        sequence = self.sequence(batch, seq) if peak.reserved_from == "replay" else None
         return Estimate(spec, settings, self.static, parallel=self.parallel, rank=self.rank, finetune=self.finetune,
                         activations=acts, phases=phases, peak=peak,
                         device=self.device, notes=tuple(notes), warnings=warnings, paged_bytes=self.paged_bytes,
-                        allocation_log=None if peak.reserved_from != "replay" else self.sequence(batch, seq).log,
+                        allocation_log=sequence.log if sequence is not None else None,
                         replayed=report)
 
 
-_ACTIVATIONS: OrderedDict[tuple, list] = OrderedDict()
+_ACTIVATIONS: OrderedDict[tuple[object, ...], list[Any]] = OrderedDict()
 _ACTIVATIONS_KEPT = 2048
 """The most recently used are kept (a plan of a MoE model over 32 GPUs asks for about 1,200; each is a few kB)."""
 
 
-def _activations_at(spec: ModelSpec, recipe, settings: TrainingSettings, finetune: FineTune | None,
-                    layers: bool = True) -> tuple[ActivationEstimate, tuple | None]:
+def _activations_at(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings, finetune: FineTune | None,
+                    layers: bool = True) -> tuple[ActivationEstimate, tuple[_LayerBytes, ...] | None]:
     """The activations at ``settings`` and (``layers``) the timeline's per-layer bytes made from them (the layers'
     gradient sizes included). They depend on the recipe's dtypes only, not on where the optimizer keeps its states
     or masters, and not on the optimizer, the accumulation steps or how the model states are sharded: a search's
@@ -512,7 +527,7 @@ def finetune_static_components(spec: ModelSpec, settings: TrainingSettings,
     )
 
 
-def finetune_paged_bytes(spec: ModelSpec, optimizer, finetune: FineTune) -> int:
+def finetune_paged_bytes(spec: ModelSpec, optimizer: Optimizer, finetune: FineTune) -> int:
     """Of a LoRA step's optimizer states, those a paged optimizer keeps in unified memory: the adapters' and the
     trained copies' tensors of 1e5+ elements (optimizers.py; an r=16 adapter of a 4096-wide layer, 65,536
     elements, is not paged)."""
@@ -521,7 +536,7 @@ def finetune_paged_bytes(spec: ModelSpec, optimizer, finetune: FineTune) -> int:
     return optimizer.paged_bytes((*adapter_groups(spec, finetune.lora), *copy_groups(spec, finetune.lora)), 1)
 
 
-def _is_whole(value) -> bool:
+def _is_whole(value: object) -> bool:
     return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
 
 
@@ -529,10 +544,10 @@ _FRACTIONS = frozenset({"input_share"})
 """Term fields that are fractions of its bytes, not bytes per token (activations.Term.input_share)."""
 
 
-def _per_token_values(acts: ActivationEstimate):
+def _per_token_values(acts: ActivationEstimate) -> Iterator[float]:
     """Every per-token number in the activations (terms and layer fields), recursively."""
 
-    def walk(obj):
+    def walk(obj: object) -> Iterator[float]:
         if isinstance(obj, (int, float)) and not isinstance(obj, bool):
             yield obj
         elif isinstance(obj, (tuple, list)):
@@ -551,6 +566,7 @@ def _compile_seq(step: StepModel, seq: int) -> tuple[_PhaseForm, ...] | None:
     if not step.spec.has_architecture or step.settings.activation_k is not None:
         return None  # nothing to search (no peak), or the seed rule, whose k makes its bytes fractional
     (acts_a, cands_a), (acts_b, cands_b) = (step.candidates(b, seq) for b in _SAMPLES)
+    assert acts_a is not None and acts_b is not None  # (activation_k is None: the architecture's activations)
     batch_free = (acts_a.layers == acts_b.layers and acts_a.embedding_terms == acts_b.embedding_terms
                   and acts_a.head_terms == acts_b.head_terms)
     # the terms outside the per-token ones are constant, or proportional to the batch (masks with a batch dim)
@@ -574,12 +590,12 @@ def _compile_seq(step: StepModel, seq: int) -> tuple[_PhaseForm, ...] | None:
             slope = tuple(d // step_b for d in diff)
             moments.append(_Moment(ca.moment, at_2, slope, sum(at_2), sum(slope)))
         forms.append(_envelope(phase_a[0].name, moments))
-    forms = tuple(forms)
+    compiled = tuple(forms)
     for batch in _CHECKS:  # the argument above, checked
         direct = tuple(peak_of(c) for c in step.candidates(batch, seq, peaks_only=True)[1])
-        if tuple(f.phase(batch) for f in forms) != direct:
+        if tuple(f.phase(batch) for f in compiled) != direct:
             return None
-    return forms
+    return compiled
 
 
 def _envelope(name: str, moments: list[_Moment]) -> _PhaseForm:
@@ -613,7 +629,7 @@ def _envelope(name: str, moments: list[_Moment]) -> _PhaseForm:
 
 def compile_step(spec: ModelSpec, settings: TrainingSettings | None = None,
                  device: DeviceOptions | None = None, parallel: Parallel | None = None,
-                 finetune: FineTune | None = None, cache: dict | None = None) -> StepModel:
+                 finetune: FineTune | None = None, cache: dict[Any, Any] | None = None) -> StepModel:
     """Compile ``spec`` trained with ``settings`` (whose batch and seq are ignored) on ``parallel``'s GPUs, fully or
     with ``finetune``'s adapters, for :func:`evaluate`. A model-parallel layout compiles each rank role
     (modelparallel.LayoutStep).
@@ -626,11 +642,13 @@ def compile_step(spec: ModelSpec, settings: TrainingSettings | None = None,
     settings = settings or TrainingSettings()
     key = (spec, settings.step_key, device, parallel, finetune)
     if cache is not None and key in cache:
-        return cache[key]
+        cached: StepModel = cache[key]
+        return cached
     if parallel is not None and parallel.is_model_parallel:
         from .modelparallel import LayoutStep
 
-        step = LayoutStep(spec, settings, device, parallel, finetune, cache, compile_stage=compile_step)
+        step: StepModel | LayoutStep = LayoutStep(spec, settings, device, parallel, finetune, cache,
+                                                  compile_stage=compile_step)
     else:
         step = StepModel(spec, settings, device, parallel, finetune)
     if cache is not None:

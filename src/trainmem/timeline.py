@@ -353,7 +353,7 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
     if p.autocast and not (layer.parallel_residual and layer.num_norms == 1):
         per_token += p.residual * h  # attention_layernorm_out, not the MLP's norm output
     if biased:
-        at_down += p.residual * h + p.residual * layer.mlp.intermediate_size  # output plus bias; the fp32 GELU
+        at_down += p.residual * h + p.residual * layer.dense_mlp.intermediate_size  # output plus bias; the fp32 GELU
     at_dropout = 2 * out * h if dropout else at_down  # the MLP's output and its dropped copy (the mask exists)
     return int((per_token + max(at_down, at_dropout)) * tokens)
 
@@ -412,7 +412,7 @@ def _moe_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     beside the routed output. Traced: Mixtral amp-bf16, eager, full checkpointing, -2.58% at the backward peak
     without the locals (seed 9191 case 7 of ``validate --random``)."""
     layer, h = la.layer, spec.hidden_size
-    moe = layer.moe
+    moe = layer.moe_block
     weighted = la.returned_extra + moe.top_k * _weighted_bytes(moe, p) * h
     argument = p.residual * h if p.autocast else p.compute * h if _shared_first(layer) and p.compute != FP32 else 0
     routed = int((weighted + _routing_locals(moe, p) + moe.top_k * INDEX + argument) * tokens)
@@ -481,7 +481,7 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
         # grouped_mm_experts_forward still holds in ``selected_biases`` (2 I), the clamped gate and up, glu, up + 1
         # and the product (traced: fp32, full checkpointing, -11.4% at the forward peak with the 4 I of act * up)
         wide = 9
-    mlp = wide * _mlp_bytes(layer, p) * _mlp_width(layer)
+    mlp: float = wide * _mlp_bytes(layer, p) * _mlp_width(layer)
     if layer.moe:  # grouped_mm_experts_forward holds the gathered tokens in a local until it returns
         mlp += layer.moe.top_k * p.experts * h
         # and the routing beside them, none of it saved here: the top-k indices, the sort's permutation and the
@@ -618,7 +618,7 @@ def _dora_backward(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: 
         return 0, 0
     c = p.compute
     ab = adapter_bytes_per_value(finetune.lora, c)
-    mlp = la.layer.mlp
+    mlp = la.layer.dense_mlp
     separate = mlp.gated and not mlp.fused_gate_up  # (up's backward first: the activation's gradient waits)
     m = max(widths)
     at_site = (c * mlp.intermediate_size if separate else 0) + (c if ab == c else ab + c) * m + 3 * ab * m
@@ -1050,7 +1050,7 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # parameter's comes after the layer's down-projection input is freed (traced).
             down_weight_gradient=(p.compute * down if down_copy
                                   else _param_bytes(down, _autograd_grad_bytes(gradients_of))),
-            down_gradient_cast=((down_copy + (0 if layer.mlp.activation == "relu" and not layer.mlp.gated
+            down_gradient_cast=((down_copy + (0 if layer.dense_mlp.activation == "relu" and not layer.dense_mlp.gated
                                               else _mlp_bytes(layer, p) * _mlp_width(layer) * tokens),
                                  (_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size) * tokens
                                  + p.compute * down + _param_bytes(down, gradients_of.gradient_bytes)
@@ -1355,7 +1355,7 @@ def gathers_before_first_layer(rank) -> bool:
 def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate, recipe: Recipe,
                     optimizer: Optimizer, settings: TrainingSettings,
                     rank: RankLayout | None = None, finetune=None,
-                    every_layer: bool = False, layers: tuple[_LayerBytes, ...] | None = None,
+                    every_layer: bool = False, layers: tuple[_LayerBytes, ...] | list[_LayerBytes] | None = None,
                     peaks_only: bool = False) -> tuple[tuple[Phase, ...], ...]:
     """Every moment that can be a phase's peak, per phase (load, forward, backward, optimizer, between_steps), in
     the order they happen. Each moment's bytes are linear in the batch for a fixed sequence length (stepmodel.py
@@ -1498,7 +1498,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             # this is the forward's peak; inductor fuses the chain, so on a GPU it may hold less)
             # Not made yet: up's output, and the product where down_proj keeps it; held though not kept: the MLP's
             # input, where frozen gate and up projections keep nothing (LoRA)
-            mlp = last.layer.mlp
+            mlp = last.layer.dense_mlp
             not_yet = (1 + any(t.module == "down_input" for t in last.terms)) * p.compute * mlp.intermediate_size
             held = 0 if any(t.module == "mlp_input" for t in last.terms) else p.compute * h
             if last.checkpointed:
@@ -1744,7 +1744,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # Where each moment is: inside a decoder layer (all of forward's but the loss, which is last and after the LM
     # head; backward's layer walk), before the layers (backward's loss and LM head moments) or after them (the
     # embedding's backward).
-    places = ({}, {"start": range(starts), "layer": range(starts, len(candidates_fw) - 1),
+    places: tuple[dict[str, range], ...] = ({}, {"start": range(starts), "layer": range(starts, len(candidates_fw) - 1),
                    "head": range(len(candidates_fw) - 1, len(candidates_fw))},
               {"head": range(first_layer_moment), "layer": layer_moments,
                "loss": range(min(head_matmuls, first_layer_moment)),
@@ -1762,7 +1762,7 @@ def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers, places: tuple =
     only at the moments in that place (``places`` gives their positions per phase), such as the running layer's gathered
     parameters. ``peaks_only``: each phase's peak moment alone (what an evaluation needs: no other moment is
     built)."""
-    out = []
+    out: list[tuple[Phase, ...]] = []
     memo = _memo(buffers)
     for candidates, where in zip(phases, places):
         name = candidates[0].name

@@ -22,6 +22,7 @@ Needs torch and transformers (``pip install 'trainmem[trace]'``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ class TraceResult:
 
 
 def _phase(name: str, moment: str, snapshot: dict[str, int]) -> Phase:
-    values = dict.fromkeys(CATEGORIES, 0)
+    values: dict[str, Any] = dict.fromkeys(CATEGORIES, 0)  # (Phase's byte fields, as keywords)
     for key, nbytes in snapshot.items():
         if key in _CATEGORY_OF:
             values[_CATEGORY_OF[key]] += nbytes
@@ -134,7 +135,7 @@ class _AllocationRecorder:
         label = _CATEGORY_OF.get(getattr(reftype, "value", str(reftype))) or _FSDP_CATEGORY.get(
             getattr(reftype, "name", ""), "other")  # (MemTracker's reference types, or FSDPMemTracker's)
         key = self._allocate(nbytes, label)
-        ref = weakref.ref(storage, lambda r, ident=ident, key=key: self._died(ident, key, r))
+        ref = weakref.ref(storage, functools.partial(self._died, ident, key))
         self._live[ident] = [ref, key, nbytes, label]
 
     def resized(self, storage, nbytes: int) -> None:
@@ -148,7 +149,7 @@ class _AllocationRecorder:
         entry[1], entry[2] = new, nbytes
         # the weak reference's callback frees the key it was made for: one for the new key (not holding the storage)
         ident = id(storage)
-        entry[0] = weakref.ref(storage, lambda r, ident=ident, key=new: self._died(ident, key, r))
+        entry[0] = weakref.ref(storage, functools.partial(self._died, ident, new))
 
     def begin_step(self) -> None:
         self.step_starts.append(len(self.events))
@@ -227,7 +228,8 @@ def _recompute_aware_tracker(mem_tracker, run, base=None, temporary=None, **kwar
     base = base or mem_tracker.MemTracker
     temporary = temporary or mem_tracker._MemRefType.TEMP
 
-    class RecomputeAwareTracker(base):
+    # (base is torch's MemTracker or FSDPMemTracker, chosen at run time: mypy cannot check a class on it)
+    class RecomputeAwareTracker(base):  # type: ignore[valid-type, misc]
         @classmethod
         def ignore_compile_internals(cls) -> bool:
             # Otherwise torch.compile falls back to eager under the tracker (a dispatch mode); with this it
@@ -468,7 +470,7 @@ _FSDP_CATEGORY = {"SHARDED_PARAM": "parameters", "UNSHARDED_PARAM": "parameters"
 
 
 def _fsdp_phase(name: str, moment: str, snapshot: dict) -> Phase:
-    values = dict.fromkeys(CATEGORIES, 0)
+    values: dict[str, Any] = dict.fromkeys(CATEGORIES, 0)  # (Phase's byte fields, as keywords)
     for per_device in snapshot.values():
         for key, nbytes in per_device.items():
             category = _FSDP_CATEGORY.get(str(key).rsplit(".", 1)[-1])
@@ -667,7 +669,8 @@ def _sharding_propagation_untracked():
 
 
 def _tp_tracker(mem_tracker, propagating):
-    class ShardingAwareTracker(mem_tracker.MemTracker):
+    # (mem_tracker is torch's module, passed in: trace imports torch only when it runs)
+    class ShardingAwareTracker(mem_tracker.MemTracker):  # type: ignore[name-defined]
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if propagating[0]:
                 return func(*args, **(kwargs or {}))

@@ -33,13 +33,13 @@ def diff(batch, seq, no_round, every, **options) -> None:
     from ..step import check_runnable
 
     check_runnable(w.settings)
-    check_transformers_config(w.config, w.spec.source or w.spec.name)
+    check_transformers_config(w.model_config, w.spec.source or w.spec.name)
     from ..progress import Progress
     from ..stepmodel import estimate_model
 
     est = estimate_model(w.spec, w.settings, w.device, w.parallel, w.finetune)
     with Progress(f"tracing one step of {w.spec.name} on fake tensors", as_json=options["as_json"]):
-        diffs = diff_step(w.config, w.spec, w.settings, est, round_to_cuda=not no_round, finetune=w.finetune)
+        diffs = diff_step(w.model_config, w.spec, w.settings, est, round_to_cuda=not no_round, finetune=w.finetune)
     if options["as_json"]:
         _emit_json({**_header("diff"), "model": _model_dict(w.spec), "rounded_to_512_bytes": not no_round,
                     "phases": to_dict(diffs)})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import click
 
@@ -20,9 +20,10 @@ def dtypes(value: Optional[float], as_json: bool) -> None:
     """
     from ..dtypes import FORMATS, describe
 
-    rows = [{"format": f.name, "sign": 1, "exponent_bits": f.exponent_bits, "mantissa_bits": f.mantissa_bits,
-             "max": f.max, "smallest_normal": f.smallest_normal, "smallest_subnormal": f.smallest_subnormal,
-             "eps": f.eps, "decimal_digits": f.decimal_digits, "bytes": f.storage_bytes} for f in FORMATS.values()]
+    rows: list[dict[str, Any]] = [
+        {"format": f.name, "sign": 1, "exponent_bits": f.exponent_bits, "mantissa_bits": f.mantissa_bits,
+         "max": f.max, "smallest_normal": f.smallest_normal, "smallest_subnormal": f.smallest_subnormal,
+         "eps": f.eps, "decimal_digits": f.decimal_digits, "bytes": f.storage_bytes} for f in FORMATS.values()]
     stored = describe(value) if value is not None else None
     if as_json:
         _emit_json({**_header("dtypes"), "formats": rows, **({"value": value, "stored": stored} if stored else {})})

@@ -75,6 +75,7 @@ def estimate(batch, seq, max_batch, max_seq, explain, plot, explain_reserved, **
         for key in ("max_batch", "max_seq"):
             if key not in extra:
                 continue
+            assert target is not None  # (estimate_searched refused --max-batch and --max-seq without --gpu)
             what, value = ("micro-batch" if key == "max_batch" else "sequence length"), extra[key]
             if not value:  # an answer, not an error: exit code 0
                 least = "batch 1" if key == "max_batch" else f"a sequence of 1 token at batch {est.settings.batch}"

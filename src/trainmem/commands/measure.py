@@ -61,7 +61,7 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     check_runnable(w.settings, device)
     from ..meta_count import check_transformers_config
 
-    check_transformers_config(w.config, w.spec.source or w.spec.name)
+    check_transformers_config(w.model_config, w.spec.source or w.spec.name)
     from rich.console import Console
 
     errors = Console(stderr=True, highlight=False, soft_wrap=True)  # progress on stderr: --json keeps stdout
@@ -72,7 +72,7 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
     if changed:
         errors.print(f"measure: {changed}")
     spec, unit, as_json = w.spec, w.unit, options["as_json"]
-    config = w.config
+    config = w.model_config
     est = estimate_model(spec, settings, w.device, finetune=w.finetune)
     from ..outputs import replacing
 
@@ -89,7 +89,7 @@ def measure(batch, seq, device, steps, snapshot, **options) -> None:
 
     try:
         with replacing(snapshot_path) if snapshot_path else contextlib.nullcontext() as temporary:
-            result = measure_steps(config, settings, device, steps, temporary and str(temporary),
+            result = measure_steps(config, settings, device, steps, str(temporary) if temporary else None,
                                    finetune=w.finetune, progress=progress)
     except (RuntimeError, ValueError) as exc:  # device not available, out of memory, unsupported recipe
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

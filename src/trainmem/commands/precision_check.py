@@ -111,7 +111,9 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
         if unexpected:
             raise ConfigError(f"{weights}: {len(unexpected)} tensors do not belong to {name} "
                               f"(first: {unexpected[0]})")
-    vocab = int(config.get("vocab_size"))
+    # the tokens' range: the config's vocab_size or, where a config of a model_type without a parser leaves it out,
+    # the default transformers built the model with (int(None) was a traceback)
+    vocab = int(config["vocab_size"]) if config.get("vocab_size") is not None else int(net.config.vocab_size)
     try:
         batches = text_batches(torch, data, vocab, batch, seq, steps)
     except ValueError as exc:

@@ -66,7 +66,7 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, factory, batch_fn,
         alloc_config = parse_alloc_conf(alloc_conf) if alloc_conf is not None else config_from_environment()
         # the card's memory less what is not PyTorch's (--cuda-overhead: the CUDA context and libraries)
         capacity = w.gpu.memory_bytes - w.device.cuda_overhead_bytes if w.gpu is not None else None
-        if capacity is not None and capacity <= 0:
+        if w.gpu is not None and capacity is not None and capacity <= 0:
             raise ConfigError(f"--cuda-overhead leaves nothing of {w.gpu.name}'s memory to the caching allocator")
     if tensor_parallel:
         from ..trace import check_tp_traceable
@@ -80,14 +80,14 @@ def trace(batch, seq, no_round, replay_allocator, alloc_conf, factory, batch_fn,
         check_runnable(w.settings)
     from ..meta_count import check_transformers_config
 
-    check_transformers_config(w.config, w.spec.source or w.spec.name)  # (what transformers would refuse mid-trace)
+    check_transformers_config(w.model_config, w.spec.source or w.spec.name)  # (what transformers would refuse mid-trace)
 
     from ..stepmodel import estimate_model
     from ..report import render_trace, trace_to_dict
     from ..trace import trace_fsdp_step, trace_step
 
     spec, settings, unit, as_json = w.spec, w.settings, w.unit, options["as_json"]
-    config = w.config
+    config = w.model_config
     est = estimate_model(spec, settings, w.device, w.parallel, w.finetune)
     from ..progress import Progress
 
