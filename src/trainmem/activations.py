@@ -849,7 +849,7 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         # upcast first): after the softmax's backward, which frees its output, the cast's and the in-place scale's
         # backward make two fp32 gradients, the larger moment (traced: pure-bf16, 2 x 1,000, -15.5% at the backward
         # peak without them)
-        backward = 2 * r * a * s + c * a * d
+        backward: float = 2 * r * a * s + c * a * d
         if not rotary and r != FP32:
             released += r * a * s
             backward = 2 * FP32 * a * s + c * a * d

@@ -1499,7 +1499,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             # Not made yet: up's output, and the product where down_proj keeps it; held though not kept: the MLP's
             # input, where frozen gate and up projections keep nothing (LoRA)
             mlp = last.layer.dense_mlp
-            not_yet = (1 + any(t.module == "down_input" for t in last.terms)) * p.compute * mlp.intermediate_size
+            not_yet: float = (1 + any(t.module == "down_input" for t in last.terms)) * p.compute \
+                * mlp.intermediate_size
             held = 0 if any(t.module == "mlp_input" for t in last.terms) else p.compute * h
             if last.checkpointed:
                 # inside a checkpoint (compiled_checkpoint_terms): beside what it keeps, the residual after
@@ -1511,7 +1512,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             candidates_fw.append(Phase(
                 "forward", "last layer's compiled SiLU", weights, grads_in_forward, states,
                 layers_saved + acts.kv_cache_bytes + acts.mask_bytes
-                + (3 * FP32 * mlp.intermediate_size - not_yet + held) * tokens, 0))
+                + int((3 * FP32 * mlp.intermediate_size - not_yet + held) * tokens), 0))
     if (layers and spec.has_head and spec.final_norm and spec.norm == "rms" and not spec.traits.rms_norm_fp32_plus_one
             and not spec.projects_embeddings and finetune is None):
         # The final RMSNorm's forward (LlamaRMSNorm): beside what everything before it saved and what it keeps, the
