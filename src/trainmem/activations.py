@@ -524,9 +524,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         # to a multiple of 16 (F.pad, a copy, where s is not one): both are alive at once, before the output
         # exists, beside q, k and v (traced: a checkpointed Qwen3 layer with a sliding window, 1 x 1,000, was
         # -1.57% at the forward peak without them); the padded one stays through the kernel.
-        mask_padded = c * efficient_mask_width(s)
-        unpadded = c * s if efficient_mask_width(s) != s else 0
-        forward = inputs + mask_padded + max(c * a * dv + efficient_lse_per_token(a, s), unpadded)
+        forward = efficient_masked_forward(inputs, c, a, dv, s, mask_heads=1, converted=True)
     return AttentionTerms(tuple(terms), kernel, cache_extra, returned, released, backward, forward=forward,
                           forward_inputs=inputs, softmax_extra=softmax_extra, after_softmax=after_softmax,
                           returned_to_model=returned_to_model, held_by_layer=held_by_layer,
@@ -563,6 +561,20 @@ def _half_q(spec: ModelSpec, att: Attention) -> bool:
     (OLMo-2, Cohere: rotary_in_input_dtype). Llama's rotary tables follow the fp32 hidden states instead, so its
     rotated q is fp32. (GPT-2's eager attention takes its softmax in the scores' dtype, with no cast-back copy.)"""
     return spec.traits.rotary_in_input_dtype or (att.rotary_dim == 0 and spec.traits.eager_attention == "llama")
+
+
+def efficient_masked_forward(inputs: float, c: int, a: int, dv: int, s: int, mask_heads: int,
+                             converted: bool) -> float:
+    """Bytes per token of the memory-efficient kernel's worst moment in a checkpointed forward with a mask: beside
+    its ``inputs``, the mask as the kernel prepares it (sdpa_attention.cpp / attention.cpp: a boolean mask converted
+    to a float one in q's dtype, or a float one of another dtype cast, then padded to 16 columns with F.pad where s
+    is not a multiple), the converted and the padded copy alive at once before the output and the fp32 logsumexp
+    exist; the padded one stays through the kernel. ``mask_heads``: its heads (1 for a (b, 1, s, s) mask, a for
+    Falcon's ALiBi bias); ``converted``: whether the caller's mask is copied before padding."""
+    width = efficient_mask_width(s)
+    padded = c * mask_heads * width if converted or width != s else 0
+    unpadded = c * mask_heads * s if converted and width != s else 0
+    return inputs + padded + max(c * a * dv + efficient_lse_per_token(a, s), unpadded)
 
 
 def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precision, s: int, dropout: float,
@@ -905,13 +917,8 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         # without them); ALiBi's float bias is cast (autocast) and padded per call.
         inputs = _falcon_forward_inputs(spec, layer, p, v_bytes, qk_bytes) \
             + sdpa_autocast_casts(p, a, kv_heads, d, d, qk_bytes, v_bytes)
-        width = efficient_mask_width(s)
-        if rotary:
-            padded, unpadded = c * width, (c * s if width != s else 0)
-        else:
-            padded = c * a * width if r != c or width != s else 0
-            unpadded = c * a * s if r != c and width != s else 0
-        forward = inputs + padded + max(c * a * d + efficient_lse_per_token(a, s), unpadded)
+        forward = efficient_masked_forward(inputs, c, a, d, s, mask_heads=1 if rotary else a,
+                                           converted=rotary or r != c)
         return AttentionTerms(tuple(terms), EFFICIENT, extra, 0.0, 0.0, c * 4 * a * d,  # dq, dk, dv, d(output)
                               forward=forward)
     # A single key/value head broadcast over one sequence's heads reshapes without a copy (stride 0)
@@ -1650,10 +1657,10 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     if emb_dropout > 0 and spec.traits.embedding_dropout and spec.has_embedding:
         embedding.append(Term("embedding dropout mask", MASK * h))
     rotary_dims = {layer.attention.rotary_dim for layer, _ in spec.layer_runs if layer.attention.rotary_dim}
-    if not rotary_dims and spec.traits.rotary_tables_without_rotary and settings.checkpointing != "none":
+    if _unrotated_tables_dim(spec) and settings.checkpointing != "none":
         # (no layer saves them: they outlive the base model's forward only where checkpoints keep the layers'
         # keyword arguments for the recompute; traced: Falcon with ALiBi, amp-fp16, 1 x 1,000, 0.76 MiB short)
-        rotary_dims = {layer.attention.head_dim for layer, _ in spec.layer_runs}
+        rotary_dims = {_unrotated_tables_dim(spec)}
     if rotary_dims:
         # cos and sin, (1, s, rotary dim) in the residual dtype, shared by every layer; Gemma 3 has one pair per
         # layer type the config lists (modeling_gemma3.py, Gemma3TextModel.forward: ``for layer_type in
@@ -1785,11 +1792,19 @@ def _unused_rotary_tables(spec: ModelSpec, settings: TrainingSettings, p: Precis
     FamilyTraits.rotary_tables_without_rotary), (1, s, head dim) each, locals of its forward through the layer
     loop. Without checkpointing nothing keeps them past it (with checkpointing they are constants, kept for the
     recompute; traced: ALiBi, amp-bf16, 1 x 1,000, 0.8 MB short at the last layer's softmax without them)."""
-    if not spec.traits.rotary_tables_without_rotary or settings.checkpointing != "none" or \
-            any(layer.attention.rotary_dim for layer, _ in spec.layer_runs):
+    head_dim = _unrotated_tables_dim(spec)
+    if not head_dim or settings.checkpointing != "none":
         return 0.0
-    head_dim = max(layer.attention.head_dim for layer, _ in spec.layer_runs)
     return 2 * _rotary_table_bytes(spec, p) * head_dim / settings.batch
+
+
+def _unrotated_tables_dim(spec: ModelSpec) -> int:
+    """The width of the rotary cos and sin a base model builds though none of its layers applies rotary
+    (FamilyTraits.rotary_tables_without_rotary: the full head dim), 0 where it builds none of that kind."""
+    if not spec.traits.rotary_tables_without_rotary or \
+            any(layer.attention.rotary_dim for layer, _ in spec.layer_runs):
+        return 0
+    return max(layer.attention.head_dim for layer, _ in spec.layer_runs)
 
 
 def _mask_bytes(spec: ModelSpec, settings: TrainingSettings, p: Precision) -> tuple[int, int]:

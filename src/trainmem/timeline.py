@@ -420,11 +420,18 @@ def _moe_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, toke
         # GptOssExperts._apply_gate's product, recomputed: beyond what the recompute has saved by then, the gathered
         # gate_up biases and the clamped up (3 I, no backward keeps them), while the down projection's output and
         # inv_perm are not made yet (traced: amp-bf16, full checkpointing, -2.2% at the backward peak without it)
-        at_product = moe.top_k * (p.experts * (3 * moe.expert_intermediate_size - h) - INDEX)
+        at_product = _clamped_swiglu_at_product(moe, p, h)
         routed = max(routed, int((la.returned_extra + at_product + _routing_locals(moe, p) + argument) * tokens))
     if not _shared_first(layer):
         return routed
     return max(routed - _shared_experts_freed(spec, la, p, tokens), int(weighted * tokens))
+
+
+def _clamped_swiglu_at_product(moe, p: Precision, h: int) -> float:
+    """Bytes per token at GptOssExperts._apply_gate's product beyond what the layer saves by then: per (token,
+    expert) pair the gathered gate_up biases and the clamped up (3 I, no backward keeps them), less the down
+    projection's output and inv_perm, not made yet."""
+    return moe.top_k * (p.experts * (3 * moe.expert_intermediate_size - h) - INDEX)
 
 
 def _lora_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings: TrainingSettings,
@@ -1076,7 +1083,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # At that moment its rsqrt and normalised value are already freed; its fp32 input is not.
             output_norm_freed=int(_term_bytes(output_norm, "post_feedforward_norm", exclude=("input_fp32",)) * tokens),
             attention_live=attention_live,
-            attention_transient=int((la.attention_backward + p.residual * spec.hidden_size * _norm_gradients_waiting(spec, la)) * tokens),
+            attention_transient=int((la.attention_backward
+                                 + p.residual * spec.hidden_size * _norm_gradients_waiting(spec, la)) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
             recompute_end=_recompute_end(spec, la, p, settings, tokens)
             + (_lora_recompute_end(spec, la, p, settings, finetune) * tokens if finetune is not None else 0),
@@ -1097,7 +1105,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             matmul_live=(attention_live + int(la.attention_released * tokens)
                          - p.compute * layer.attention.num_heads * layer.attention.v_head_dim * tokens
                          if la.matmul_backward else 0),
-            matmul_transient=int((la.matmul_backward + p.residual * spec.hidden_size * _norm_gradients_waiting(spec, la)) * tokens),
+            matmul_transient=int((la.matmul_backward
+                                 + p.residual * spec.hidden_size * _norm_gradients_waiting(spec, la)) * tokens),
             # The gradient reaching the MLP's output is the residual stream's own, unless a dropout (a new masked
             # copy), autocast (a half cast) or a norm on the layer's output (its input's gradient) sits between them.
             # Routed experts: the gradient of their outputs, in expert order (top-k x h), is what reaches them.
@@ -1477,7 +1486,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             # gathered biases and the clamped up beside what is saved; the down projection's output and inv_perm
             # not made yet), with the routing locals and, under autocast, the MLP's fp32 argument (traced: fp32,
             # 1 x 1,024, -2.5% at the forward peak without this moment)
-            at_product = moe.top_k * (p.experts * (3 * moe.expert_intermediate_size - h) - INDEX)
+            at_product = _clamped_swiglu_at_product(moe, p, h)
             argument = p.residual * h if p.autocast else 0
             candidates_fw.append(Phase("forward", "last layer's experts' clamped SwiGLU", weights, grads_in_forward,
                                        states, layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
