@@ -2,9 +2,10 @@
 
 For each model_type of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: its default config
 (``AutoConfig.for_model(type)``) shrunk to small widths (hidden 64, 4 heads of 16, vocabulary 256, at most 4
-experts; per-layer lists dropped so that the config class derives them for the new layer count), with enough
-layers for the layer pattern to repeat three times (``prefix + 3 * period + 1``, so the remainder is exercised
-too where the period is over 1). The traced path records its two reduced traces and extrapolates; the same config
+experts; per-layer lists dropped so that the config class derives them for the new layer count, or cut where it
+does not), with enough layers for the layer pattern to repeat three times (``prefix + 3 * period + 1``, so the
+remainder is exercised too where the period is over 1), and at least 5 (a period of one layer is then recorded at
+2 and 3 layers and extrapolated over 2 more). The traced path records its two reduced traces and extrapolates; the same config
 is then traced in full (trace.trace_step), and every phase's allocated bytes are compared.
 
     PYTHONPATH=src python benchmarks/every_model_type.py [--types a,b] [--limit-s 240] [--out results.jsonl]
@@ -35,25 +36,31 @@ _HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_atte
           "decoder_attention_heads")
 _KV = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_routed")
+_LAYERS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 _PER_TOK = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
 
 
-def shrink(cfg: dict, layers: int) -> dict:
-    """A transformers config dict with small widths and ``layers`` layers (module docstring)."""
+def shrink(cfg: dict, layers: int, truncate_lists: bool = False) -> dict:
+    """A transformers config dict with small widths and ``layers`` layers (module docstring). A per-layer list is
+    dropped, so that the config class derives it for the new count, or, with ``truncate_lists`` (for the classes
+    that do not derive it: Llama 4's layer_types, Zamba2's layers_block_type, GPT-Neo's attention_layers), cut to
+    its first ``layers`` entries, the pattern's start."""
     out = {}
     hidden_old = next((cfg[k] for k in _HIDDEN if isinstance(cfg.get(k), int) and cfg[k] > 0), None) or 1024
     scale = HIDDEN / hidden_old
     drop = {"_name_or_path", "architectures", "torch_dtype", "dtype", "transformers_version", "_commit_hash",
             "bos_token_id", "eos_token_id", "pad_token_id", "auto_map", "quantization_config"}
-    old_layers = cfg.get("num_hidden_layers")
+    old_layers = next((cfg[k] for k in _LAYERS if isinstance(cfg.get(k), int) and cfg[k] > 0), None)
     for key, value in cfg.items():
         if key in drop:
             continue
         if isinstance(value, dict) and "model_type" in value:  # a sub-config (text_config): shrunk alike
-            out[key] = shrink(value, layers)
+            out[key] = shrink(value, layers, truncate_lists)
             continue
         if isinstance(value, list) and old_layers and len(value) == old_layers and "rope" not in key:
-            continue  # a per-layer list: the config class derives it again for the new count
+            if truncate_lists:
+                out[key] = value[:layers]
+            continue
         if isinstance(value, bool) or not isinstance(value, int):
             out[key] = value
             continue
@@ -71,7 +78,7 @@ def shrink(cfg: dict, layers: int) -> dict:
     for key in ("head_dim", "kv_channels", "attention_head_size"):
         if isinstance(cfg.get(key), int):  # (MLA's head_dim is its rotary part)
             out[key] = HEAD_DIM // 2 if isinstance(cfg.get("qk_rope_head_dim"), int) else HEAD_DIM
-    for key in ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers"):
+    for key in _LAYERS:
         if key in cfg or key == "num_hidden_layers":
             out[key] = layers
     for key in _EXPERTS:
@@ -93,9 +100,28 @@ def shrink(cfg: dict, layers: int) -> dict:
                        ("q_lora_rank", 32)):
         if isinstance(cfg.get(key), int):
             out[key] = value
+    if isinstance(cfg.get("qk_head_dim"), int) and "qk_nope_head_dim" in out and "qk_rope_head_dim" in out:
+        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]  # (DeepSeek's, derived)
+    experts = next((out[k] for k in _EXPERTS if isinstance(out.get(k), int)), None)
+    if isinstance(cfg.get("n_group"), int) and experts and cfg["n_group"] > 1:
+        out["n_group"] = 2 if experts % 2 == 0 else 1  # (the router views the experts as n_group groups)
+        if isinstance(cfg.get("topk_group"), int):
+            out["topk_group"] = min(cfg["topk_group"], out["n_group"])
     if isinstance(cfg.get("sliding_window"), int) and cfg["sliding_window"] > 0:
         out["sliding_window"] = 32  # shorter than the traced sequence, so the window is reached
     return out
+
+
+def _derives_per_layer_lists(model_type: str, defaults: dict) -> bool:
+    """Whether the config class accepts the shrunk config with its per-layer lists dropped (it derives them)."""
+    from transformers import AutoConfig
+
+    shrunk = {k: v for k, v in shrink(defaults, 24).items() if k != "model_type"}
+    try:
+        AutoConfig.for_model(model_type, **shrunk)
+    except Exception:  # noqa: BLE001 (any refusal: try the lists cut instead)
+        return False
+    return True
 
 
 def _shrunk_int(key: str, value: int, scale: float) -> int:
@@ -135,11 +161,12 @@ def one_type(model_type: str, settings, limit_s: int) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             defaults = AutoConfig.for_model(model_type).to_dict()
-        probe = dict(shrink(defaults, 24), model_type=model_type)
+        truncate = not _derives_per_layer_lists(model_type, defaults)
+        probe = dict(shrink(defaults, 24, truncate), model_type=model_type)
         stage = "build"
         plan = recorded.layer_plan(probe)[0]
-        layers = max(4, plan.prefix + 3 * plan.period + (1 if plan.period > 1 else 0))
-        cfg = dict(shrink(defaults, layers), model_type=model_type)
+        layers = max(5, plan.prefix + 3 * plan.period + (1 if plan.period > 1 else 0))
+        cfg = dict(shrink(defaults, layers, truncate), model_type=model_type)
         spec = spec_by_building(cfg, model_type, "every_model_type")
         stage = "recorded"
         t = time.perf_counter()

@@ -486,6 +486,17 @@ def test_a_hostile_config_counted_through_transformers_is_one_line(run_cli, tmp_
     assert says in _one_line(run_cli, "estimate", str(path))
 
 
+def test_a_flag_named_like_a_size_is_not_checked_as_one():
+    """LFM2's default config holds ``block_auto_adjust_ff_dim: true``: a flag, not a width (it was refused as "a
+    boolean; it must be an integer", so no LFM2 config could be estimated); a boolean width still is refused."""
+    from trainmem.errors import ModelError
+    from trainmem.meta_count import check_transformers_config
+
+    check_transformers_config({**CODEGEN, "block_auto_adjust_ff_dim": True})
+    with pytest.raises(ModelError, match="must be an integer"):
+        check_transformers_config({**CODEGEN, "n_embd": True})
+
+
 @pytest.mark.parametrize("fields, says", [
     ({"n_head": 0}, "positive integer"), ({"n_embd": None}, "n_embd"), ({"model_type": "codegenn"}, "unknown model_type"),
 ])

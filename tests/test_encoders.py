@@ -15,7 +15,7 @@ from trainmem.meta_count import spec_by_building  # noqa: E402
 from trainmem.settings import make_settings  # noqa: E402
 from trainmem.trace import trace_step  # noqa: E402
 
-BERT = {"model_type": "bert", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+BERT = {"model_type": "bert", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
         "num_attention_heads": 2, "vocab_size": 97, "max_position_embeddings": 32}
 ROBERTA = {**BERT, "model_type": "roberta", "pad_token_id": 1}
 T5 = {"model_type": "t5", "d_model": 32, "d_ff": 64, "num_heads": 2, "d_kv": 16, "num_layers": 4,
@@ -73,7 +73,7 @@ def test_an_encoder_extrapolated_over_its_layers_matches_the_full_trace(config, 
     settings = make_settings(task=task, **SETTINGS)
     spec = spec_by_building(config, "tiny", "", task=task)
     traced = recorded.recorded_phases(config, settings, spec, progress=False)  # (cached: the CLI test reads it)
-    assert traced.plan.counts == (1, 2)  # (so that the real count, 3, is extrapolated)
+    assert traced.plan.counts == (2, 3)  # (so that the real count, 4, is extrapolated)
     _within_one_percent(traced.phases, trace_step(config, settings, spec).phases)
 
 

@@ -31,9 +31,9 @@ MAX_BUILT_SIZE = 2**31
 _INT64 = 2**63
 _SIZE_KEY = re.compile(r"^(num|n)_|(_size|_dim|_layers?|_heads?|_experts?|_positions|_rank|_ctx|_embd|_embed|_inner)$"
                        r"|^max_position_embeddings$")
-_NOT_A_SIZE = re.compile(r"(_ids?|_token|_tokens)$|^(use|output|return|is|add|tie)_")
+_NOT_A_SIZE = re.compile(r"(_ids?|_token|_tokens)$|^(use|output|return|is|add|tie)_|(^|_)(auto|adjust)_")
 """Config keys holding a size or a count (hidden_size, n_layer, num_experts, head_dim, q_lora_rank, n_positions, ...),
-and the ones that look like it but are not (token ids, flags)."""
+and the ones that look like it but are not (token ids, flags: LFM2's block_auto_adjust_ff_dim, true by default)."""
 _STANDARD = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
 """Sizes every transformers causal-LM config answers under these names (its attribute_map turns GPT-J's n_layer,
 n_embd and n_head into them): each at least 1."""

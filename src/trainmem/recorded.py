@@ -12,8 +12,8 @@ allocation counted by MemTracker) on reduced copies of the config, and extrapola
   models, 4 for OLMo-3's three sliding + one full, 8 for Jamba's attention period.
 - **Two traces, a line.** The step is traced with ``n1`` and ``n1 + p`` layers at the real widths, batch and
   sequence (fake tensors cost no memory and time is per operation, not per byte), where ``n1 >= s + p`` (every kind
-  of layer is present, so the masks the model builds per kind are the same as in the full model) and
-  ``n1 = L (mod p)`` (the real layer count is ``n1`` plus whole periods). Every phase's every category is then
+  of layer is present, so the masks the model builds per kind are the same as in the full model), ``n1 >= 2``
+  (the bottom layer is not the top one: their module moments extrapolate apart) and ``n1 = L (mod p)`` (the real layer count is ``n1`` plus whole periods). Every phase's every category is then
   ``v(n1) + m * (v(n1 + p) - v(n1))`` with ``m = (L - n1) / p``: each period adds the same tensors, saved for
   backward and freed in the same order, and each phase's peak moment (end of forward, start or end of backward,
   the optimizer step) moves by one period's bytes (checked against full traces: tests/test_recorded.py and
@@ -74,6 +74,9 @@ class LayerPlan:
 
 def plan_layers(layers: int, prefix: int, period: int) -> LayerPlan:
     n1 = prefix + period + (layers - prefix - period) % period
+    if n1 == 1:
+        # (at least two layers, so that the bottom layer is not the top one too: _anchored)
+        n1 = 2
     if n1 + period >= layers:
         return LayerPlan(layers, prefix, period, (layers,))
     return LayerPlan(layers, prefix, period, (n1, n1 + period))
@@ -115,11 +118,14 @@ def per_layer_lists(hf_config: dict[str, Any], layers: int) -> tuple[dict[str, l
     for key, value in hf_config.items():
         if not isinstance(value, list) or _NOT_PER_LAYER.search(key):
             continue
-        if len(value) == layers:
-            per_layer[key] = value
-        elif "layer" in key and value and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers
-                                              for v in value) and len(set(value)) == len(value):
+        if "layer" in key and value and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers
+                                            for v in value) and len(set(value)) == len(value) and (
+                len(value) < layers or value == list(range(layers))):
+            # (before the per-layer test: Llama 4's moe_layers lists every layer's index where every layer is one,
+            # which read as one value per layer made each layer a kind of its own, and no period was found)
             indices[key] = value
+        elif len(value) == layers:
+            per_layer[key] = value
     return per_layer, indices
 
 
@@ -159,6 +165,11 @@ def reduced_config(config: dict[str, Any], full: dict[str, Any], key: str, layer
     its first ``count`` values, each list of layer indices to those below ``count``."""
     if count == layers:
         return dict(config)
+    text = config.get("text_config")
+    if isinstance(text, dict) and full.get("model_type") != config.get("model_type"):
+        # a multimodal config whose causal LM is its text model (Emu3, Qwen3.5, Mllama): the text config's layers
+        # (the top-level count was read by no one: both traces had every layer)
+        return {**config, "text_config": reduced_config(text, full, key, layers, count)}
     out = {k: v for k, v in config.items() if k not in ("num_hidden_layers", key)}
     out[key] = count
     for name, value in full.items():  # the decoder's own count where the layer count names the encoder's (BART)
@@ -410,8 +421,13 @@ def _anchored(peaks: dict, count: int) -> dict[tuple, tuple]:
             out[("module", name)] = pair
             continue
         path, index, rest = ".".join(parts[:at]), int(parts[at]), ".".join(parts[at + 1:])
-        out[("bottom", path, index, rest)] = pair
-        out[("top", path, count - 1 - index, rest)] = pair
+        # The top layer's moment from the bottom is the top's moment too (the head's gradient beside it, ...), the
+        # bottom layer's from the top the bottom's: neither is the same moment at another count (traced: a one-layer
+        # Pegasus decoder's layer 0, extrapolated as "the bottom layer", +4.0% at the backward peak).
+        if index < count - 1:
+            out[("bottom", path, index, rest)] = pair
+        if index > 0:
+            out[("top", path, count - 1 - index, rest)] = pair
     return out
 
 

@@ -160,6 +160,16 @@ def check_runnable(settings: TrainingSettings, device: str = "cpu") -> None:
 COMPILE_BACKEND = "aot_eager_decomp_partition"
 
 
+def vocab_size(config: dict[str, Any], model) -> int:
+    """The range of the batch's token ids: the config's ``vocab_size``, else the built model's language config's
+    (a multimodal config keeps it in ``text_config``; a config that leaves it out gets its class's default)."""
+    if config.get("vocab_size") is not None:
+        return int(config["vocab_size"])
+    text = causal_lm(model).config
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    return int(text.vocab_size)
+
+
 def causal_lm(model):
     """The transformers causal LM itself, also when peft wraps it."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -287,7 +297,7 @@ class TrainingStep:
                                             settings.fused_optimizer, fp32_states, is_matrix)
         from .tasks import make_batch
 
-        self.inputs = make_batch(torch, settings.task, int(config["vocab_size"]), self.num_labels, settings.batch,
+        self.inputs = make_batch(torch, settings.task, vocab_size(config, self.model), self.num_labels, settings.batch,
                                  settings.seq, device)
         self.ids = self.inputs["input_ids"]
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.compute)
@@ -438,7 +448,10 @@ class TrainingStep:
             return  # every parameter was stepped, and its gradient freed, in backward
         if self.masters is not None:
             for i, (m, p) in enumerate(zip(self.masters, self.params)):
-                m.grad = self.main_grads[i] if self.main_grads is not None else p.grad.float()
+                # (a parameter the forward never used, such as an encoder-decoder's encoder trained as a decoder,
+                # has no gradient: torch's optimizers skip it, as they skip the half parameter itself)
+                m.grad = (self.main_grads[i] if self.main_grads is not None
+                          else None if p.grad is None else p.grad.float())
         self.optimizer.step()
         if self.masters is not None:
             with self.torch.no_grad():

@@ -547,6 +547,7 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
     starts, before the first step), and keeps the second (AllocationLog.from_step), on the one stream the fake process group runs: FSDP2's all-gather and
     reduce-scatter buffers, which a GPU allocates on their own streams, share the default stream's pool here."""
     import torch
+    from .step import vocab_size
     from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
 
     check_fsdp_traceable(settings, parallel)
@@ -556,7 +557,7 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
             _recording(recorder):
         recipe = get_recipe(settings.recipe)
         model, optimizer = _fsdp_model(config, settings, parallel, mesh, spec, finetune)
-        ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq))
+        ids = torch.randint(0, vocab_size(config, model), (settings.batch, settings.seq))
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if recipe.autocast else contextlib.nullcontext()
 
         class Run:  # what the corrections need to know (no recompute marker: every checkpointed op is tagged)
@@ -686,6 +687,7 @@ def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel, 
     process group, the loss computed on the vocabulary-sharded logits under ``loss_parallel`` (transformers' loss
     cannot take a DTensor). MemTracker follows rank 0's local tensors; a warm-up step creates the states."""
     import torch
+    from .step import vocab_size
     import torch.nn.functional as F
     from torch.distributed._tools import mem_tracker
     from torch.distributed.tensor import DTensor
@@ -711,7 +713,7 @@ def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel, 
         optimizer = optimizer_class[settings.optimizer](
             [g for g in ({"params": split}, {"params": whole}) if g["params"]], lr=1e-4, foreach=not fused,
             fused=fused or None)
-        ids = torch.randint(0, int(config["vocab_size"]), (settings.batch, settings.seq))
+        ids = torch.randint(0, vocab_size(config, model), (settings.batch, settings.seq))
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
 
         # (with sequence parallelism the layers see 1/T of the sequence: the positions are given whole)

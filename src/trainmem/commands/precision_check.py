@@ -72,6 +72,7 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
     from ..precision import check_arguments, check_resize, plot_gradients, precision_check as run_check, \
         resize_config, text_batches
     from ..settings import make_settings
+    from ..step import vocab_size
 
     for flag, v in (("--batch", batch), ("--seq", seq), ("--steps", steps), ("--layers", layers),
                     ("--hidden", hidden)):
@@ -111,9 +112,9 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
         if unexpected:
             raise ConfigError(f"{weights}: {len(unexpected)} tensors do not belong to {name} "
                               f"(first: {unexpected[0]})")
-    # the tokens' range: the config's vocab_size or, where a config of a model_type without a parser leaves it out,
-    # the default transformers built the model with (int(None) was a traceback)
-    vocab = int(config["vocab_size"]) if config.get("vocab_size") is not None else int(net.config.vocab_size)
+    # the tokens' range: the config's vocab_size, else the one transformers built the model with (int(None) was a
+    # traceback)
+    vocab = vocab_size(config, net)
     try:
         batches = text_batches(torch, data, vocab, batch, seq, steps)
     except ValueError as exc:
