@@ -57,3 +57,25 @@ def test_index_backward_fills_its_zeros_in_place():
 
 def test_two_gradients_of_one_tensor_are_summed_in_place():
     assert _backward_temporaries(_UsedTwice(), torch.ones(256, 1024)) == 2 * MIB
+
+
+def test_a_model_that_converts_its_modules_in_init_builds_on_fake_tensors():
+    """``Module.to(dtype)`` in a model's ``__init__`` (DeepSeek-V4's fp32 norms) fails on fake tensors (the fake
+    mode's weakrefs make ``swap_tensors`` refuse); while a model is built the conversion replaces the parameters."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from trainmem.probe import _conversions_by_replacement
+
+    original = torch.nn.Module._apply
+    with FakeTensorMode():
+        with pytest.raises(RuntimeError, match="Couldn't swap"):
+            torch.nn.Linear(4, 4).to(dtype=torch.bfloat16)
+        with _conversions_by_replacement(torch):
+            block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4).to(dtype=torch.bfloat16))
+            block[0].weight.requires_grad_(False)
+            block.to(dtype=torch.float16)
+    assert [p.dtype for p in block.parameters()] == [torch.float16] * 4
+    assert [p.requires_grad for p in block.parameters()] == [False, True, True, True]
+    assert all(isinstance(p, torch.nn.Parameter) and isinstance(p, FakeTensor) for p in block.parameters())
+    assert torch.nn.Module._apply is original  # (restored: real tensors convert as before)

@@ -79,7 +79,7 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # model.to(dtype) would work too here, but not under FakeTensorMode
     try:
-        with _trunc_normal_without_data_checks(torch):
+        with _trunc_normal_without_data_checks(torch), _conversions_by_replacement(torch):
             model = _from_config(model_class, hf_config, attention, dtype)
     finally:
         torch.set_default_dtype(previous)
@@ -96,16 +96,60 @@ def _from_config(model_class, hf_config, attention: str, dtype):
         return model_class.from_config(hf_config, attn_implementation="eager", dtype=dtype)
 
 
+def _under_fake_mode() -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
+
+
+@contextlib.contextmanager
+def _conversions_by_replacement(torch):
+    """Under FakeTensorMode, ``Module.to(dtype)`` in a model's ``__init__`` (DeepSeek-V4's fp32 norms, a Conv1d moved
+    to fp32) fails: ``Module._apply`` swaps a fake parameter with its converted copy (torch/nn/modules/module.py,
+    ``torch.utils.swap_tensors``), and the fake mode holds a weakref to every fake tensor, which a swap refuses.
+    While a model is built on fake tensors, a conversion replaces the module's parameter and buffer entries with the
+    converted tensors instead (what ``__future__.set_overwrite_module_params_on_conversion`` does for real tensors;
+    nothing else holds the new parameters yet)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not _under_fake_mode():
+        yield
+        return
+    module_class = torch.nn.Module
+    original = module_class._apply
+
+    def _apply(self, fn, recurse=True):
+        if not any(isinstance(t, FakeTensor) for t in (*self._parameters.values(), *self._buffers.values())):
+            return original(self, fn, recurse)
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        for key, param in self._parameters.items():
+            if param is not None:
+                with torch.no_grad():
+                    applied = fn(param)
+                if applied is not param:
+                    self._parameters[key] = torch.nn.Parameter(applied, requires_grad=param.requires_grad)
+        for key, buffer in self._buffers.items():
+            if buffer is not None:
+                self._buffers[key] = fn(buffer)
+        return self
+
+    module_class._apply = _apply
+    try:
+        yield
+    finally:
+        module_class._apply = original
+
+
 @contextlib.contextmanager
 def _trunc_normal_without_data_checks(torch):
     """Under FakeTensorMode, ``torch.nn.init.trunc_normal_`` (torch/nn/init.py, ``_no_grad_trunc_normal_``) asks
     ``mask.any()`` of its samples, which fake tensors cannot answer (ModernBERT initialises every weight with it):
     while a model is built on fake tensors, the initialisation draws a normal sample clamped to [a, b] in place, the
     same tensor with no new storage kept (the values of fake tensors are never read)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    if not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack()):
+    if not _under_fake_mode():
         yield
         return
     from transformers import initialization
