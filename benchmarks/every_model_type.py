@@ -5,8 +5,8 @@ For each model_type of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: its defa
 experts; per-layer lists dropped so that the config class derives them for the new layer count, or cut where it
 does not), with enough layers for the layer pattern to repeat three times (``prefix + 3 * period + 1``, so the
 remainder is exercised too where the period is over 1), and at least 5 (a period of one layer is then recorded at
-2 and 3 layers and extrapolated over 2 more). The traced path records its two reduced traces and extrapolates; the same config
-is then traced in full (trace.trace_step), and every phase's allocated bytes are compared.
+2 and 3 layers and extrapolated over 2 more). The traced path records its two reduced traces and extrapolates;
+the same config is then traced in full (trace.trace_step), and every phase's allocated bytes are compared.
 
     PYTHONPATH=src python benchmarks/every_model_type.py [--types a,b] [--limit-s 240] [--out results.jsonl]
 

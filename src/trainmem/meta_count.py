@@ -135,9 +135,9 @@ def build_meta_model(config: dict[str, Any], origin: str = "config", task: str =
     except Exception as exc:  # noqa: BLE001 (see above)
         raise ModelError(f"{origin}: transformers cannot read this model_type {model_type!r} config "
                          f"({_one_line(exc)})") from None
-    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    language = text_config(hf_config)
     for key in _STANDARD:
-        value = getattr(text_config, key, None)
+        value = getattr(language, key, None)
         if value is not None:
             _check_size(origin, key, value)
             if value < 1:
@@ -153,6 +153,12 @@ def build_meta_model(config: dict[str, Any], origin: str = "config", task: str =
         raise ModelError(
             f"{origin}: transformers cannot build model_type {model_type!r} as {what} ({_one_line(exc)})"
         ) from None
+
+
+def text_config(hf_config: Any) -> Any:
+    """The language model's config of a transformers config (a multimodal config's ``text_config``; a text model's
+    own)."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
 def _check_rope(origin: str, value: Any, where: str = "rope_parameters") -> None:
@@ -256,10 +262,10 @@ def _count_by_building(config: dict[str, Any], origin: str, task: str = "causal-
     tensors = [[n, list(p.shape)] for n, p in model.named_parameters()]
     if not tensors:
         raise ModelError(f"{origin}: transformers built model_type {config['model_type']!r} without parameters")
-    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    count = getattr(text_config, "num_hidden_layers", None)
+    language = text_config(model.config)
+    count = getattr(language, "num_hidden_layers", None)
     found = decoder_layers(model, count) if isinstance(count, int) and count > 0 else None
     layer_list = next((n for n, m in model.named_modules() if m is found), "") if found is not None else ""
-    return {"tensors": tensors, "layer_list": layer_list, "hidden_size": int(getattr(text_config, "hidden_size", 0) or 0),
-            "vocab_size": int(getattr(text_config, "vocab_size", 0) or 0),
+    return {"tensors": tensors, "layer_list": layer_list, "hidden_size": int(getattr(language, "hidden_size", 0) or 0),
+            "vocab_size": int(getattr(language, "vocab_size", 0) or 0),
             "tied": bool(getattr(model.config, "tie_word_embeddings", False))}

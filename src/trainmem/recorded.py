@@ -13,7 +13,8 @@ allocation counted by MemTracker) on reduced copies of the config, and extrapola
 - **Two traces, a line.** The step is traced with ``n1`` and ``n1 + p`` layers at the real widths, batch and
   sequence (fake tensors cost no memory and time is per operation, not per byte), where ``n1 >= s + p`` (every kind
   of layer is present, so the masks the model builds per kind are the same as in the full model), ``n1 >= 2``
-  (the bottom layer is not the top one: their module moments extrapolate apart) and ``n1 = L (mod p)`` (the real layer count is ``n1`` plus whole periods). Every phase's every category is then
+  (the bottom layer is not the top one: their module moments extrapolate apart) and ``n1 = L (mod p)`` (the real
+  layer count is ``n1`` plus whole periods). Every phase's every category is then
   ``v(n1) + m * (v(n1 + p) - v(n1))`` with ``m = (L - n1) / p``: each period adds the same tensors, saved for
   backward and freed in the same order, and each phase's peak moment (end of forward, start or end of backward,
   the optimizer step) moves by one period's bytes (checked against full traces: tests/test_recorded.py and
@@ -118,15 +119,20 @@ def per_layer_lists(hf_config: dict[str, Any], layers: int) -> tuple[dict[str, l
     for key, value in hf_config.items():
         if not isinstance(value, list) or _NOT_PER_LAYER.search(key):
             continue
-        if "layer" in key and value and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers
-                                            for v in value) and len(set(value)) == len(value) and (
-                len(value) < layers or value == list(range(layers))):
-            # (before the per-layer test: Llama 4's moe_layers lists every layer's index where every layer is one,
-            # which read as one value per layer made each layer a kind of its own, and no period was found)
+        if "layer" in key and _layer_indices(value, layers):  # (first: a list of every index is one too)
             indices[key] = value
         elif len(value) == layers:
             per_layer[key] = value
     return per_layer, indices
+
+
+def _layer_indices(value: list, layers: int) -> bool:
+    """Whether ``value`` lists distinct layer indices (mlp_only_layers). One as long as the layer count does only
+    where it lists every layer in order: Llama 4's moe_layers where every layer is MoE, which read as one value per
+    layer made each layer a kind of its own (no period found)."""
+    if not value or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value):
+        return False
+    return len(set(value)) == len(value) and (len(value) < layers or value == list(range(layers)))
 
 
 def layer_plan(config: dict[str, Any], checkpoint_every: int = 1, task: str = "causal-lm",

@@ -163,11 +163,11 @@ COMPILE_BACKEND = "aot_eager_decomp_partition"
 def vocab_size(config: dict[str, Any], model) -> int:
     """The range of the batch's token ids: the config's ``vocab_size``, else the built model's language config's
     (a multimodal config keeps it in ``text_config``; a config that leaves it out gets its class's default)."""
+    from .meta_count import text_config
+
     if config.get("vocab_size") is not None:
         return int(config["vocab_size"])
-    text = causal_lm(model).config
-    text = text.get_text_config() if hasattr(text, "get_text_config") else text
-    return int(text.vocab_size)
+    return int(text_config(causal_lm(model).config).vocab_size)
 
 
 def causal_lm(model):

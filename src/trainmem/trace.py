@@ -547,8 +547,9 @@ def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel
     starts, before the first step), and keeps the second (AllocationLog.from_step), on the one stream the fake process group runs: FSDP2's all-gather and
     reduce-scatter buffers, which a GPU allocates on their own streams, share the default stream's pool here."""
     import torch
-    from .step import vocab_size
     from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
+
+    from .step import vocab_size
 
     check_fsdp_traceable(settings, parallel)
     started = time.perf_counter()
@@ -687,10 +688,11 @@ def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel, 
     process group, the loss computed on the vocabulary-sharded logits under ``loss_parallel`` (transformers' loss
     cannot take a DTensor). MemTracker follows rank 0's local tensors; a warm-up step creates the states."""
     import torch
-    from .step import vocab_size
     import torch.nn.functional as F
     from torch.distributed._tools import mem_tracker
     from torch.distributed.tensor import DTensor
+
+    from .step import vocab_size
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     from .probe import build_model
