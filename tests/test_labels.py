@@ -114,3 +114,78 @@ def test_rewritten_labels_leave_sharded_and_optimizer_estimates_unchanged(relabe
     plain = phases()
     relabel(REWRITES[rewrite])
     assert phases() == plain
+
+
+def _numbers(document, out: list, path: str = "") -> list:
+    """Every number of a command's JSON document (a bool is not one), the search's wall time left out."""
+    if isinstance(document, dict):
+        for key, value in document.items():
+            if f"{path}.{key}" != ".search.seconds":
+                _numbers(value, out, f"{path}.{key}")
+    elif isinstance(document, list):
+        for value in document:
+            _numbers(value, out, path + "[]")
+    elif isinstance(document, (int, float)) and not isinstance(document, bool):
+        out.append(document)
+    return out
+
+
+def _relabel_plan_engines(patch: pytest.MonkeyPatch, rewrite) -> None:
+    """The plan's engine labels ("ZeRO-1", "FSDP2 full") rewritten where the search takes them from."""
+    from trainmem import plan
+
+    for name in ("_engines", "_model_parallel_engines"):
+        original = getattr(plan, name)
+
+        def engines(*args, _original=original, **kwargs):
+            return [(rewrite(label), *rest) for label, *rest in _original(*args, **kwargs)]
+
+        patch.setattr(plan, name, engines)
+
+
+# Every command that answers numbers without a trace, with the switches that build their own terms and groups:
+# LoRA, DoRA, QLoRA, compile, op-level checkpointing, TP/SP/PP, EP, FSDP2, ZeRO, the sweep and the plan.
+COMMANDS = [
+    "estimate llama-3-8b --checkpointing full --loss chunked",
+    "estimate llama-3-8b --lora 8 --checkpointing full",
+    "estimate gpt2 --lora 8 --dora --attention eager",
+    "estimate llama-3-8b --qlora --lora 16 --lora-targets all-linear",
+    "estimate llama-3-8b --compile --checkpointing op",
+    "estimate llama-3-8b --gpus 8 --tp 2 --sp --pp 2 --zero 1",
+    "estimate llama-3-8b --gpus 8 --fsdp full --lora 16 --lora-targets all-linear",
+    "estimate mixtral-8x7b --gpus 8 --ep 8 --fsdp full",
+    "sweep llama-2-7b --batch 1,2 --seq 1024,2048",
+    "plan llama-3-8b --gpu H100-80GB --gpus 16 --seq 2048 --global-batch 32",
+    "plan llama-3-8b --gpu A100-40GB --gpus 4 --lora 8",
+]
+
+
+@pytest.mark.parametrize("rewrite", ["prefix", "reversed"])
+def test_rewritten_labels_leave_every_commands_numbers_unchanged(rewrite):
+    """The commands' JSON documents, run in process with the labels as they are and rewritten: the same numbers
+    (labels are text in them, so the documents' strings differ, and a label-keyed table may order its rows by
+    label: the numbers are compared as one sorted list). A parameter's name is not a label: it is the module path
+    peft's ``target_modules`` match, as the real model's is."""
+    import json
+
+    from click.testing import CliRunner
+
+    from trainmem import plan, timeline
+    from trainmem.cli import app
+
+    def run(command: str) -> list:
+        stepmodel._ACTIVATIONS.clear()  # (the caches would answer with the other labels' numbers)
+        timeline._MEMO.clear()
+        plan._SEARCH_RATIOS.clear()
+        result = CliRunner().invoke(app, command.split() + ["--json"])
+        assert result.exit_code == 0, (command, result.output[-2000:])
+        return sorted(_numbers(json.loads(result.output), []))
+
+    plain = [run(command) for command in COMMANDS]
+    with pytest.MonkeyPatch.context() as patch:
+        _patch_labels(patch, REWRITES[rewrite])
+        _relabel_plan_engines(patch, REWRITES[rewrite])
+        assert plan._engines(8, 8)[1][0] == REWRITES[rewrite]("ZeRO-1")  # (the rewrite reached the plan's labels)
+        relabelled = [run(command) for command in COMMANDS]
+    for command, before, after in zip(COMMANDS, plain, relabelled):
+        assert after == before, command

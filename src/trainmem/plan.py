@@ -345,13 +345,14 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
     if layout.pp > 1:  # each micro-batch's activations forward and their gradient back, between stages
         stage_link = sheet.link_gbps if split <= node else min(sheet.link_gbps, inter_node_gbps)
         exposed += micro * 2 * hidden_states / (stage_link * 1e9)
+    # (the engine by its typed fields, zero and fsdp: Layout.engine is display text)
     if dp == 1:
         volume = 0.0
-    elif layout.engine in ("DDP", "ZeRO-1"):
+    elif layout.zero in (None, 1) and layout.fsdp is None:  # DDP, ZeRO-1
         volume = 2 * pg * g
-    elif layout.engine in ("ZeRO-2", "FSDP2 grad-op"):
+    elif layout.zero == 2 or layout.fsdp == "grad-op":
         volume = micro * pg * g + pg * w
-    elif layout.engine == "FSDP2 hybrid":
+    elif layout.fsdp == "hybrid":
         inside = micro * (2 * p * w + pg * g) * ((node - 1) / node)
         nodes = dp // node
         across = 2 * (pg / node) * g * ((nodes - 1) / nodes)
