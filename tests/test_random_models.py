@@ -382,6 +382,44 @@ RANDOM_MISSES = {
     "falcon-one-head-eager-query-view": _falcon_neighbour(
         {"hidden_size": 100, "num_attention_heads": 1, "num_kv_heads": 1, "alibi": True,
          "new_decoder_architecture": True}, "fp32", 2, "eager", "none"),
+    "cohere-recompute-saves-norms-and-float-rotary": (
+        {"model_type": "cohere", "vocab_size": 1159, "tie_word_embeddings": False, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 144, "num_attention_heads": 4, "num_key_value_heads": 4,
+         "num_hidden_layers": 3, "intermediate_size": 288, "max_position_embeddings": 4096, "attention_dropout": 0.0,
+         "head_dim": 64, "attention_bias": True, "use_qk_norm": True, "logit_scale": 1.0},
+        {"recipe": "amp-bf16", "optimizer": "adafactor", "batch": 4, "seq": 1000, "attention": "sdpa",
+         "checkpointing": "full", "dropout": 0.0, "grad_accum": 1},
+        # (seed 20261203 case 160: -10.93% at the backward peak; the recompute has saved the input norm's and the
+        # q/k norms' tensors by attention, and apply_rotary_pos_emb holds fp32 copies of q and k, rotated in fp32)
+    ),
+    "bloom-recompute-saves-the-fp32-softmax": (
+        {"model_type": "bloom", "vocab_size": 1159, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2, "hidden_size": 144, "n_head": 4, "n_layer": 3, "hidden_dropout": 0.0,
+         "attention_dropout": 0.0, "apply_residual_connection_post_layernorm": True},
+        {"recipe": "amp-bf16", "optimizer": "sgd", "batch": 2, "seq": 512, "attention": "eager",
+         "checkpointing": "full", "dropout": 0.1, "grad_accum": 1},
+        # (seed 20261203 case 229: -7.32% at the backward peak; in the recompute the softmax saves its fp32 output,
+        # which the checkpointed forward freed at the cast back, alive at the attention dropout)
+    ),
+    "gpt2-autocast-dropout-reads-half-probabilities": (
+        {"model_type": "gpt2", "vocab_size": 2304, "tie_word_embeddings": False, "bos_token_id": 1,
+         "eos_token_id": 2, "n_embd": 144, "n_head": 4, "n_layer": 2, "n_positions": 4096, "n_inner": 384,
+         "attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "activation_function": "relu"},
+        {"recipe": "amp-bf16", "optimizer": "adamw", "batch": 4, "seq": 1000, "attention": "eager",
+         "checkpointing": "full", "dropout": None, "grad_accum": 1},
+        # (seed 20261203 case 241: +9.95% at the forward peak; ``.type(value.dtype)`` casts the fp32 probabilities
+        # to bf16 and frees them before the dropout, which then holds half probabilities, not fp32 ones)
+    ),
+    "falcon-alibi-math-kernel-returns-half-probabilities": (
+        {"model_type": "falcon", "vocab_size": 295, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2, "hidden_size": 36, "num_attention_heads": 1, "num_hidden_layers": 2, "bias": True,
+         "attention_dropout": 0.0, "hidden_dropout": 0.0, "max_position_embeddings": 4096, "ffn_hidden_size": 144,
+         "alibi": True, "multi_query": False, "parallel_attn": True, "new_decoder_architecture": False},
+        {"recipe": "mixed-fp16", "optimizer": "sgd-momentum", "batch": 2, "seq": 1000, "attention": "sdpa",
+         "checkpointing": "none", "dropout": 0.1, "grad_accum": 2},
+        # (seed 20261203 case 55: -3.98% at the forward peak; the math kernel returns the product with v and a half
+        # copy of the dropped probabilities, made beside everything it saved, before SDPA drops the second output)
+    ),
 }
 
 

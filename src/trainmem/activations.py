@@ -144,6 +144,10 @@ class LayerActivations:
     """AttentionTerms.recompute_locals of this layer."""
     recompute_saved: float = 0.0
     """AttentionTerms.recompute_saved of this layer."""
+    recompute_kernel_saved: float = 0.0
+    """AttentionTerms.recompute_kernel_saved of this layer."""
+    math_return_extra: float = 0.0
+    """AttentionTerms.math_return_extra of this layer."""
     checkpointed: bool = False
     """Whether these layers are checkpointed: every layer under --checkpointing full, every second one (0, 2,
     ...) under selective."""
@@ -240,6 +244,13 @@ class AttentionTerms:
     after_softmax: float = 0.0
     """Of the terms, bytes per token created after the softmax (the probabilities the matmul with v keeps, the
     dropout mask, the output copy)."""
+    math_return_extra: float = 0.0
+    """The math kernel without checkpointing, as it returns: bytes per token alive beyond what is saved by then
+    (``after_softmax`` with the rest): ``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/
+    attention.cpp) returns ``{matmul(attn, value_acc).to(origin_dtype), attn.to(origin_dtype)}``, so the fp32
+    product and, for half inputs, a half copy of the (dropped) probabilities exist with the kernel's locals (those of
+    ``softmax_extra`` but its freed masked scores) before SDPA drops the second output (traced: Falcon, ALiBi,
+    mixed-fp16, dropout 0.1, 2 x 1,000: -4.0% at the forward peak without this moment)."""
     returned_to_model: float = 0.0
     """Bytes per token of the attention probabilities the decoder layer returns and the base model holds (``outputs
     = block(...)``) until the next layer returns: Falcon's and BLOOM's eager paths. Extra only where nothing keeps
@@ -265,6 +276,10 @@ class AttentionTerms:
     beyond what ``forward`` (the first, checkpointed forward's moment, which saves nothing) holds there: the scores
     matmul's q and k (copies or casts; views of the fused output are held anyway) and, under autocast,
     query_key_value's half input cast (and its weight cast, a constant the timeline adds)."""
+    recompute_kernel_saved: float = 0.0
+    """Bytes per token that a checkpointed layer's recompute has saved inside attention, by its worst moment,
+    beyond that moment in the first (no-grad) forward: BLOOM's fp32 softmax output, which the first forward frees
+    once it is cast back and the recompute saves for the softmax's backward, alive at the dropout (_bloom_forward)."""
 
 
 def sdpa_mask(spec: ModelSpec, layer: Layer, seq: int) -> bool:
@@ -353,7 +368,8 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     v_cache = c * kv * dv if use_cache else 0.0
     k_kept = v_kept = False  # whether attention keeps the cache's own tensors (then the cache adds nothing)
     returned = released = backward = softmax_extra = after_softmax = bloom_forward = returned_to_model = 0.0
-    matmul_backward = recompute_locals = 0.0
+    math_return_extra = 0.0
+    matmul_backward = recompute_locals = recompute_kernel_saved = 0.0
     held_by_layer = 0.0
 
     if kernel == FLASH:
@@ -418,6 +434,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             q_copied=not q_by_cat and batch > 1 and a > 1,
             cast=sdpa_autocast_casts(p, a, kv_passed, d, dv, qk_bytes, c))
         after_softmax = c * a * dv + ((MASK + FP32) * a * s if dropout > 0 else 0)
+        math_return_extra = math_return_locals(softmax_extra, c, a, dv, s)
     else:  # eager
         gpt2_eager = spec.traits.eager_attention == "gpt2"
         # (GPT-BigCode's multi-query c_attn: repeat_kv expands its one k and v head, which the matmuls copy to every
@@ -466,6 +483,8 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         if spec.traits.block == "bloom":  # BloomAttention keeps the baddbmm scores in a local beside the masked ones
             softmax_extra += c * a * s
             bloom_forward = _bloom_forward(spec, p, a, d, s, dropout, settings.batch)
+            recompute_kernel_saved = _bloom_forward(spec, p, a, d, s, dropout, settings.batch,
+                                                    recompute=True) - bloom_forward
             returned_to_model = held_by_layer = c * a * s
             h, w = spec.hidden_size, p.residual
             hidden_dropout = spec.dropout.hidden if settings.dropout is None else settings.dropout
@@ -511,8 +530,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     forward = bloom_forward
     rotary_forward = 0.0
     if rotary and not att.fused_qkv and att.rotary_dim == d:  # modeling_llama.py apply_rotary_pos_emb and kin
-        rotary_forward = (argument + c * (a * d + kv * (d + dv))
-                          + qk_bytes * max(3 * a * d, a * d + 3 * kv * d))
+        rotary_forward = argument + c * (a * d + kv * (d + dv)) + _rotary_locals(spec, p, a, kv, d, qk_bytes)
     if kernel == MATH:
         # (with the half casts of an fp32 rotated q and k autocast's wrapper holds through the call; traced:
         # Mistral, amp-fp16, head dim 100, a sliding window, full checkpointing, 1 x 2,000: -1.76% without them)
@@ -527,27 +545,51 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
         forward = efficient_masked_forward(inputs, c, a, dv, s, mask_heads=1, converted=True)
     return AttentionTerms(tuple(terms), kernel, cache_extra, returned, released, backward, forward=forward,
                           forward_inputs=inputs, softmax_extra=softmax_extra, after_softmax=after_softmax,
+                          math_return_extra=math_return_extra,
                           returned_to_model=returned_to_model, held_by_layer=held_by_layer,
                           matmul_backward=matmul_backward, rotary_forward=rotary_forward,
-                          recompute_locals=recompute_locals)
+                          recompute_locals=recompute_locals, recompute_kernel_saved=recompute_kernel_saved)
 
 
-def _bloom_forward(spec: ModelSpec, p: Precision, a: int, d: int, s: int, dropout: float, batch: int) -> float:
+def _bloom_forward(spec: ModelSpec, p: Precision, a: int, d: int, s: int, dropout: float, batch: int,
+                   recompute: bool = False) -> float:
     """BloomAttention.forward in a checkpointed forward, per token: its locals live until it returns, so beside
     the norm output, the fused q/k/v output and (batch > 1: with one sequence the merge of the batch and head
     dimensions is a view) the three copies ``reshape`` makes of its strided views, the
     baddbmm scores and the masked scores (in the mask's dtype, the parameters') stay, and the probabilities (cast
     back to q's dtype, then dropped out: the dropout's input is freed once it returns) follow: the worst moment is
     the softmax (with its fp32 upcast of half scores), the dropout (its input, output and mask), or the end, where
-    the context, its merged copy, dense's output and the residual sum exist too (traced)."""
+    the context, its merged copy, dense's output and the residual sum exist too (traced). In the ``recompute``
+    (grad mode) the softmax saves its fp32 output, still alive at the dropout (traced: amp-bf16, dropout 0.1, full
+    checkpointing, 2 x 512, -7.3% at the backward peak without it)."""
     c, w, h = p.compute, p.residual, spec.hidden_size
     inputs = w * h + c * 3 * h + (3 * c * a * d if batch > 1 else 0)
     # softmax(dtype=fp32) upcasts half masked scores first; its fp32 output is then cast back to q's dtype
     upcast, cast_back = (FP32 if w != FP32 else 0), (c if c != FP32 else 0)
     at_softmax = c + w + FP32 + max(upcast, cast_back)
-    at_dropout = c + w + 2 * c + MASK if dropout > 0 else 0
+    at_dropout = c + w + 2 * c + MASK + (FP32 if recompute else 0) if dropout > 0 else 0
     at_end = c + w + c + (MASK if dropout > 0 else 0)
     return inputs + max(at_softmax * a * s, at_dropout * a * s, at_end * a * s + 3 * c * h + w * h)
+
+
+def _rotary_locals(spec: ModelSpec, p: Precision, a: int, kv: int, d: int, qk_bytes: int) -> int:
+    """Bytes per token apply_rotary_pos_emb holds at its worst moment beside the caller's q, k and v, where nothing
+    is saved (a checkpointed forward): while q is rotated, ``q * cos``, ``rotate_half(q)`` and its product with
+    sin; while k is, the rotated q beside k's three; where the rotation runs in fp32 and is cast back to q's dtype
+    (rotary_in_input_dtype), both rotated fp32 tensors beside their half casts. The products take the tables' dtype
+    (fp32 ones: OLMo, OLMo-2/3, ERNIE 4.5), ``rotate_half`` q's (a half ``torch.cat``; Cohere's float copies are
+    rotated as fp32, ERNIE copies the half one to fp32), and Cohere's ``q.float()`` and ``k.float()`` are held for
+    the call (modeling_cohere.py, modeling_olmo2.py, modeling_ernie4_5.py ``apply_rotary_pos_emb``; traced: Cohere,
+    amp-bf16, full checkpointing, 4 x 1,000, -10.9% at the backward peak with the products in half)."""
+    c, traits = p.compute, spec.traits
+    if not traits.rotary_in_input_dtype or c == FP32:
+        return qk_bytes * max(3 * a * d, a * d + 3 * kv * d)
+    held = FP32 * (a * d + kv * d) if traits.rotary_float_copies else 0
+    products = FP32 if traits.rotary_tables_fp32 or traits.rotary_float_copies else c
+    rotated = FP32 if traits.rotary_float_copies else c + (FP32 if traits.rotary_half_copied else 0)
+    rotating = max((2 * products + rotated) * a * d, products * a * d + (2 * products + rotated) * kv * d)
+    cast_back = (products + c) * (a * d + kv * d) if products != c else 0
+    return held + max(rotating, cast_back)
 
 
 def _rotary_table_bytes(spec: ModelSpec, p: Precision) -> int:
@@ -578,10 +620,12 @@ def efficient_masked_forward(inputs: float, c: int, a: int, dv: int, s: int, mas
 
 
 def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precision, s: int, dropout: float,
-                            half_q: bool = False) -> float:
+                            half_q: bool = False, probs_to_v: bool = False) -> float:
     """A checkpointed layer's attention forward keeps nothing for backward, so its worst moment is the kernel's:
     q, k and v with the fused kernels' output; for eager and math attention two s x s tensors (the softmax's input
-    and output, or the dropout's input and output with its mask) in the softmax's dtype."""
+    and output, or the dropout's input and output with its mask) in the softmax's dtype. The dropout reads the
+    probabilities cast to q's dtype (Llama's ``.to(query.dtype)``: half where ``half_q``) or, ``probs_to_v``, to
+    v's (GPT-2's ``.type(value.dtype)``, GPT-J's: the projections' half dtype under autocast)."""
     a, kv, d, dv, c = att.num_heads, att.num_kv_heads, att.head_dim, att.v_head_dim, p.compute
     inputs = attention.forward_inputs or c * (a * d + 2 * a * dv)
     if attention.kernel in (FLASH, EFFICIENT):
@@ -595,9 +639,13 @@ def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precis
     if att.sinks:
         # GPT-OSS at ``.to(value_states.dtype)``: the scores plus the mask (``attn_weights``, still bound), the
         # logits less their maximum (``combined_logits``, s + 1 wide), the softmax output and, where v is half and
-        # the softmax fp32 (autocast), the cast (traced: amp-bf16, full checkpointing, 1 x 1,024, -19% without it)
+        # the softmax fp32 (autocast), the cast (traced: amp-bf16, full checkpointing, 1 x 1,024, -19% without it).
+        # With dropout the dropped copy of the scores is alive too, with its mask at the dropout and with the
+        # cast at ``.to`` (traced: fp32, eager, dropout 0.1, full checkpointing, 1 x 512: -13.3% without it)
         probs = p.residual
-        return inputs + (3 * probs + (c if probs != c else 0)) * a * s + 2 * probs * a
+        cast = c if probs != c else 0
+        held = 4 * probs + max(MASK, cast) if dropout > 0 else 3 * probs + cast
+        return inputs + held * a * s + 2 * probs * a
     if p.autocast or c == FP32:
         # (under autocast with q already half, OLMo-2 and Cohere, ``.to(query.dtype)`` copies the fp32 softmax
         # output while its input is still bound: a third s x s tensor)
@@ -605,7 +653,9 @@ def _attention_forward_peak(attention: AttentionTerms, att: Attention, p: Precis
     else:
         scores = c + 2 * FP32 if upcasts else 2 * c
     if dropout > 0:  # at the dropout: the probabilities, their dropped copy and the mask
-        probs = FP32 if p.autocast or c == FP32 else c
+        # (traced: GPT-2, amp-bf16, dropout 0.1, full checkpointing, 4 x 1,000: +9.9% at the forward peak with fp32
+        # probabilities, which ``.type(value.dtype)`` has cast to bf16 and freed by then)
+        probs = c if half_q or probs_to_v else FP32 if p.autocast or c == FP32 else c
         scores = max(scores, 2 * probs + MASK)
     return inputs + scores * a * s
 
@@ -626,6 +676,12 @@ def math_forward_per_token(c: int, a: int, kv: int, d: int, dv: int, s: int, bat
     masks = (c * s if mask_copy is None else mask_copy) if has_mask else FP32 * s / batch
     scores = 2 * FP32 * a * s + (MASK * a * s if dropout > 0 else 0)
     return acc + repeats + FP32 * a * d + masks + scores
+
+
+def math_return_locals(softmax_extra: float, c: int, a: int, dv: int, s: int) -> float:
+    """AttentionTerms.math_return_extra from the softmax moment's locals (``softmax_extra``, whose fp32 masked
+    scores are freed by then): the fp32 product with v and, for half inputs, the half copy of the probabilities."""
+    return softmax_extra - FP32 * a * s + FP32 * a * dv + (c * a * s if c != FP32 else 0)
 
 
 def sdpa_autocast_casts(p: Precision, a: int, kv: int, d: int, dv: int, qk: int, v: int) -> float:
@@ -969,8 +1025,8 @@ def _falcon_attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSet
         + (FP32 * kv_kept * d if v_expanded else 0)
     return AttentionTerms(tuple(terms), MATH, k_cache + (0.0 if v_is_cache else v_cache), 0.0, released, backward,
                           forward=forward, matmul_backward=math_matmul_backward_per_token(c, a, d, s),
-                          softmax_extra=softmax_extra,
-                          after_softmax=after_softmax)
+                          softmax_extra=softmax_extra, after_softmax=after_softmax,
+                          math_return_extra=math_return_locals(softmax_extra, c, a, d, s))
 
 
 def _falcon_eager_views(att: Attention, rotary: bool, use_cache: bool, one_sequence: bool,
@@ -1332,12 +1388,15 @@ def layer_activations(spec: ModelSpec, layer: Layer, count: int, recipe: Recipe,
     return LayerActivations(layer, count, tuple(terms), constant, checkpoint, attention_input_casts,
                             attention.kernel, attention.cache_extra,
                             attention.returned_extra, attention_bytes, attention.released, attention.backward,
-                            max(attention.forward or _attention_forward_peak(attention, att, p, s, attn_dropout,
-                                                                        _half_q(spec, att) or to_v_dtype),
+                            max(attention.forward or _attention_forward_peak(
+                                    attention, att, p, s, attn_dropout, _half_q(spec, att) or to_v_dtype,
+                                    probs_to_v=spec.traits.eager_attention != "llama"),
                                 attention.rotary_forward),
                             attention.softmax_extra, attention.after_softmax, attention.returned_to_model,
                             attention.held_by_layer, matmul_backward=attention.matmul_backward,
-                            recompute_locals=attention.recompute_locals, recompute_saved=attention.recompute_saved)
+                            math_return_extra=attention.math_return_extra,
+                            recompute_locals=attention.recompute_locals, recompute_saved=attention.recompute_saved,
+                            recompute_kernel_saved=attention.recompute_kernel_saved)
 
 
 # --------------------------------------------------------------------------------------------------------

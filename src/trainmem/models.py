@@ -277,6 +277,12 @@ class FamilyTraits:
     """apply_rotary_pos_emb casts the rotated q and k back to q's dtype (OLMo-2: ``q_embed.to(q_type)``; Cohere
     rotates in fp32 and casts back), so under autocast they are half, not fp32 as Llama's (whose tables follow
     the fp32 hidden states)."""
+    rotary_float_copies: bool = False
+    """apply_rotary_pos_emb starts with ``q = q.float()`` and ``k = k.float()`` (Cohere, Cohere 2): half q and k are
+    copied to fp32, held for the call beside the caller's, and rotated in fp32 (``torch.stack`` of fp32 halves)."""
+    rotary_half_copied: bool = False
+    """apply_rotary_pos_emb rotates q's half dtype and copies it to fp32 before the product with sin
+    (Ernie4_5's ``rotate_half(q).float() * sin``): both the half and the fp32 rotated copy are alive then."""
     rotary_split_locals: bool = False
     """Partial rotary on separate q and k projections whose attention forward keeps, as locals until it returns,
     the rotated parts (``query_rot, key_rot = apply_rotary_pos_emb(...)``) and the passed parts, views that hold
@@ -1483,17 +1489,18 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
                           rotary_tables_fp32=True),
     # (CohereForCausalLM's ``logits * logit_scale`` saves nothing and its transient is under the traced peaks)
     "cohere": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True,
-                           residual_first_in_parallel_sum=True),
+                           rotary_float_copies=True, residual_first_in_parallel_sum=True),
     "phi": FamilyTraits(q_built_by_cat=True, hidden_dropout="per_block", embedding_dropout=True,
                         rotary_split_locals=True),
     "smollm3": FamilyTraits(eager_masks_always_built=frozenset({False})),
-    "ernie4_5": FamilyTraits(rotary_in_input_dtype=True, rotary_tables_per_layer=True, rotary_tables_fp32=True,
-                             attention_dropout=False),
+    "ernie4_5": FamilyTraits(rotary_in_input_dtype=True, rotary_half_copied=True, rotary_tables_per_layer=True,
+                             rotary_tables_fp32=True, attention_dropout=False),
     "glm4": FamilyTraits(q_built_by_cat=True, rotary_tables_per_layer=True),
     "olmo3": FamilyTraits(norm_placement="post", rms_norm_fp32_product=True, rotary_in_input_dtype=True,
                           rotary_tables=2, eager_masks_always_built=frozenset({False, True}), rotary_tables_fp32=True),
     "cohere2": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True,
-                            eager_masks_always_built=frozenset({False, True}), residual_first_in_parallel_sum=True),
+                            rotary_float_copies=True, eager_masks_always_built=frozenset({False, True}),
+                            residual_first_in_parallel_sum=True),
     "starcoder2": FamilyTraits(hidden_dropout="per_block", embedding_dropout=True),
     "stablelm": FamilyTraits(q_built_by_cat=True, hidden_dropout="after_mlp", rotary_split_locals=True,
                              attention_output_held=True, residual_first_in_parallel_sum=True),

@@ -649,6 +649,25 @@ def _mlp_saves_start(la: LayerActivations) -> int:
     return len(modules) - modules[::-1].index(before)
 
 
+_BEFORE_ATTENTION = ("input_norm", "q_norm", "k_norm")
+"""The modules of a layer that save their tensors before its attention kernel runs."""
+
+
+def _saved_before_attention(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
+                            shared_input: int) -> int:
+    """What a checkpointed layer's recompute has saved by the time it reaches attention, beyond what the first
+    (no-grad) forward holds there (_forward_transient): the input norm's and the q/k norms' saves and, under
+    autocast, the q/k/v projections' half copies of an fp32 input (without autocast they read the norm output,
+    the attention's argument, which the forward's moment holds); less the layer input where the input norm saves
+    that tensor itself (``shared_input``: the moment holds the layer input). Traced: a Cohere layer with q/k
+    norms, amp-bf16, 4 x 1,000, was -10.9% at the backward peak without them."""
+    copies = p.autocast and p.residual != p.compute
+    saved = sum(t.bytes_per_token for t in la.terms
+                if t.module in _BEFORE_ATTENTION or (copies and t.module == "qkv_input"))
+    aliased = shared_input if spec.traits.norm_placement != "post" else 0
+    return max(0, int(saved * tokens) - aliased)
+
+
 def _has_bias(spec: ModelSpec, la: LayerActivations, linear: str) -> bool:
     return any(t.name == f"{linear}.bias" for t in layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors))
 
@@ -914,7 +933,9 @@ class _LayerBytes:
     elsewhere."""
     recompute_attention_saved: int
     """Under full checkpointing, what the recompute has saved by its attention moment (forward_transient's second)
-    that the first forward does not hold there (LayerActivations.recompute_saved, with its weight cast)."""
+    that the first forward does not hold there: Falcon's LayerActivations.recompute_saved with its weight cast,
+    elsewhere the saves of the modules before attention (_saved_before_attention) and those inside the kernel
+    (LayerActivations.recompute_kernel_saved)."""
     recompute_gradient: int
     """The temporaries the layer's backward made before its first node that needs a saved tensor started the
     recompute: beside the residual stream's gradient, under autocast its cast to the MLP output's half dtype (the
@@ -1097,7 +1118,9 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                                         and t.role not in MLP_ROLES) if p.autocast else 0)
                                      - shared_input if la.recompute_locals else 0),
             recompute_attention_saved=int(la.recompute_saved * tokens) + (
-                _layer_casts(spec, la, p)[0] if la.recompute_saved and p.autocast and not cached else 0),
+                _layer_casts(spec, la, p)[0] if la.recompute_saved and p.autocast and not cached else 0)
+            if la.recompute_saved else _saved_before_attention(spec, la, p, tokens, shared_input)
+            + int(la.recompute_kernel_saved * tokens),
             recompute_gradient=int(_recompute_gradient(spec, layer, p, bool(output_norm)) * tokens)
             + (int(_adapter_recompute_gradient(spec, la, p, finetune) * tokens) if finetune is not None else 0),
             norm_moment=_norm_moment(spec, la, p, gradients_of, tensors, tokens, attention_live),
@@ -1476,6 +1499,11 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             candidates_fw.append(Phase("forward", "last layer's attention softmax", weights, grads_in_forward,
                                        states, before + acts.kv_cache_bytes + acts.mask_bytes + held
                                        + int(last.softmax_extra * tokens), 0))
+            if last.math_return_extra:
+                candidates_fw.append(Phase(
+                    "forward", "last layer's attention kernel return", weights, grads_in_forward, states,
+                    before + acts.kv_cache_bytes + acts.mask_bytes + held
+                    + int((last.after_softmax + last.math_return_extra) * tokens), 0))
         returned = int(acts.layers[-1].returned_extra * tokens)
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
                                    layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
