@@ -15,9 +15,13 @@ import contextlib
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .recipes import Recipe, get_recipe
+
+if TYPE_CHECKING:
+    from .lora import FineTune, LoraOptions
+    from .models import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,7 @@ class SavedTensor:
     nbytes: int
 
 
-def decoder_layers(model) -> list:
+def decoder_layers(model: Any) -> list[Any]:
     """The list of decoder layers of a transformers causal LM, whatever the family calls it."""
     for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers", "transformer.layers"):
         obj = model
@@ -53,7 +57,7 @@ def decoder_layers(model) -> list:
 
 
 def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa", dropout: float | None = None,
-                task: str = "causal-lm", num_labels: int | None = None):
+                task: str = "causal-lm", num_labels: int | None = None) -> Any:
     """The transformers model of ``task`` (tasks.py; a causal LM by default) in ``recipe``'s weight dtype, in
     training mode, its tensors made in the active mode (fake under FakeTensorMode)."""
     import torch
@@ -87,7 +91,7 @@ def build_model(config: dict[str, Any], recipe: Recipe, attention: str = "sdpa",
     return model
 
 
-def _from_config(model_class, hf_config, attention: str, dtype):
+def _from_config(model_class: Any, hf_config: Any, attention: str, dtype: Any) -> Any:
     try:
         return model_class.from_config(hf_config, attn_implementation=attention, dtype=dtype)
     except ValueError as exc:  # no SDPA path (Gemma 2, BLOOM): transformers' own default is eager
@@ -104,7 +108,7 @@ def _under_fake_mode() -> bool:
 
 
 @contextlib.contextmanager
-def _conversions_by_replacement(torch):
+def _conversions_by_replacement(torch: Any) -> Iterator[None]:
     """Under FakeTensorMode, ``Module.to(dtype)`` in a model's ``__init__`` (DeepSeek-V4's fp32 norms, a Conv1d moved
     to fp32) fails: ``Module._apply`` swaps a fake parameter with its converted copy (torch/nn/modules/module.py,
     ``torch.utils.swap_tensors``), and the fake mode holds a weakref to every fake tensor, which a swap refuses.
@@ -119,7 +123,7 @@ def _conversions_by_replacement(torch):
     module_class = torch.nn.Module
     original = module_class._apply
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self: Any, fn: Any, recurse: bool = True) -> Any:
         if not any(isinstance(t, FakeTensor) for t in (*self._parameters.values(), *self._buffers.values())):
             return original(self, fn, recurse)
         if recurse:
@@ -144,7 +148,7 @@ def _conversions_by_replacement(torch):
 
 
 @contextlib.contextmanager
-def _trunc_normal_without_data_checks(torch):
+def _trunc_normal_without_data_checks(torch: Any) -> Iterator[None]:
     """Under FakeTensorMode, ``torch.nn.init.trunc_normal_`` (torch/nn/init.py, ``_no_grad_trunc_normal_``) asks
     ``mask.any()`` of its samples, which fake tensors cannot answer (ModernBERT initialises every weight with it):
     while a model is built on fake tensors, the initialisation draws a normal sample clamped to [a, b] in place, the
@@ -154,7 +158,8 @@ def _trunc_normal_without_data_checks(torch):
         return
     from transformers import initialization
 
-    def clamped_normal(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+    def clamped_normal(tensor: Any, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0,
+                       generator: Any = None) -> Any:
         with torch.no_grad():
             return tensor.normal_(mean, std).clamp_(a, b)
 
@@ -182,13 +187,14 @@ FAMILY_MODULE_PATHS = {
 decoder layer, for a peft target regex (GPT-2's c_proj names both attention's output and the MLP's)."""
 
 
-def peft_target_modules(spec, lora) -> list[str] | str:
+def peft_target_modules(spec: ModelSpec | None, lora: LoraOptions) -> list[str] | str:
     """peft's ``target_modules`` for trainmem's targets: the module names of the Linears lora.py selects (a regex
     over full module paths for the families whose module names differ from trainmem's)."""
     from .lora import adapted_names
 
     if tuple(lora.targets) == ("all-linear",):
         return "all-linear"
+    assert spec is not None  # (named targets are selected from the spec)
     paths = FAMILY_MODULE_PATHS.get(spec.model_type)
     if paths:
         alternatives = sorted(paths.get(name, re.escape(name.rsplit(".", 1)[-1])) for name in adapted_names(spec, lora))
@@ -196,7 +202,8 @@ def peft_target_modules(spec, lora) -> list[str] | str:
     return sorted({name.rsplit(".", 1)[-1] for name in adapted_names(spec, lora)})
 
 
-def build_lora_model(config: dict[str, Any], recipe: Recipe, attention: str, dropout: float | None, finetune, spec):
+def build_lora_model(config: dict[str, Any], recipe: Recipe, attention: str, dropout: float | None,
+                     finetune: FineTune, spec: ModelSpec | None) -> Any:
     """The model with peft's LoRA adapters, its tensors created in the active mode (fake under FakeTensorMode).
 
     peft cannot wrap a model whose parameters are fake tensors (its ``Module.to`` swaps tensors that FakeTensorMode
@@ -241,7 +248,7 @@ def build_lora_model(config: dict[str, Any], recipe: Recipe, attention: str, dro
     return model
 
 
-def _dora_weight_without_module_calls(model) -> None:
+def _dora_weight_without_module_calls(model: Any) -> None:
     """peft's DoRA computes B @ A each forward by calling the adapter modules on an identity matrix
     (``DoraLinearLayer.get_lora_weight``) and keeps only a detached norm of it. Under MemTracker, whose module hooks
     register gradient hooks on every module output, that discarded graph (and its in_features^2 identity) lives on
@@ -250,7 +257,7 @@ def _dora_weight_without_module_calls(model) -> None:
     import torch
     from peft.tuners.lora.dora import DoraLinearLayer
 
-    def lora_weight(lora_A, lora_B, adapter_name=None):
+    def lora_weight(lora_A: Any, lora_B: Any, adapter_name: Any = None) -> Any:
         eye = torch.eye(lora_A.weight.shape[1], device=lora_A.weight.device, dtype=lora_A.weight.dtype)
         return torch.nn.functional.linear(torch.nn.functional.linear(eye, lora_A.weight), lora_B.weight).T
 
@@ -259,7 +266,7 @@ def _dora_weight_without_module_calls(model) -> None:
             module.get_lora_weight = lora_weight
 
 
-def enable_checkpointing(model, every: int = 1, op_sac: bool = False) -> None:
+def enable_checkpointing(model: Any, every: int = 1, op_sac: bool = False) -> None:
     """Non-reentrant activation checkpointing of every decoder layer, or with ``every`` = N of layers 0, N, 2N, ...
     (torchtitan's layer-selective checkpointing: transformers' GradientCheckpointingLayer checks its own
     ``gradient_checkpointing``, so the others are switched back off). transformers renamed
@@ -306,9 +313,9 @@ def saved_tensors(config: dict[str, Any], recipe: str | Recipe = "fp32", batch: 
             layer.register_forward_pre_hook(lambda m, a, i=index: where.__setitem__(0, f"layer {i}"))
             layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, "head"))
         seen: dict[int, SavedTensor] = {}
-        keep_alive = []
+        keep_alive: list[Any] = []
 
-        def pack(t):
+        def pack(t: Any) -> Any:
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError):

@@ -42,10 +42,15 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 from .diskcache import cache_dir, cache_path, canonical_config, read_cached, write_cached
 from .timeline import CATEGORIES, Phase
+
+if TYPE_CHECKING:
+    from .lora import FineTune
+    from .models import ModelSpec
+    from .settings import TrainingSettings
 
 TRACE_EXTRA = "pip install 'trainmem[trace]'"
 _NOT_PER_LAYER = re.compile(r"rope|section|token_id|limit|multiplier")
@@ -83,9 +88,9 @@ def plan_layers(layers: int, prefix: int, period: int) -> LayerPlan:
     return LayerPlan(layers, prefix, period, (n1, n1 + period))
 
 
-def find_period(signatures: list) -> tuple[int, int]:
+def find_period(signatures: Sequence[Hashable]) -> tuple[int, int]:
     """The smallest (period, then prefix) after which ``signatures`` repeat: (prefix, period)."""
-    kinds: dict = {}
+    kinds: dict[Hashable, int] = {}
     signatures = [kinds.setdefault(s, len(kinds)) for s in signatures]  # (ints compare faster than signatures)
     n = len(signatures)
     for period in range(1, n + 1):
@@ -102,7 +107,8 @@ def _plain(value: Any) -> bool:
         isinstance(value, tuple) and all(_plain(v) for v in value))
 
 
-def layer_signature(layer, index: int, per_layer: dict[str, list], checkpoint_every: int) -> tuple:
+def layer_signature(layer: Any, index: int, per_layer: dict[str, list[Any]],
+                    checkpoint_every: int) -> tuple[Any, ...]:
     """What makes decoder layer ``index`` the kind of layer it is (module docstring)."""
     params = tuple((name, tuple(p.shape), str(p.dtype)) for name, p in layer.named_parameters())
     attrs = tuple((path, key, value) for path, module in layer.named_modules()
@@ -113,7 +119,7 @@ def layer_signature(layer, index: int, per_layer: dict[str, list], checkpoint_ev
     return params, attrs, listed, checkpointed
 
 
-def per_layer_lists(hf_config: dict[str, Any], layers: int) -> tuple[dict[str, list], dict[str, list]]:
+def per_layer_lists(hf_config: dict[str, Any], layers: int) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
     """The config's lists with one value per layer, and its lists of layer indices (mlp_only_layers)."""
     per_layer, indices = {}, {}
     for key, value in hf_config.items():
@@ -126,7 +132,7 @@ def per_layer_lists(hf_config: dict[str, Any], layers: int) -> tuple[dict[str, l
     return per_layer, indices
 
 
-def _layer_indices(value: list, layers: int) -> bool:
+def _layer_indices(value: list[Any], layers: int) -> bool:
     """Whether ``value`` lists distinct layer indices (mlp_only_layers). One as long as the layer count does only
     where it lists every layer in order: Llama 4's moe_layers where every layer is MoE, which read as one value per
     layer made each layer a kind of its own (no period found)."""
@@ -159,14 +165,15 @@ def layer_plan(config: dict[str, Any], checkpoint_every: int = 1, task: str = "c
     return plan_layers(layers, prefix, period), key, full
 
 
-def _text_config_is_nested(hf) -> bool:
+def _text_config_is_nested(hf: Any) -> bool:
     try:
         return hf.get_text_config() is not hf
     except ValueError:  # several text configs (an encoder-decoder): not one decoder to reduce
         return True
 
 
-def reduced_config(config: dict[str, Any], full: dict[str, Any], key: str, layers: int, count: int) -> dict:
+def reduced_config(config: dict[str, Any], full: dict[str, Any], key: str, layers: int,
+                   count: int) -> dict[str, Any]:
     """``config`` with its first ``count`` of ``layers`` layers: the layer count set, each per-layer list cut to
     its first ``count`` values, each list of layer indices to those below ``count``."""
     if count == layers:
@@ -247,16 +254,17 @@ def extrapolate(first: tuple[Phase, ...], second: tuple[Phase, ...], periods: in
     return tuple(out)
 
 
-def record(config: dict[str, Any], settings, spec=None, progress: bool = True,
-           finetune=None) -> tuple[tuple[Phase, ...], LayerPlan]:
+def record(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None, progress: bool = True,
+           finetune: FineTune | None = None) -> tuple[tuple[Phase, ...], LayerPlan]:
     """Trace ``config``'s step (peft's LoRA step with ``finetune``) at the plan's layer counts and extrapolate to its
     real count."""
     phases, plan, _ = record_places(config, settings, spec, progress, finetune)
     return phases, plan
 
 
-def record_places(config: dict[str, Any], settings, spec=None, progress: bool = True,
-                  finetune=None) -> tuple[tuple[Phase, ...], LayerPlan, tuple[tuple[str, Phase], ...]]:
+def record_places(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,
+                  progress: bool = True, finetune: FineTune | None = None
+                  ) -> tuple[tuple[Phase, ...], LayerPlan, tuple[tuple[str, Phase], ...]]:
     """:func:`record`, and forward's and backward's largest moment in each place (``_places``)."""
     from .progress import Progress
     from .settings import SELECTIVE_EVERY
@@ -286,7 +294,8 @@ PLACES = {"forward": ("start", "layer", ""), "backward": ("end", "layer", "head"
 decoder layers, inside one, after them ("" in forward: the loss, where no layer's buffers are alive)."""
 
 
-def _places(anchored: list[dict], names: list[str], periods: int) -> tuple[tuple[str, Phase], ...]:
+def _places(anchored: list[dict[tuple[Any, ...], tuple[Phase | None, Phase | None]]], names: list[str],
+            periods: int) -> tuple[tuple[str, Phase], ...]:
     """Forward's and backward's largest moment in each place (PLACES), as (``phase:place``, Phase), each module's
     peak extrapolated over ``periods`` as in _with_module_moments. A module outside the layers is before them when
     the model registers it before the first layer (the embedding), else after (final norm, LM head); the model and
@@ -389,7 +398,7 @@ def extrapolate_stacks(base: tuple[Phase, ...], moved: list[tuple[tuple[Phase, .
     return tuple(out)
 
 
-def record_seq2seq(config: dict[str, Any], settings, spec=None,
+def record_seq2seq(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,
                    progress: bool = True) -> tuple[tuple[Phase, ...], LayerPlan, LayerPlan]:
     """An encoder-decoder's step: traced at the base counts (each stack's first), then with one more period of the
     encoder, then of the decoder, and extrapolated over both (``extrapolate_stacks``)."""
@@ -416,10 +425,11 @@ def record_seq2seq(config: dict[str, Any], settings, spec=None,
     return extrapolate_stacks(traced[0], moved), encoder.plan, decoder.plan
 
 
-def _anchored(peaks: dict, count: int) -> dict[tuple, tuple]:
+def _anchored(peaks: dict[str, tuple[Phase | None, Phase | None]],
+              count: int) -> dict[tuple[Any, ...], tuple[Phase | None, Phase | None]]:
     """Module peaks keyed so that the same moment has the same key at every layer count: a module outside the layers
     by its name; one inside layer i both from the bottom (i) and from the top (count - 1 - i)."""
-    out: dict[tuple, tuple] = {}
+    out: dict[tuple[Any, ...], tuple[Phase | None, Phase | None]] = {}
     for name, pair in peaks.items():
         parts = name.split(".")
         at = next((j for j, part in enumerate(parts) if part.isdigit()), None)
@@ -437,7 +447,8 @@ def _anchored(peaks: dict, count: int) -> dict[tuple, tuple]:
     return out
 
 
-def _with_module_moments(phases: tuple[Phase, ...], peaks: list, plan: LayerPlan) -> tuple[Phase, ...]:
+def _with_module_moments(phases: tuple[Phase, ...], peaks: list[dict[str, tuple[Phase | None, Phase | None]]],
+                         plan: LayerPlan) -> tuple[Phase, ...]:
     """Forward's and backward's peaks as the largest of every module's extrapolated peak and the phase's own.
 
     Why: a phase's peak is the largest of many moments, each a line in the number of periods (the backward of the
@@ -475,7 +486,8 @@ def _plan_doc(plan: LayerPlan) -> dict[str, Any]:
     return {"layers": plan.layers, "prefix": plan.prefix, "period": plan.period, "counts": list(plan.counts)}
 
 
-def recorded_phases(config: dict[str, Any], settings, spec=None, progress: bool = True, finetune=None) -> Recorded:
+def recorded_phases(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,
+                    progress: bool = True, finetune: FineTune | None = None) -> Recorded:
     """The step's phases on the traced path (peft's LoRA step with ``finetune``), from the cache when this set-up
     was recorded before."""
     payload = {"config": canonical_config(config), "settings": asdict(settings)}

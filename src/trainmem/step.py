@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import ConfigError
 from .optimizers import TRACEABLE_OPTIMIZERS
 from .recipes import get_recipe
 from .settings import OFFLOAD_MIN_BYTES, OUTPUT_CHUNKS, TrainingSettings
-from .probe import enable_checkpointing  # (with the model building it belongs to; re-exported)
+from .probe import enable_checkpointing as enable_checkpointing  # (with the model building it belongs to; re-exported)
 
+if TYPE_CHECKING:
+    from .lora import FineTune
+    from .models import ModelSpec
 
 
 class Fp32StateAdamW:
@@ -25,15 +28,15 @@ class Fp32StateAdamW:
     as torchao's and DeepSpeed's bf16-without-master optimizers do). foreach-style: one fp32
     parameter-sized temporary (the denominator) at a time, like torch's _multi_tensor_adamw."""
 
-    def __init__(self, torch, params: list, lr: float = 1e-5, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, fused: bool = False):
+    def __init__(self, torch: Any, params: list[Any], lr: float = 1e-5, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, fused: bool = False) -> None:
         self.torch, self.params, self.lr, self.betas, self.eps, self.wd = torch, params, lr, betas, eps, weight_decay
         self.fused = fused
         """Update tensor by tensor (a fused kernel's footprint: no parameter-sized temporary)."""
-        self.state: dict = {}
+        self.state: dict[Any, dict[str, Any]] = {}
         self.param_groups = [{"params": params}]
 
-    def step(self):
+    def step(self) -> None:
         torch = self.torch
         params = [p for p in self.params if p.grad is not None]
         if not self.state:
@@ -43,7 +46,7 @@ class Fp32StateAdamW:
         for group in groups:
             self._update(group)
 
-    def _update(self, params: list) -> None:
+    def _update(self, params: list[Any]) -> None:
         torch = self.torch
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
@@ -62,7 +65,7 @@ class Fp32StateAdamW:
                 p.add_(update, alpha=-self.lr)
             del denom
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
 
@@ -74,10 +77,10 @@ class MuonWithAdamW:
     two stepped one after the other as torch's Muon docstring shows. ``parts`` are the torch optimizers, which
     MemTracker tracks; ``state`` and ``param_groups`` are theirs together."""
 
-    def __init__(self, torch, params: list, is_matrix: list[bool], fused: bool = False):
+    def __init__(self, torch: Any, params: list[Any], is_matrix: list[bool], fused: bool = False) -> None:
         matrices = [p for p, matrix in zip(params, is_matrix) if matrix]
         rest = [p for p, matrix in zip(params, is_matrix) if not matrix]
-        self.parts: list = []
+        self.parts: list[Any] = []
         if matrices:
             self.parts.append(torch.optim.Muon(matrices, lr=0.02))
         if rest:
@@ -85,11 +88,11 @@ class MuonWithAdamW:
                                                 fused=fused or None))
 
     @property
-    def state(self) -> dict:
+    def state(self) -> dict[Any, Any]:
         return {p: st for part in self.parts for p, st in part.state.items()}
 
     @property
-    def param_groups(self) -> list:
+    def param_groups(self) -> list[dict[str, Any]]:
         return [g for part in self.parts for g in part.param_groups]
 
     def step(self) -> None:
@@ -100,26 +103,26 @@ class MuonWithAdamW:
         for part in self.parts:
             part.zero_grad(set_to_none=set_to_none)
 
-    def register_step_pre_hook(self, hook):
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
         """The hook runs once, before the first part steps (trainmem.track's phase marker)."""
         return self.parts[0].register_step_pre_hook(lambda optimizer, args, kwargs: hook(self, args, kwargs))
 
 
-def decoder_layer_parameters(model) -> set[int]:
+def decoder_layer_parameters(model: Any) -> set[int]:
     """The ids of the parameters inside the decoder layers of ``model`` (a transformers causal LM or peft's)."""
     from .probe import decoder_layers
 
     return {id(p) for layer in decoder_layers(causal_lm(model)) for p in layer.parameters()}
 
 
-def muon_matrices(layer_params: set[int], params: list) -> list[bool]:
+def muon_matrices(layer_params: set[int], params: list[Any]) -> list[bool]:
     """Which of ``params`` trainmem's ``muon`` gives to torch.optim.Muon: the 2-D parameters of the decoder layers
     (what ``ParamGroup.is_layer`` and a 2-D shape select in the estimate, optimizers.py)."""
     return [id(p) in layer_params and p.ndim == 2 for p in params]
 
 
-def make_optimizer(torch, name: str, params: list, fused: bool, fp32_states_for_half: bool = False,
-                   is_matrix: list[bool] | None = None):
+def make_optimizer(torch: Any, name: str, params: list[Any], fused: bool, fp32_states_for_half: bool = False,
+                   is_matrix: list[bool] | None = None) -> Any:
     """The torch optimizer of ``name`` over ``params``; ``is_matrix`` (muon) marks those torch.optim.Muon updates."""
     if name == "muon":
         return MuonWithAdamW(torch, params, is_matrix if is_matrix is not None else [False] * len(params), fused)
@@ -160,7 +163,7 @@ def check_runnable(settings: TrainingSettings, device: str = "cpu") -> None:
 COMPILE_BACKEND = "aot_eager_decomp_partition"
 
 
-def vocab_size(config: dict[str, Any], model) -> int:
+def vocab_size(config: dict[str, Any], model: Any) -> int:
     """The range of the batch's token ids: the config's ``vocab_size``, else the built model's language config's
     (a multimodal config keeps it in ``text_config``; a config that leaves it out gets its class's default)."""
     from .meta_count import text_config
@@ -170,12 +173,12 @@ def vocab_size(config: dict[str, Any], model) -> int:
     return int(text_config(causal_lm(model).config).vocab_size)
 
 
-def causal_lm(model):
+def causal_lm(model: Any) -> Any:
     """The transformers causal LM itself, also when peft wraps it."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def chunked_output_model(torch, model, compile_loss: bool = False):
+def chunked_output_model(torch: Any, model: Any, compile_loss: bool = False) -> Any:
     """The model with torchtune's loss: the decoder's last hidden state is cut into OUTPUT_CHUNKS slices along
     the sequence, the LM head runs on each (all slices' logits kept in a list, torchtune's
     ``TransformerDecoder.chunked_output``), then ``CEWithChunkedOutputLoss`` upcasts one slice at a time to fp32 for
@@ -185,18 +188,18 @@ def chunked_output_model(torch, model, compile_loss: bool = False):
     base = causal_lm(model)
     functional = torch.nn.functional
 
-    def slice_loss(logits, target):  # CEWithChunkedOutputLoss.compute_cross_entropy
+    def slice_loss(logits: Any, target: Any) -> Any:  # CEWithChunkedOutputLoss.compute_cross_entropy
         return functional.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
 
     if compile_loss:  # torchtune's compile_loss compiles compute_cross_entropy
         slice_loss = torch.compile(slice_loss, backend=COMPILE_BACKEND)
 
-    class ChunkedOutputLoss(torch.nn.Module):
-        def __init__(self):
+    class ChunkedOutputLoss(torch.nn.Module):  # type: ignore[misc, unused-ignore]
+        def __init__(self) -> None:
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids, labels):
+        def forward(self, input_ids: Any, labels: Any) -> Any:
             hidden = base.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
             head = base.get_output_embeddings()
             logits = [head(chunk) for chunk in hidden.tensor_split(OUTPUT_CHUNKS, dim=1)]
@@ -214,8 +217,8 @@ def chunked_output_model(torch, model, compile_loss: bool = False):
 class TrainingStep:
     """The model, optimizer and batch of one set-up; ``forward_backward()`` then ``step()`` is one step."""
 
-    def __init__(self, config: dict[str, Any], settings: TrainingSettings, device: str = "cpu", spec=None,
-                 finetune=None):
+    def __init__(self, config: dict[str, Any], settings: TrainingSettings, device: str = "cpu",
+                 spec: ModelSpec | None = None, finetune: FineTune | None = None) -> None:
         import torch
 
         from .activations import effective_kernel
@@ -285,9 +288,10 @@ class TrainingStep:
         if settings.optimizer_in_backward:
             # one optimizer per parameter, stepped by the parameter's post-accumulate hook, which then frees its
             # gradient (torchtune's optimizer_in_bwd); step() has nothing left to do
-            self.optimizers: dict[Any, Any] | None = {p: make_optimizer(torch, settings.optimizer, [p], settings.fused_optimizer,
-                                                 fp32_states, None if is_matrix is None else [is_matrix[i]])
-                               for i, p in enumerate(self.params)}
+            self.optimizers: dict[Any, Any] | None = {
+                p: make_optimizer(torch, settings.optimizer, [p], settings.fused_optimizer, fp32_states,
+                                  None if is_matrix is None else [is_matrix[i]])
+                for i, p in enumerate(self.params)}
             for p, opt in self.optimizers.items():
                 p.register_post_accumulate_grad_hook(lambda param, opt=opt: self._step_in_backward(opt))
             self.optimizer: Any = None
@@ -315,9 +319,9 @@ class TrainingStep:
 
         # Host bytes count each tensor once however often it is saved (an RMSNorm's fp32 input is saved by pow
         # and by the product; torchtune's hook copies it twice). A tensor is known by its id while it is alive.
-        saved_by_id: dict[int, list] = {}  # id -> [weakref to the tensor, saves not yet brought back, bytes]
+        saved_by_id: dict[int, list[Any]] = {}  # id -> [weakref to the tensor, saves not yet brought back, bytes]
 
-        def pack(tensor):
+        def pack(tensor: Any) -> Any:
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes < OFFLOAD_MIN_BYTES or isinstance(tensor, torch.nn.Parameter):
                 return tensor
@@ -329,7 +333,7 @@ class TrainingStep:
             entry[1] += 1
             return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, entry)
 
-        def unpack(packed):
+        def unpack(packed: Any) -> Any:
             if isinstance(packed, torch.Tensor):
                 return packed
             shape, stride, dtype, device, entry = packed
@@ -338,14 +342,14 @@ class TrainingStep:
                 self.offloaded_bytes -= entry[2]
             return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
-        hooks = []
+        hooks: list[Any] = []
 
-        def enter(module, args):
+        def enter(module: Any, args: Any) -> None:
             saved_by_id.clear()  # a forward's tensors are saved within it
             hooks.append(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             hooks[-1].__enter__()
 
-        def leave(module, args, output):
+        def leave(module: Any, args: Any, output: Any) -> None:
             hooks.pop().__exit__(None, None, None)
 
         decoder.register_forward_pre_hook(enter)
@@ -387,7 +391,7 @@ class TrainingStep:
         for index, layer in enumerate(decoder_layers(causal_lm(self.model))):
             if index % every == 0:
                 # (a function of ours, not a partial of checkpoint: dynamo starts at the first frame outside torch)
-                def checkpointed(*args, _forward=layer.forward, **kw):
+                def checkpointed(*args: Any, _forward: Any = layer.forward, **kw: Any) -> Any:
                     return checkpoint(_forward, *args, **kwargs, **kw)
                 layer.forward = checkpointed
             layer.compile(backend=COMPILE_BACKEND, fullgraph=True)
@@ -398,9 +402,9 @@ class TrainingStep:
         the layer's own ops such as the residual adds, and it stays set after an early-stopped recompute.)"""
         torch = self.torch
 
-        def marked(checkpoint_func):
-            def checkpoint_with_marker(function, *args, **kwargs):
-                def body(*a, **k):
+        def marked(checkpoint_func: Any) -> Callable[..., Any]:
+            def checkpoint_with_marker(function: Any, *args: Any, **kwargs: Any) -> Any:
+                def body(*a: Any, **k: Any) -> Any:
                     if torch._C._current_graph_task_id() == -1:  # the first forward, not the recompute
                         return function(*a, **k)
                     self.recomputing = True
@@ -416,12 +420,12 @@ class TrainingStep:
                 module._gradient_checkpointing_func = marked(module._gradient_checkpointing_func)
 
     @staticmethod
-    def _step_in_backward(optimizer) -> None:
+    def _step_in_backward(optimizer: Any) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     @staticmethod
-    def _accumulate_main_grad(param, main) -> None:
+    def _accumulate_main_grad(param: Any, main: Any) -> None:
         main.add_(param.grad)
         param.grad = None
 
@@ -464,7 +468,7 @@ class TrainingStep:
                 main.zero_()  # kept for the next step, like Megatron's grad buffer
         self.optimizer.zero_grad(set_to_none=True)
 
-    def tracked_objects(self) -> list:
+    def tracked_objects(self) -> list[Any]:
         """What MemTracker must know about: the model, the optimizer (or its state tensors), the masters."""
         optimizers = list(self.optimizers.values()) if self.optimizers is not None else [self.optimizer]
         states = []
@@ -475,6 +479,6 @@ class TrainingStep:
                 states += [t for st in optimizer.state.values() for t in st.values()]
         return [self.model, *states, *(self.masters or [])]
 
-    def frozen_parameters(self) -> list:
+    def frozen_parameters(self) -> list[Any]:
         """Parameters that take no gradient (a LoRA base): MemTracker must not hook them."""
         return [p for p in self.model.parameters() if not p.requires_grad]

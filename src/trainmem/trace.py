@@ -26,7 +26,7 @@ import functools
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 from .errors import ConfigError
 from .models import ModelSpec
@@ -34,6 +34,11 @@ from .recipes import get_recipe
 from .settings import TrainingSettings
 from .timeline import CATEGORIES, Phase
 from .cuda_emulation import fake_gpu  # (there with the rest of the fake GPU; re-exported for the tests)
+
+if TYPE_CHECKING:
+    from .allocator import AllocationLog, AllocEvent
+    from .lora import FineTune
+    from .sharding import Parallel
 
 _CATEGORY_OF = {
     "Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients", "Optstate": "optimizer_states",
@@ -67,7 +72,7 @@ def _phase(name: str, moment: str, snapshot: dict[str, int]) -> Phase:
     return Phase(name, moment, **values)
 
 
-def _device_snapshot(snapshot: dict) -> dict[str, int]:
+def _device_snapshot(snapshot: dict[Any, dict[str, int]]) -> dict[str, int]:
     """MemTracker snapshots are {device: {category: bytes}}; trace runs on one device."""
     merged: dict[str, int] = {}
     for per_device in snapshot.values():
@@ -77,7 +82,7 @@ def _device_snapshot(snapshot: dict) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _cuda_block_sizes(enabled: bool = True):
+def _cuda_block_sizes(enabled: bool = True) -> Iterator[None]:
     """MemTracker rounds to the CUDA allocator's 512-byte blocks only for CUDA tensors; the trace's tensors live
     on the fake CPU device, so the rounding is applied here for the duration of a trace."""
     from torch.distributed._tools import mem_tracker
@@ -104,13 +109,13 @@ class _AllocationRecorder:
         from .allocator import AllocEvent
 
         self._event = AllocEvent
-        self.events: list = []
+        self.events: list[AllocEvent] = []
         self.step_starts: list[int] = []
-        self._live: dict[int, list] = {}  # id(storage) -> [weakref, key (None for 0 bytes), nbytes, label]
+        self._live: dict[int, list[Any]] = {}  # id(storage) -> [weakref, key (None for 0 bytes), nbytes, label]
         self._next_key = 0
         self.active = True
 
-    def _died(self, ident: int, key: int | None, _ref) -> None:
+    def _died(self, ident: int, key: int | None, _ref: weakref.ref[Any]) -> None:
         entry = self._live.get(ident)
         if entry is not None and entry[1] == key:
             del self._live[ident]
@@ -125,7 +130,7 @@ class _AllocationRecorder:
         self.events.append(self._event(key, nbytes, label))
         return key
 
-    def see(self, storage, nbytes: int, reftype) -> None:
+    def see(self, storage: Any, nbytes: int, reftype: Any) -> None:
         if not self.active:
             return
         ident = id(storage)
@@ -138,7 +143,7 @@ class _AllocationRecorder:
         ref = weakref.ref(storage, functools.partial(self._died, ident, key))
         self._live[ident] = [ref, key, nbytes, label]
 
-    def resized(self, storage, nbytes: int) -> None:
+    def resized(self, storage: Any, nbytes: int) -> None:
         entry = self._live.get(id(storage))
         if not self.active or entry is None or entry[0]() is not storage or entry[2] == nbytes:
             return
@@ -154,7 +159,7 @@ class _AllocationRecorder:
     def begin_step(self) -> None:
         self.step_starts.append(len(self.events))
 
-    def log(self):
+    def log(self) -> AllocationLog:
         from .allocator import AllocationLog
 
         self.active = False
@@ -162,7 +167,7 @@ class _AllocationRecorder:
 
 
 @contextlib.contextmanager
-def _recording(recorder: _AllocationRecorder | None):
+def _recording(recorder: _AllocationRecorder | None) -> Iterator[None]:
     """Route every ``_WeakRefInfo`` MemTracker makes, and every size change it sees, to ``recorder``."""
     if recorder is None:
         yield
@@ -172,12 +177,12 @@ def _recording(recorder: _AllocationRecorder | None):
     info = mem_tracker._WeakRefInfo
     create, update = info.__dict__["create_winfo"], info.__dict__["update_mem_consumed"]
 
-    def create_winfo(cls, st, device, reftype, callback=None):
+    def create_winfo(cls: Any, st: Any, device: Any, reftype: Any, callback: Any = None) -> tuple[Any, Any]:
         winfo, w_st = create.__func__(cls, st, device, reftype, callback)
         recorder.see(st, winfo.size * winfo.element_size, reftype)
         return winfo, w_st
 
-    def update_mem_consumed(self, st):
+    def update_mem_consumed(self: Any, st: Any) -> Any:
         consumed = update(self, st)
         recorder.resized(st, self.size * self.element_size)
         return consumed
@@ -192,7 +197,7 @@ def _recording(recorder: _AllocationRecorder | None):
 
 
 @contextlib.contextmanager
-def _real_cpu(emulate: str):
+def _real_cpu(emulate: str) -> Iterator[None]:
     """The trace's environment on real CPU tensors: the same experts path (and CUDA's policies if asked)."""
     from .cuda_emulation import emulate_cuda, grouped_mm_fallback_for_non_bf16
 
@@ -205,7 +210,7 @@ class _NoHook:
         pass
 
 
-def _track(tracker, mem_tracker, run) -> None:
+def _track(tracker: Any, mem_tracker: Any, run: Any) -> None:
     """Register the step's long-lived tensors with a MemTracker: model, optimizer states, fp32 masters, and the
     fp32 main-grad buffers of ``mixed-bf16-fp32grads`` as gradients. Frozen parameters (a LoRA base) get no
     gradient hooks, which torch refuses on a tensor that takes no gradient."""
@@ -217,7 +222,8 @@ def _track(tracker, mem_tracker, run) -> None:
         tracker._update_and_maybe_create_winfos(main, mem_tracker._MemRefType.GRAD)
 
 
-def _recompute_aware_tracker(mem_tracker, run, base=None, temporary=None, **kwargs):
+def _recompute_aware_tracker(mem_tracker: Any, run: Any, base: Any = None, temporary: Any = None,
+                             **kwargs: Any) -> Any:
     """A MemTracker that tags what a checkpointed layer's recompute allocates as activations, as MemTracker
     documents (its own ``_in_ac`` flag is set only inside the submodules the recompute calls: the layer's own ops,
     e.g. the residual adds, were tagged as temporaries, and an early-stopped recompute left it set for the rest
@@ -229,26 +235,26 @@ def _recompute_aware_tracker(mem_tracker, run, base=None, temporary=None, **kwar
     temporary = temporary or mem_tracker._MemRefType.TEMP
 
     # (base is torch's MemTracker or FSDPMemTracker, chosen at run time: mypy cannot check a class on it)
-    class RecomputeAwareTracker(base):  # type: ignore[valid-type, misc]
+    class RecomputeAwareTracker(base):  # type: ignore[misc, unused-ignore]
         @classmethod
         def ignore_compile_internals(cls) -> bool:
             # Otherwise torch.compile falls back to eager under the tracker (a dispatch mode); with this it
             # compiles with the tracker off and runs the compiled graphs with it on (--compile).
             return True
 
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._fresh_zeros: dict[int, weakref.ref] = {}
+            self._fresh_zeros: dict[int, weakref.ref[Any]] = {}
 
         @property
         def _in_ac(self) -> bool:
-            return run.recomputing
+            return cast(bool, run.recomputing)
 
         @_in_ac.setter
         def _in_ac(self, value: bool) -> None:
             pass  # MemTracker's own marker is replaced by the step's
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             in_backward = torch._C._current_autograd_node() is not None
             if in_backward:
                 func = _plain_tensor_overload(self._fresh_zeros, func, args)
@@ -268,7 +274,7 @@ _IN_PLACE_OF = {"aten.index_put.default": ("index_put_", "default"),
                 "aten.scatter.value": ("scatter_", "value"), "aten.index_add.default": ("index_add_", "default")}
 
 
-def _plain_tensor_overload(fresh_zeros: dict, func, args):
+def _plain_tensor_overload(fresh_zeros: dict[int, weakref.ref[Any]], func: Any, args: Any) -> Any:
     """The overload a backward formula calls on plain tensors, where fake tensors make it call another.
 
     Several autograd formulas (torch/csrc/autograd/FunctionsManual.cpp: ``index_backward``, ``gather_backward``,
@@ -288,7 +294,7 @@ def _plain_tensor_overload(fresh_zeros: dict, func, args):
     return func
 
 
-def _gradient_sum(tracker, temporary, func, args) -> bool:
+def _gradient_sum(tracker: Any, temporary: Any, func: Any, args: Any) -> bool:
     """Whether this is the autograd engine summing two gradients of one tensor used twice (the residual stream,
     tied embeddings: the LM head's contribution and the embedding's), which it does in place into one that
     nothing else references (torch/csrc/autograd/input_buffer.cpp, ``can_accumulate_inplace``), but out of place
@@ -308,7 +314,7 @@ def _gradient_sum(tracker, temporary, func, args) -> bool:
 
 
 def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,
-               round_to_cuda: bool = True, emulate: str = "cuda", fake: bool = True, finetune=None,
+               round_to_cuda: bool = True, emulate: str = "cuda", fake: bool = True, finetune: FineTune | None = None,
                record_allocations: bool = False, module_peaks: bool = False) -> TraceResult:
     """Trace one steady-state training step; returns the peak of each phase by category.
 
@@ -381,7 +387,8 @@ def trace_step(config: dict[str, Any], settings: TrainingSettings, spec: ModelSp
                        recorder.log() if recorder is not None else None, peaks)
 
 
-def tracked_micro_batch(mem_tracker, run, module_peaks: bool = True):
+def tracked_micro_batch(mem_tracker: Any, run: Any, module_peaks: bool = True
+                        ) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[Phase | None, Phase | None]] | None]:
     """One micro-batch of ``run`` under a recompute-aware MemTracker: the device's bytes at the forward and the
     backward peak, and each module's peaks (None unless ``module_peaks``)."""
     tracker = _recompute_aware_tracker(mem_tracker, run)
@@ -394,7 +401,7 @@ def tracked_micro_batch(mem_tracker, run, module_peaks: bool = True):
     return forward, backward, _module_peaks(tracker, mem_tracker, run.model) if module_peaks else None
 
 
-def _module_peaks(tracker, mem_tracker, model) -> dict[str, tuple[Phase | None, Phase | None]]:
+def _module_peaks(tracker: Any, mem_tracker: Any, model: Any) -> dict[str, tuple[Phase | None, Phase | None]]:
     """Each module's forward and backward peak snapshots (the largest where it ran more than once)."""
     out = {}
     for name, module in model.named_modules():
@@ -410,7 +417,7 @@ def _module_peaks(tracker, mem_tracker, model) -> dict[str, tuple[Phase | None, 
     return out
 
 
-def _recorded_micro_batch(mem_tracker, run) -> None:
+def _recorded_micro_batch(mem_tracker: Any, run: Any) -> None:
     """A micro-batch the trace does not measure, under a tracker all the same so that its allocations are recorded
     with the corrections a measured one gets (what a GPU runs in place)."""
     tracker = _recompute_aware_tracker(mem_tracker, run)
@@ -420,7 +427,7 @@ def _recorded_micro_batch(mem_tracker, run) -> None:
 
 
 @contextlib.contextmanager
-def _fake_process_group(world: int):
+def _fake_process_group(world: int) -> Iterator[Any]:
     """Rank 0 of ``world`` ranks on PyTorch's fake process group, whose collectives move no data, and its 1-D device
     mesh (made outside FakeTensorMode: it computes the rank's coordinates)."""
     import torch.distributed as dist
@@ -436,7 +443,7 @@ def _fake_process_group(world: int):
         dist.destroy_process_group()
 
 
-def _tracked_optimizer_step(tracker, optimizer) -> tuple[dict, dict, dict]:
+def _tracked_optimizer_step(tracker: Any, optimizer: Any) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """What ``tracker`` sees before ``optimizer.step()``, at its peak, and after ``zero_grad(set_to_none=True)``."""
     with tracker:
         before = _device_snapshot(tracker.get_tracker_snapshot("current"))
@@ -447,8 +454,8 @@ def _tracked_optimizer_step(tracker, optimizer) -> tuple[dict, dict, dict]:
     return before, peak, after
 
 
-def _rank_phases(load: Phase, forward: Phase, backward: Phase, before: dict, peak: dict,
-                 after: dict) -> tuple[Phase, ...]:
+def _rank_phases(load: Phase, forward: Phase, backward: Phase, before: dict[str, int], peak: dict[str, int],
+                 after: dict[str, int]) -> tuple[Phase, ...]:
     """The five phases of one traced rank: the optimizer step's peak holds the gradients it started with and the
     states it ends with; the rest of what it allocated is its temporaries."""
     states, gradients = after.get("Optstate", 0), before.get("Gradient", 0)
@@ -469,7 +476,7 @@ _FSDP_CATEGORY = {"SHARDED_PARAM": "parameters", "UNSHARDED_PARAM": "parameters"
                   "REDUCE_SCATTER": "temporaries", "OPT": "optimizer_states"}
 
 
-def _fsdp_phase(name: str, moment: str, snapshot: dict) -> Phase:
+def _fsdp_phase(name: str, moment: str, snapshot: dict[Any, dict[Any, int]]) -> Phase:
     values: dict[str, Any] = dict.fromkeys(CATEGORIES, 0)  # (Phase's byte fields, as keywords)
     for per_device in snapshot.values():
         for key, nbytes in per_device.items():
@@ -479,7 +486,7 @@ def _fsdp_phase(name: str, moment: str, snapshot: dict) -> Phase:
     return Phase(name, moment, **values)
 
 
-def check_fsdp_traceable(settings: TrainingSettings, parallel) -> None:
+def check_fsdp_traceable(settings: TrainingSettings, parallel: Parallel) -> None:
     """Refuse, before torch is imported, what the FSDP2 trace does not run."""
     if parallel.fsdp not in ("full", "grad-op") or parallel.offload != "none":
         raise ConfigError("trace runs FSDP2 as --fsdp full or grad-op, without offload")
@@ -497,7 +504,8 @@ def check_fsdp_traceable(settings: TrainingSettings, parallel) -> None:
             raise ConfigError(f"trace --fsdp does not run {flag} yet (the single-GPU trace does)")
 
 
-def _fsdp_model(config: dict[str, Any], settings: TrainingSettings, parallel, mesh, spec, finetune):
+def _fsdp_model(config: dict[str, Any], settings: TrainingSettings, parallel: Parallel, mesh: Any,
+                spec: ModelSpec | None, finetune: FineTune | None) -> tuple[Any, Any]:
     """The model ``fully_shard``-ed as torchtitan and torchtune wrap it (every decoder layer, then the root) and the
     optimizer over what trains. Full fine-tuning under a mixed recipe builds fp32 shards (the masters) computed in
     half precision (MixedPrecisionPolicy); LoRA builds peft's model as the one-GPU trace does (a base in the recipe's
@@ -536,8 +544,9 @@ def _fsdp_model(config: dict[str, Any], settings: TrainingSettings, parallel, me
     return model, optimizer
 
 
-def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel, spec: ModelSpec | None = None,
-                    round_to_cuda: bool = True, finetune=None, record_allocations: bool = False) -> TraceResult:
+def trace_fsdp_step(config: dict[str, Any], settings: TrainingSettings, parallel: Parallel,
+                    spec: ModelSpec | None = None, round_to_cuda: bool = True, finetune: FineTune | None = None,
+                    record_allocations: bool = False) -> TraceResult:
     """One rank of an FSDP2 run (``fully_shard`` on every decoder layer and the root), traced under FakeTensorMode
     with PyTorch's fake process group, whose collectives move no data: rank 0, which holds the largest shards.
     PyTorch's FSDPMemTracker (torch.distributed._tools.fsdp2_mem_tracker) follows every storage, collective
@@ -599,7 +608,7 @@ TP_TRACE_RECIPES = ("fp32", "pure-bf16-bf16states")
 """The recipes a tensor-parallel trace runs: one dtype throughout (DTensor and CPU autocast do not mix here)."""
 
 
-def check_tp_traceable(settings: TrainingSettings, parallel, spec: ModelSpec | None) -> None:
+def check_tp_traceable(settings: TrainingSettings, parallel: Parallel, spec: ModelSpec | None) -> None:
     """Refuse, before torch is imported, what the tensor-parallel trace does not run."""
     if parallel.pp > 1 or parallel.cp > 1 or parallel.ep > 1 or parallel.gpus != parallel.tp:
         raise ConfigError("trace runs tensor parallelism alone: give --gpus equal to --tp, without --pp, --cp, --ep")
@@ -622,7 +631,7 @@ def check_tp_traceable(settings: TrainingSettings, parallel, spec: ModelSpec | N
                           "llama, mistral, qwen2, qwen3, gemma families")
 
 
-def _tp_plan(sp: bool) -> tuple[dict, dict]:
+def _tp_plan(sp: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """torchtitan's Llama plan (torchtitan/models/llama3/infra/parallelize.py, apply_tp) on transformers' module
     names: the root's (vocabulary-parallel embedding and LM head, sequence-parallel final norm) and each layer's."""
     from torch.distributed.tensor import Replicate, Shard
@@ -646,7 +655,7 @@ def _tp_plan(sp: bool) -> tuple[dict, dict]:
 
 
 @contextlib.contextmanager
-def _sharding_propagation_untracked():
+def _sharding_propagation_untracked() -> Iterator[list[bool]]:
     """DTensor works out each op's global output shape by running the op on fake global-shape tensors
     (ShardingPropagator._propagate_tensor_meta_non_cached); a GPU run does that on fake tensors too, so it holds no
     memory, but under the trace's FakeTensorMode MemTracker would count those tensors. Yields a flag the trace's
@@ -656,7 +665,7 @@ def _sharding_propagation_untracked():
     flag = [False]
     original = ShardingPropagator._propagate_tensor_meta_non_cached
 
-    def untracked(self, op_schema):
+    def untracked(self: Any, op_schema: Any) -> Any:
         flag[0] = True
         try:
             return original(self, op_schema)
@@ -670,10 +679,10 @@ def _sharding_propagation_untracked():
         ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
-def _tp_tracker(mem_tracker, propagating):
+def _tp_tracker(mem_tracker: Any, propagating: list[bool]) -> Any:
     # (mem_tracker is torch's module, passed in: trace imports torch only when it runs)
-    class ShardingAwareTracker(mem_tracker.MemTracker):  # type: ignore[name-defined]
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    class ShardingAwareTracker(mem_tracker.MemTracker):  # type: ignore[misc, unused-ignore]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if propagating[0]:
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
@@ -681,7 +690,7 @@ def _tp_tracker(mem_tracker, propagating):
     return ShardingAwareTracker()
 
 
-def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel, spec: ModelSpec | None = None,
+def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel: Parallel, spec: ModelSpec | None = None,
                   round_to_cuda: bool = True) -> TraceResult:
     """One rank of a tensor-parallel (and sequence-parallel with ``parallel.sp``) run: the transformers model split
     with PyTorch's DTensor plans as torchtitan splits Llama (``_tp_plan``), under FakeTensorMode and the fake
@@ -721,21 +730,21 @@ def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel, 
         # (with sequence parallelism the layers see 1/T of the sequence: the positions are given whole)
         positions = torch.arange(settings.seq).unsqueeze(0)
 
-        class WithLoss(torch.nn.Module):
+        class WithLoss(torch.nn.Module):  # type: ignore[misc, unused-ignore]
             """The model and torchtitan's loss in one module, so that MemTracker's forward and backward
             peaks take the loss in, as the one-GPU trace's ``model(labels=...)`` does."""
 
-            def __init__(self, model):
+            def __init__(self, model: Any) -> None:
                 super().__init__()
                 self.model = model
 
-            def forward(self):
+            def forward(self) -> Any:
                 logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
                 return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=-100)
 
         step_module = WithLoss(model)
 
-        def micro_batch():
+        def micro_batch() -> None:
             with loss_parallel():
                 step_module().backward()
 

@@ -25,15 +25,23 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, TrainmemError
 from .timeline import CATEGORIES, Phase, peak_of, with_buffers
+
+if TYPE_CHECKING:
+    from .estimate import Estimate
+    from .recorded import Recorded
+    from .settings import TrainingSettings
+    from .stepmodel import StepModel
+    from .timeline import _Static
 
 BATCH_SAMPLES = (2, 3)
 """The batches the affine model is recorded at (module docstring); batches up to the last are recorded directly."""
 
 
-def recorded_at(step, batch: int, seq: int, progress: bool = True):
+def recorded_at(step: StepModel, batch: int, seq: int, progress: bool = True) -> Recorded:
     """recorded.recorded_phases for ``step`` at (batch, seq); a ConfigError naming why where the model's step cannot
     run on fake tensors."""
     from .recorded import missing_extra, recorded_phases
@@ -66,7 +74,7 @@ def affine(low: tuple[Phase, ...], high: tuple[Phase, ...], low_batch: int, high
     return tuple(out)
 
 
-def single_phases(step, batch: int, seq: int,
+def single_phases(step: StepModel, batch: int, seq: int,
                   progress: bool = False) -> tuple[tuple[Phase, ...], tuple[tuple[str, Phase], ...]]:
     """One GPU's phases at (batch, seq) and their moments by place (recorded.Recorded.places): recorded directly up
     to the last of BATCH_SAMPLES, else on the line through them (module docstring)."""
@@ -82,7 +90,7 @@ def single_phases(step, batch: int, seq: int,
             tuple((label, p) for (label, _), p in zip(both, places, strict=True)))
 
 
-def _on_rank(ph: Phase, one, mine, scale: float, temp: int) -> Phase:
+def _on_rank(ph: Phase, one: _Static, mine: _Static, scale: float, temp: int) -> Phase:
     """One GPU's phase ``ph`` with the rank's model states in place of one GPU's (module docstring)."""
     grads = {"forward": ph.gradients - one.grads_in_forward + mine.grads_in_forward,
              "backward": max(mine.grads_in_forward, int(ph.gradients * scale)),
@@ -93,8 +101,8 @@ def _on_rank(ph: Phase, one, mine, scale: float, temp: int) -> Phase:
                    temporaries=ph.temporaries + (temp if ph.name == "optimizer" else 0))
 
 
-def rank_phases(phases: tuple[Phase, ...], places: tuple[tuple[str, Phase], ...], step,
-                settings) -> tuple[Phase, ...]:
+def rank_phases(phases: tuple[Phase, ...], places: tuple[tuple[str, Phase], ...], step: StepModel,
+                settings: TrainingSettings) -> tuple[Phase, ...]:
     """``phases`` (one GPU's, recorded) on a rank of ``step``'s data-parallel engine: each phase the largest of its
     moments (its own peak, at the loss, and its largest in each place) with the buffers alive there (module
     docstring)."""
@@ -125,15 +133,15 @@ def rank_phases(phases: tuple[Phase, ...], places: tuple[tuple[str, Phase], ...]
     return tuple(peak_of(c) for c in with_buffers(tuple(candidates), rank.buffers, tuple(where)))
 
 
-def traced_estimate(step, batch: int, seq: int, warnings: tuple[str, ...]):
+def traced_estimate(step: StepModel, batch: int, seq: int, warnings: tuple[str, ...]) -> Estimate:
     """StepModel.estimate for a spec counted by transformers (``spec.built_config``): the traced path's phases and
     peak; the static memory and one line why not where it cannot answer."""
     from .estimate import NO_PEAK, Estimate, peak_of_phases
     from .recorded import missing_extra, recorded_phases
 
     spec, settings = step.spec, step.settings_at(batch, seq)
-    common = dict(parallel=step.parallel, rank=step.rank, device=step.device, warnings=warnings,
-                  paged_bytes=step.paged_bytes)
+    common: dict[str, Any] = dict(parallel=step.parallel, rank=step.rank, device=step.device, warnings=warnings,
+                                  paged_bytes=step.paged_bytes)
     reason = missing_extra()
     if reason is None:
         try:

@@ -26,9 +26,16 @@ import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .owners import Owner, OwnerKind
+
+if TYPE_CHECKING:
+    from .lora import FineTune
+    from .models import ModelSpec
+    from .settings import TrainingSettings
+    from .step import TrainingStep
+    from .trace import TraceResult
 
 _CATEGORY_OF = {
     "Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients", "Optstate": "optimizer_states",
@@ -73,7 +80,7 @@ class TracedTensor:
 class _Snapshot:
     entered: int
     """The record sequence number when its tracker was entered (what the tracker made is newer)."""
-    live: list = field(default_factory=list)
+    live: list[tuple[_Record, str, int]] = field(default_factory=list)
     """[(record, MemTracker reference type value, bytes)]."""
 
 
@@ -95,7 +102,7 @@ class LiveRecorder:
 
     # -- records ------------------------------------------------------------------------------------------------
 
-    def record(self, storage) -> _Record:
+    def record(self, storage: Any) -> _Record:
         ident = id(storage)
         entry = self._records.get(ident)
         if entry is not None and entry[0]() is storage:
@@ -104,7 +111,7 @@ class LiveRecorder:
         self._records[ident] = (weakref.ref(storage), rec)
         return rec
 
-    def describe(self, tensor) -> None:
+    def describe(self, tensor: Any) -> None:
         from torch.distributed._tools.common_utils import get_untyped_storages
 
         for st in get_untyped_storages(tensor):
@@ -112,28 +119,29 @@ class LiveRecorder:
             if not rec.shape and not rec.dtype:
                 rec.shape, rec.dtype = tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
 
-    def saved(self, tensor, by: str | None = None) -> None:
+    def saved(self, tensor: Any, by: str | None = None) -> None:
         rec = self.record(tensor.untyped_storage())
         rec.savers.add(_deepest(self.tracker) if by is None else by)
 
-    def own(self, tensor, owner: Owner) -> None:
+    def own(self, tensor: Any, owner: Owner) -> None:
         self.describe(tensor)
         self.record(tensor.untyped_storage()).owner = owner
 
     # -- peaks --------------------------------------------------------------------------------------------------
 
-    def entered(self, tracker) -> None:
+    def entered(self, tracker: Any) -> None:
         self._entered[id(tracker)] = next(self._seq)
         self._global_peak(tracker)
 
-    def _snapshot(self, tracker) -> _Snapshot:
+    def _snapshot(self, tracker: Any) -> _Snapshot:
         snap = _Snapshot(self._entered.get(id(tracker), 0))
         for st, (winfo, _) in tracker._WINFO.items():
             snap.live.append((self.record(st), getattr(winfo.reftype, "value", str(winfo.reftype)),
                               winfo.mem_consumed))
         return snap
 
-    def peak_updated(self, tracker, root_peaks: tuple[int, int], before: tuple[int, int], global_before: int) -> None:
+    def peak_updated(self, tracker: Any, root_peaks: tuple[int, int], before: tuple[int, int],
+                     global_before: int) -> None:
         """After MemTracker's ``_update_peak_stats``: copy the live set where the root's forward or backward peak, or
         the tracker's global peak, rose."""
         if root_peaks[0] > before[0]:
@@ -143,11 +151,11 @@ class LiveRecorder:
         if sum(tracker._peak_mem.values()) > global_before:
             self._global_peak(tracker)
 
-    def _global_peak(self, tracker) -> None:
+    def _global_peak(self, tracker: Any) -> None:
         self.optimizer = self._snapshot(tracker)
         self._optimizer_tracker = id(tracker)
 
-    def exited(self, tracker) -> None:
+    def exited(self, tracker: Any) -> None:
         """While the tracker's modules and optimizers are alive: name their owners and their parameters'."""
         known = dict(tracker._mod_tracker._known_modules.items())
         run = getattr(tracker, "trainmem_step", None)
@@ -160,7 +168,7 @@ class LiveRecorder:
                     self.owners[name] = owner
             self._own_parameters(root, by_module, run)
 
-    def _own_parameters(self, root, by_module: dict[int, Owner], run) -> None:
+    def _own_parameters(self, root: Any, by_module: dict[int, Owner], run: TrainingStep | None) -> None:
         """Parameters, buffers and gradients by the module they are in; the fp32 masters, main-grad buffers and
         optimizer states of ``run`` (step.TrainingStep, as trace._track hands it over) by their parameter's."""
         import torch
@@ -222,14 +230,14 @@ class LiveRecorder:
         return Owner(OwnerKind.OPTIMIZER) if phase == "optimizer" else Owner(OwnerKind.MODEL)
 
 
-def _deepest(tracker) -> str:
+def _deepest(tracker: Any) -> str:
     if tracker is None:
         return ""
     names = [n for n in tracker._mod_tracker.parents if n != "Global"]
     return max(names, key=lambda n: (n.count("."), n)) if names else ""
 
 
-def _module_owners(root) -> dict[int, Owner]:
+def _module_owners(root: Any) -> dict[int, Owner]:
     """id(module) -> its owner, for every module of ``root`` (a transformers model, or a wrapper of one)."""
     import torch
 
@@ -259,7 +267,7 @@ def _module_owners(root) -> dict[int, Owner]:
 
 
 @contextlib.contextmanager
-def recording(recorder: LiveRecorder):
+def recording(recorder: LiveRecorder) -> Iterator[LiveRecorder]:
     """Route what every MemTracker sees to ``recorder`` (class-level patches, undone on exit)."""
     from torch.distributed._tools import mem_tracker
 
@@ -268,7 +276,7 @@ def recording(recorder: LiveRecorder):
                                                    "_update_peak_stats", "_pre_fw_hook")}
     create = info.__dict__["create_winfo"]
 
-    def create_winfo(klass, st, device, reftype, callback=None):
+    def create_winfo(klass: Any, st: Any, device: Any, reftype: Any, callback: Any = None) -> Any:
         recorder.record(st)
         return create.__func__(klass, st, device, reftype, callback)
 
@@ -283,14 +291,14 @@ def recording(recorder: LiveRecorder):
             setattr(cls, name, fn)
 
 
-def _lifecycle_patches(recorder: LiveRecorder, saved: dict) -> dict:
+def _lifecycle_patches(recorder: LiveRecorder, saved: dict[str, Any]) -> dict[str, Callable[..., Any]]:
     """A tracker's ``__enter__`` and ``__exit__`` (the pack hook around what it tracks; the owners named while its
     modules are alive) and ``_pre_fw_hook`` (what a checkpointed layer keeps)."""
     import torch
 
-    pushed: list = []
+    pushed: list[Any] = []
 
-    def enter(self):
+    def enter(self: Any) -> Any:
         depth = self._depth
         result = saved["__enter__"](self)
         if depth == 0:
@@ -301,13 +309,13 @@ def _lifecycle_patches(recorder: LiveRecorder, saved: dict) -> dict:
             pushed.append(hooks)
         return result
 
-    def exit_(self, *args):
+    def exit_(self: Any, *args: Any) -> Any:
         if self._depth == 1:
             pushed.pop().__exit__(None, None, None)
             recorder.exited(self)
         return saved["__exit__"](self, *args)
 
-    def pre_fw_hook(self, module, inputs):
+    def pre_fw_hook(self: Any, module: Any, inputs: Any) -> None:
         saved["_pre_fw_hook"](self, module, inputs)
         if getattr(module, "gradient_checkpointing", False) and module.training and not self._mod_tracker.is_bw:
             # a checkpointed layer keeps its input for the recompute (torch.utils.checkpoint holds the arguments)
@@ -319,14 +327,14 @@ def _lifecycle_patches(recorder: LiveRecorder, saved: dict) -> dict:
     return {"__enter__": enter, "__exit__": exit_, "_pre_fw_hook": pre_fw_hook}
 
 
-def _counting_patches(recorder: LiveRecorder, saved: dict) -> dict:
+def _counting_patches(recorder: LiveRecorder, saved: dict[str, Any]) -> dict[str, Callable[..., Any]]:
     """A tracker's ``__torch_dispatch__`` (the op that makes each output; the outputs' dtypes and shapes) and
     ``_update_peak_stats`` (the live set where a peak rose)."""
     import torch
     from torch.distributed._tools import mem_tracker
     from torch.utils._pytree import tree_map_only
 
-    def dispatch(self, func, types, args=(), kwargs=None):
+    def dispatch(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         outer, recorder.op = recorder.op, str(func).removeprefix("aten.").removesuffix(".default")
         try:
             result = saved["__torch_dispatch__"](self, func, types, args, kwargs)
@@ -336,7 +344,7 @@ def _counting_patches(recorder: LiveRecorder, saved: dict) -> dict:
             tree_map_only(torch.Tensor, recorder.describe, result)
         return result
 
-    def update_peak_stats(self, peak_state):
+    def update_peak_stats(self: Any, peak_state: Any) -> None:
         root = _root_stats(self)
         before = _root_peaks(root, mem_tracker)
         global_before = sum(self._peak_mem.values())
@@ -346,22 +354,22 @@ def _counting_patches(recorder: LiveRecorder, saved: dict) -> dict:
     return {"__torch_dispatch__": dispatch, "_update_peak_stats": update_peak_stats}
 
 
-def _pack(recorder: LiveRecorder):
-    def pack(tensor):
+def _pack(recorder: LiveRecorder) -> Callable[[Any], Any]:
+    def pack(tensor: Any) -> Any:
         recorder.saved(tensor)
         return tensor
 
     return pack
 
 
-def _root_stats(tracker):
+def _root_stats(tracker: Any) -> Any:
     for stats in tracker.memory_tracking.values():
         if "." not in stats.mod_fqn:
             return stats
     return None
 
 
-def _root_peaks(stats, mem_tracker) -> tuple[int, int]:
+def _root_peaks(stats: Any, mem_tracker: Any) -> tuple[int, int]:
     """The root module's current forward and backward peak totals (0 before it has one)."""
     if stats is None:
         return (0, 0)
@@ -372,7 +380,9 @@ def _root_peaks(stats, mem_tracker) -> tuple[int, int]:
     return out[0], out[1]
 
 
-def live_sets(config: dict, settings, spec=None, round_to_cuda: bool = False, finetune=None):
+def live_sets(config: dict[str, Any], settings: TrainingSettings, spec: ModelSpec | None = None,
+              round_to_cuda: bool = False, finetune: FineTune | None = None
+              ) -> tuple[TraceResult, dict[str, tuple[TracedTensor, ...]]]:
     """``trace.trace_step`` with a :class:`LiveRecorder` watching: (its TraceResult, the live tensors at the
     forward, backward and optimizer peaks)."""
     from .trace import trace_step
