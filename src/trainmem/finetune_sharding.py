@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .errors import ConfigError
-from .lora import QUANTIZED_ROLES, FineTune, _linear_weight, adapted_names, copy_groups, trainables
+from .lora import QUANTIZED_ROLES, FineTune, Trainables, _linear_weight, adapted_names, copy_groups, trainables
 from .models import ModelSpec
 from .optimizers import Optimizer
 from .quantization import stored_bytes
@@ -144,7 +144,7 @@ def finetune_rank_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, 
     return _fsdp_layout(t, groups, parallel)
 
 
-def _zero_layout(spec: ModelSpec, recipe: Recipe, t, groups: tuple[HeldGroup, ...], base: int,
+def _zero_layout(spec: ModelSpec, recipe: Recipe, t: Trainables, groups: tuple[HeldGroup, ...], base: int,
                  parallel: Parallel) -> RankLayout:
     """DeepSpeed ZeRO over what trains (sharding._zero_layout's rules, the flat groups holding the adapters only);
     stage 3 partitions every parameter, each padded to the world size."""
@@ -194,7 +194,7 @@ def _zero_layout(spec: ModelSpec, recipe: Recipe, t, groups: tuple[HeldGroup, ..
                       gradient_shard_of=(part, trained_numel) if stage >= 2 else None)
 
 
-def _fsdp_layout(t, groups: tuple[HeldGroup, ...], parallel: Parallel) -> RankLayout:
+def _fsdp_layout(t: Trainables, groups: tuple[HeldGroup, ...], parallel: Parallel) -> RankLayout:
     """FSDP2 with every parameter sharded in its own dtype (no MixedPrecisionPolicy cast: torchtune's LoRA recipes
     and peft's fp32 adapters over a bf16 base), the frozen base gathered layer by layer as in full fine-tuning
     (sharding._fsdp_layout's buffers) and only the adapters reduce-scattered."""

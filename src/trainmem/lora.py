@@ -13,9 +13,18 @@ optimizer states are fp32 too. Counts are checked against peft's ``get_nb_traina
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .models import ModelSpec, ParamTensor, layer_tensors
+
+if TYPE_CHECKING:  # (names for the annotations only)
+    from .activations import ActivationEstimate, LayerActivations, Precision, Term
+    from .models import Layer, ParamGroup
+    from .optimizers import Optimizer
+    from .recipes import Recipe
+    from .settings import TrainingSettings
+    from .sharding import Buffer
 
 SHORT_NAMES = {
     "q": ("q_proj", "qkv_proj", "q_a_proj", "q_b_proj"),
@@ -101,7 +110,7 @@ QUANTIZED_ROLES = frozenset({"attention_input", "attention_output", "mlp", "mlp_
 layer); embeddings, norms, biases and the LM head stay in the compute dtype."""
 
 
-def _linear_weight(t: ParamTensor, roles=QUANTIZED_ROLES | {"head"}) -> bool:
+def _linear_weight(t: ParamTensor, roles: frozenset[str] = QUANTIZED_ROLES | {"head"}) -> bool:
     """A Linear's weight (a 2-D weight with a Linear's role; by default the LM head too)."""
     return t.role in roles and len(t.shape) == 2 and t.name.endswith("weight")
 
@@ -231,7 +240,7 @@ def adapter_parameters(spec: ModelSpec, options: LoraOptions) -> int:
                for repeat, t in selected_weights(spec, options))
 
 
-def copy_groups(spec: ModelSpec, options: LoraOptions):
+def copy_groups(spec: ModelSpec, options: LoraOptions) -> tuple[ParamGroup, ...]:
     """The modules trained in full, as parameter groups: peft's ``ModulesToSaveWrapper`` keeps the frozen original
     and trains a copy (``copy.deepcopy``, in the base's dtype), so a tied LM head's copy is a head of its own,
     vocabulary x hidden."""
@@ -277,7 +286,7 @@ class Trainables:
         return self.adapters * self.adapter_bytes + self.copies * self.copy_bytes
 
 
-def trainables(spec: ModelSpec, recipe, optimizer, finetune: "FineTune") -> Trainables:
+def trainables(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, finetune: "FineTune") -> Trainables:
     """The adapters and the trained copies with their gradients' dtype, and the optimizer's states and masters as
     the trace's step makes them (step.py): fp32 masters of everything that trains when any of it is half precision
     and the recipe keeps masters; states in the dtype of what they step (fp32 for fp32 tensors and masters)."""
@@ -336,7 +345,7 @@ class FineTune:
         return self.base_quant in ("nf4", "fp4") and self.bnb_version is not None and \
             self.bnb_version < BNB_KEEPS_NO_INPUT_FROM
 
-    def buffers(self, spec: ModelSpec, p) -> tuple:
+    def buffers(self, spec: ModelSpec, p: Precision) -> tuple[Buffer, ...]:
         """What happens at the moments inside a layer beyond its activations.
 
         A quantized base: bitsandbytes' MatMul4Bit dequantizes the weight to the compute dtype for each matmul,
@@ -354,7 +363,7 @@ class FineTune:
                               ("forward:layer", "backward:layer"), "the largest Linear of a layer, while it computes"))
         return tuple(out)
 
-    def as_dict(self, spec: ModelSpec) -> dict:
+    def as_dict(self, spec: ModelSpec) -> dict[str, Any]:
         adapters = adapter_parameters(spec, self.lora)
         return {"rank": self.lora.rank, "alpha": self.lora.alpha if self.lora.alpha is not None else 2 * self.lora.rank,
                 "targets": list(self.lora.targets), "adapter_dtype": self.lora.adapter_dtype,
@@ -383,7 +392,7 @@ def base_weight_bytes(spec: ModelSpec, weight_bytes: int, finetune: FineTune) ->
     return total
 
 
-def adapter_groups(spec: ModelSpec, options: LoraOptions):
+def adapter_groups(spec: ModelSpec, options: LoraOptions) -> tuple[ParamGroup, ...]:
     """The adapters as parameter groups (lora_A and lora_B of each adapted Linear), for the optimizer's states."""
     from .models import ParamGroup
 
@@ -416,7 +425,8 @@ _PARALLEL_MLP_SITES = ("mlp_norm", "mlp_input")
 takes no gradient, what its norm and first Linears would keep for their input's gradient is not kept."""
 
 
-def activations_modelled(spec: ModelSpec, recipe, settings, finetune: FineTune | None = None) -> str | None:
+def activations_modelled(spec: ModelSpec, recipe: Recipe, settings: TrainingSettings,
+                         finetune: FineTune | None = None) -> str | None:
     """Why the activations of this LoRA step are not modelled, or None when they are. Every family's layers, SDPA
     or eager attention, with or without the model's dropout and autocast, are (lora_activations applies the frozen
     base's rules to whatever terms the family's layer has; checked against the trace, tests/test_lora.py and
@@ -457,7 +467,7 @@ def parameter_wrapped(spec: ModelSpec, options: LoraOptions) -> frozenset[str]:
                                                                       "mlp.experts.down_proj"))
 
 
-def _site_consumers(site: str, layer) -> tuple[str, ...]:
+def _site_consumers(site: str, layer: Layer) -> tuple[str, ...]:
     """SITE_CONSUMERS, and where Falcon-7B's MLP reads the attention's norm output (one norm, parallel residual)
     its first Linear at the q/k/v input too."""
     if site == "qkv_input" and layer.parallel_residual and layer.num_norms == 1:
@@ -465,12 +475,12 @@ def _site_consumers(site: str, layer) -> tuple[str, ...]:
     return SITE_CONSUMERS.get(site, ())
 
 
-def _term_site(t) -> str:
+def _term_site(t: Term) -> str:
     """The Linears' site a term is an input of ("" where it is none)."""
     return t.input_of or (t.module if t.kind in ("linear_input", "shared_input") else "")
 
 
-def _mlp_branch_start(la) -> int:
+def _mlp_branch_start(la: LayerActivations) -> int:
     """The index of a layer's first MLP term (its terms up to attention_bytes_per_token are the attention's)."""
     total = 0.0
     for index, t in enumerate(la.terms):
@@ -480,7 +490,8 @@ def _mlp_branch_start(la) -> int:
     return len(la.terms)
 
 
-def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
+def lora_activations(acts: ActivationEstimate, spec: ModelSpec, p: Precision,
+                     finetune: FineTune) -> ActivationEstimate:
     """What a LoRA step keeps instead of a full fine-tune's (activations.py's terms, by their tags), the same rules
     for every family: a frozen Linear keeps no input (its weight takes no gradient; the gradient of its input needs
     only the weight), whatever layer it sits in (a fused query_key_value, GPT-2's Conv1D, an MoE's router and
@@ -540,7 +551,8 @@ def lora_activations(acts, spec: ModelSpec, p, finetune: FineTune):
     return replace(acts, layers=tuple(layers), head_terms=head, embedding_terms=embedding)
 
 
-def _merged_weight_bytes(spec: ModelSpec, layer, wrapped: frozenset[str], p, options: LoraOptions) -> int:
+def _merged_weight_bytes(spec: ModelSpec, layer: Layer, wrapped: frozenset[str], p: Precision,
+                         options: LoraOptions) -> int:
     """Per layer, the merged weights parameter_wrapped's matmuls keep for their input's gradient, in the weights'
     dtype (the parametrization's output: ``baddbmm(W, ...)``, ``W + delta``), and the experts' adapter factors cast
     to that dtype where they are in another (``get_delta_factors``: ``lhs.to(param.dtype)``), which baddbmm keeps
@@ -562,7 +574,8 @@ def _merged_weight_bytes(spec: ModelSpec, layer, wrapped: frozenset[str], p, opt
 class _Rules:
     """The frozen base's saving rules (lora_activations) for one model and adapter set-up."""
 
-    def __init__(self, spec: ModelSpec, p, finetune: FineTune, chosen, wrapped, compiled: bool):
+    def __init__(self, spec: ModelSpec, p: Precision, finetune: FineTune, chosen: frozenset[str],
+                 wrapped: frozenset[str], compiled: bool) -> None:
         options = finetune.lora
         self.spec, self.p, self.options, self.chosen, self.wrapped, self.compiled = \
             spec, p, options, chosen, wrapped, compiled
@@ -574,16 +587,16 @@ class _Rules:
         self.embedding_trained = "embedding" in options.trained_roles
         self.keeps_4bit_inputs = finetune.keeps_4bit_inputs
 
-    def mlp_frozen(self, layer) -> bool:
+    def mlp_frozen(self, layer: Layer) -> bool:
         return not any(c in self.chosen for c in SITE_CONSUMERS["mlp_input"] + SITE_CONSUMERS["down_input"])
 
-    def first_inputs(self, layer) -> tuple[str, ...]:
+    def first_inputs(self, layer: Layer) -> tuple[str, ...]:
         """The roles of the Linears whose input takes no gradient in the first layer."""
         if not layer.parallel_residual:
             return ("attention_input",)
         return ("attention_input", "mlp") + (("mlp_down",) if self.mlp_frozen(layer) else ())
 
-    def held_4bit_inputs(self, la, first: bool) -> tuple:
+    def held_4bit_inputs(self, la: LayerActivations, first: bool) -> tuple[Term, ...]:
         """Under non-reentrant checkpointing, what bitsandbytes before 0.43.2 keeps of a checkpointed layer through
         the forward: its MatMul4Bit nodes hold ``ctx.tensors = (A, B)`` as a plain attribute, which the checkpoint's
         saved-tensor hooks never see, so every 4-bit Linear's input that needs a gradient stays with the graph
@@ -599,7 +612,7 @@ class _Rules:
         return tuple(replace(t, name=f"{t.name} (held by a 4-bit Linear's autograd node)", kind="", input_of="")
                      for site, t in sites.items() if site not in no_gradient)
 
-    def layer_terms(self, la, first: bool):
+    def layer_terms(self, la: LayerActivations, first: bool) -> tuple[tuple[Term, ...], float]:
         """A layer's terms under LoRA (``first``: the first layer, whose input takes no gradient)."""
         layer = la.layer
         no_gradient = ("input_norm", "qkv_input") + (_PARALLEL_MLP_SITES if layer.parallel_residual else ())
@@ -611,7 +624,8 @@ class _Rules:
                 terms = terms[:_mlp_branch_start(la)]
         return self.adapted_terms(terms, layer, no_gradient if first else ())
 
-    def adapted_terms(self, terms, layer, no_gradient=()):
+    def adapted_terms(self, terms: tuple[Term, ...], layer: Layer | None,
+                      no_gradient: tuple[str, ...] = ()) -> tuple[tuple[Term, ...], float]:
         from dataclasses import replace
 
         chosen = self.chosen
@@ -620,7 +634,7 @@ class _Rules:
         # contiguous copy is o_proj's input): the adapters' terms go with that one
         read = {_term_site(t): index for index, t in enumerate(terms)}
         for index, t in enumerate(terms):
-            new: list = []
+            new: list[Term] = []
             site = _term_site(t)
             if t.normalised_bytes:  # (MLA's latent norms: one term with their fp32 input and rsqrt)
                 t = replace(t, bytes_per_token=t.bytes_per_token - t.normalised_bytes, normalised_bytes=0.0)
@@ -654,13 +668,14 @@ class _Rules:
             out += new
         return tuple(out), attention_delta
 
-    def _adapter_terms(self, t, site: str, adapted: list, width: int, no_gradient: bool, kept: list) -> list:
+    def _adapter_terms(self, t: Term, site: str, adapted: list[str], width: int, no_gradient: bool,
+                       kept: list[Term]) -> list[Term]:
         """What the adapters on a site's Linears keep: their inputs (copies, dropped-out inputs, masks) and their A
         outputs, and with DoRA both outputs."""
         from .activations import MASK, Term
 
         p, options, ab = self.p, self.options, self.ab
-        new: list = []
+        new: list[Term] = []
         if p.autocast:
             # under autocast lora_A casts its input to half itself, one copy per adapter (peft's _cast_input_dtype
             # finds it already in the adapter's fp32), and keeps it; with lora dropout the dropout keeps its bool
@@ -693,7 +708,7 @@ class _Rules:
         return new
 
 
-def adapter_half_copies(spec: ModelSpec, layer, options: LoraOptions, p) -> int:
+def adapter_half_copies(spec: ModelSpec, layer: Layer, options: LoraOptions, p: Precision) -> int:
     """Bytes of autocast's half copies of one layer's fp32 adapter weights (lora_A and lora_B of each adapted
     Linear, rank x (in + out) values): autocast casts every fp32 weight that takes a gradient once and caches the
     copy until its region ends, and the matmuls keep them for their inputs' gradients (traced: 245,760 bytes of

@@ -23,7 +23,7 @@ No torch import at module level: the estimate reads the data, the traced step as
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 SAVED_ATEN_OPS = ("mm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention", "abs",
                   "max")
@@ -63,7 +63,7 @@ def saved_projections(layer: Any, hidden: int) -> tuple[tuple[str, int], ...]:
     return tuple(saved)
 
 
-def policy(torch: Any):
+def policy(torch: Any) -> Callable[..., Any]:
     """torchtitan's ``_custom_policy`` with its per-call counter (``selective_checkpointing_context_fn``)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -72,7 +72,7 @@ def policy(torch: Any):
     counted = getattr(torch.ops.aten, COUNTED_OP).default
     meta = {"forward": 0, "recompute": 0}
 
-    def custom_policy(ctx, func, *args, **kwargs):
+    def custom_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         mode = "recompute" if ctx.is_recompute else "forward"
         if func == counted:
             meta[mode] += 1
@@ -82,7 +82,7 @@ def policy(torch: Any):
     return custom_policy
 
 
-def context_fn():
+def context_fn() -> Any:
     """The ``context_fn`` torchtitan passes to the checkpoint: a fresh policy (and counter) per layer call."""
     import torch
     from torch.utils.checkpoint import create_selective_checkpoint_contexts

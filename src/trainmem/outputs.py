@@ -36,7 +36,7 @@ def _shown(path: str) -> str:
     return text if len(text) <= 80 else text[:60] + f"...({len(path)} characters)'"
 
 
-def _common_checks(path: str | os.PathLike | None, flag: str) -> Path:
+def _common_checks(path: str | os.PathLike[str] | None, flag: str) -> Path:
     if path is None:
         raise ConfigError(f"{flag} needs a path")
     if isinstance(path, os.PathLike):
@@ -74,7 +74,7 @@ def _common_checks(path: str | os.PathLike | None, flag: str) -> Path:
     return Path(real)
 
 
-def _probe(folder: Path, flag: str, path: str | os.PathLike) -> None:
+def _probe(folder: Path, flag: str, path: str | os.PathLike[str]) -> None:
     """Create and remove a file in ``folder``: the one sure test that the command's write will be allowed."""
     probe = folder / f".trainmem-probe-{secrets.token_hex(4)}"
     try:
@@ -87,7 +87,7 @@ def _probe(folder: Path, flag: str, path: str | os.PathLike) -> None:
         os.unlink(probe)
 
 
-def check_output_file(path: str | os.PathLike | None, flag: str, suffix: str | None = None) -> Path:
+def check_output_file(path: str | os.PathLike[str] | None, flag: str, suffix: str | None = None) -> Path:
     """The real path ``flag`` will write (a symbolic link to a file is followed), refused in one line if it cannot
     be written: see the module's docstring. ``suffix`` (e.g. ``.png``) is required when given."""
     target = _common_checks(path, flag)
@@ -122,7 +122,7 @@ def _check_folder(folder: Path, flag: str, shown: str) -> None:
     raise ConfigError(f"{flag} {shown}: the folder {_shown(str(folder))} does not exist")
 
 
-def check_output_dir(path: str | os.PathLike | None, flag: str) -> Path:
+def check_output_dir(path: str | os.PathLike[str] | None, flag: str) -> Path:
     """The real path of the folder ``flag`` will write files into (created if missing, in an existing folder),
     refused in one line if it cannot be."""
     target = _common_checks(path, flag)
@@ -139,7 +139,7 @@ def check_output_dir(path: str | os.PathLike | None, flag: str) -> Path:
 
 
 @contextlib.contextmanager
-def replacing(target: str | os.PathLike) -> Iterator[Path]:
+def replacing(target: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path beside ``target`` (same suffix, so a writer that goes by it still does) for the writer
     to write; once the block ends without an error, move it over ``target``. An error removes it and leaves
     ``target`` as it was. A block that writes nothing leaves ``target`` untouched too."""
@@ -171,13 +171,13 @@ def replacing(target: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def write_text(target: str | os.PathLike, text: str) -> None:
+def write_text(target: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` (UTF-8) to ``target`` whole or not at all."""
     with replacing(target) as temporary:
         temporary.write_text(text, encoding="utf-8")
 
 
-def read_existing_text(target: str | os.PathLike, flag: str) -> str | None:
+def read_existing_text(target: str | os.PathLike[str], flag: str) -> str | None:
     """The UTF-8 text of a file about to be rewritten (None if there is none), refused in one line if it is not a
     regular file, is larger than READ_LIMIT or is not UTF-8."""
     target = Path(target)

@@ -9,12 +9,17 @@ written to a temporary file beside the target and moved into place: an error lea
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .estimate import Estimate
 from .hardware import GPU, GPUS
 from .units import format_bytes, to_unit
+
+if TYPE_CHECKING:
+    from .allocator import ReplayReport
 
 CATEGORY_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_states": "#55A868",
                    "activations": "#C44E52", "temporaries": "#8172B3"}
@@ -25,7 +30,7 @@ CAPACITY_LINES = 4
 """GPUs drawn when none is asked about: the distinct memory sizes nearest above and below what is required."""
 
 
-def check_plot_path(path: str | os.PathLike) -> Path:
+def check_plot_path(path: str | os.PathLike[str]) -> Path:
     """The PNG's path, refused in one line before any work if it cannot be written."""
     target = Path(path)
     if target.suffix.lower() != ".png":
@@ -47,7 +52,8 @@ def capacity_gpus(required: int, gpu: GPU | None) -> list[GPU]:
     return below + above
 
 
-def plot_estimate(est: Estimate, path: str | os.PathLike, unit: str = "GiB", gpu: GPU | None = None) -> dict:
+def plot_estimate(est: Estimate, path: str | os.PathLike[str], unit: str = "GiB",
+                  gpu: GPU | None = None) -> dict[str, Any]:
     """One stacked bar per phase of the step (parameters, gradients, optimizer states and masters, activations,
     temporaries at that phase's peak moment), the peak phase marked, the bytes the GPU needs (with headroom)
     and GPU capacities as horizontal lines. Without a modelled step (static memory only), one bar of the static
@@ -105,8 +111,8 @@ def plot_estimate(est: Estimate, path: str | os.PathLike, unit: str = "GiB", gpu
     return {"bars": bars, "lines": lines, "peak_phase": peak_phase}
 
 
-def plot_sweep(estimates: list[Estimate], path: str | os.PathLike, unit: str = "GiB",
-               gpu: GPU | None = None) -> dict:
+def plot_sweep(estimates: list[Estimate], path: str | os.PathLike[str], unit: str = "GiB",
+               gpu: GPU | None = None) -> dict[str, Any]:
     """The bytes the GPU needs (with headroom) against the micro-batch or the sequence length, whichever the sweep
     varies, one curve per value of the other (and per GPU layout), with GPU capacities as lines and, on each curve,
     where each GPU runs out (the first point that does not fit). Returns what was drawn, in bytes."""
@@ -170,7 +176,7 @@ def _sweep_gpus(curves: dict[str, list[tuple[int, int]]]) -> list[GPU]:
     return gpus[:CAPACITY_LINES] if gpus else capacity_gpus(high, None)
 
 
-def _one_per_size(gpus) -> list[GPU]:
+def _one_per_size(gpus: Iterable[GPU]) -> list[GPU]:
     """One GPU per memory size (to the nearest GiB), smallest first."""
     sizes: dict[int, GPU] = {}
     for g in sorted(gpus, key=lambda g: g.memory_mib):
@@ -178,7 +184,7 @@ def _one_per_size(gpus) -> list[GPU]:
     return list(sizes.values())
 
 
-def _pyplot():
+def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
@@ -195,7 +201,7 @@ def _wrapped(title: str, width: int = 110) -> str:
     return "\n".join(textwrap.wrap(title, width))
 
 
-def _save(fig, target: Path, plt) -> None:
+def _save(fig: Any, target: Path, plt: Any) -> None:
     fig.tight_layout()
     # (a name of our own rather than tempfile's, whose 0600 mode the image would keep)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -209,7 +215,8 @@ def _save(fig, target: Path, plt) -> None:
         plt.close(fig)
 
 
-def plot_reserved(report, path: str | os.PathLike, unit: str = "GiB", title: str = "") -> dict:
+def plot_reserved(report: ReplayReport, path: str | os.PathLike[str], unit: str = "GiB",
+                  title: str = "") -> dict[str, Any]:
     """allocated and reserved memory through a caching allocator replay (allocator.ReplayReport.timeline), the
     peak marked. Returns what was drawn, in bytes."""
     target = check_plot_path(path)

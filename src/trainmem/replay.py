@@ -29,11 +29,19 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, Any, Callable
 
 from .allocator import DEFAULT_CONFIG, AllocationLog, AllocatorConfig, AllocEvent, ReplayReport, replay
 from .hardware import DEFAULT_FRAGMENTATION
 from .timeline import CATEGORIES, Phase, gathers_before_first_layer, step_candidates
 from .units import format_bytes
+
+if TYPE_CHECKING:  # (names for the annotations only)
+    from .activations import ActivationEstimate
+    from .estimate import DeviceOptions, Estimate
+    from .models import ModelSpec
+    from .stepmodel import StepModel
+    from .timeline import _LayerBytes
 
 _event = partial(tuple.__new__, AllocEvent)
 """AllocEvent((key, nbytes, label)) without the named tuple's Python-level __new__ (7,000 events an estimate)."""
@@ -79,7 +87,7 @@ def _pieces(total: int, sizes: list[int]) -> list[int]:
     return out + ([left] if left > 0 else [])
 
 
-def parameter_numels(spec) -> list[int]:
+def parameter_numels(spec: ModelSpec) -> list[int]:
     """Every parameter tensor's element count, in the order the model registers them (embedding first)."""
     return [t.numel for g in spec.param_groups for _ in range(g.repeat) for t in g.tensors]
 
@@ -155,7 +163,7 @@ class _Walker:
                 self.temp[c] += sum(parts)
 
 
-def _layer_terms(acts) -> list[list[int]]:
+def _layer_terms(acts: ActivationEstimate) -> list[list[int]]:
     """Each decoder layer's saved tensors in bytes, in the order its forward makes them."""
     out = []
     for la in acts.layers:
@@ -170,7 +178,8 @@ def _layer_terms(acts) -> list[list[int]]:
     return out
 
 
-def _forward_moments(step, acts, layers, first: Phase) -> list[Phase]:
+def _forward_moments(step: StepModel, acts: ActivationEstimate, layers: tuple[_LayerBytes, ...],
+                     first: Phase) -> list[Phase]:
     """A moment at the end of every decoder layer but the last (whose moments the timeline has): what the layers so
     far keep, with the layer's output being written (p.compute x h per token) or, checkpointed, its forward's own
     tensors."""
@@ -188,7 +197,7 @@ def _forward_moments(step, acts, layers, first: Phase) -> list[Phase]:
     return out
 
 
-def _queues(step, acts) -> dict[str, list[int]]:
+def _queues(step: StepModel, acts: ActivationEstimate) -> dict[str, list[int]]:
     """The structural tensors of each category in the order they are made (gradients: backward's order)."""
     numels = parameter_numels(step.spec)
     static = step._static_bytes
@@ -207,7 +216,7 @@ def _queues(step, acts) -> dict[str, list[int]]:
             "activations": [a for a in activations if a > 0]}
 
 
-def _patterns(step, acts) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+def _patterns(step: StepModel, acts: ActivationEstimate) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """The tensors a moment's transients are made of (_pieces): in a layer's moments, a layer's saved tensors
     (a recomputed layer, its gradients), largest first; at the loss (forward's last moment, backward's first),
     the logits, their fp32 upcast, and the two V-wide fp32 gradients of log_softmax and nll_loss
@@ -222,18 +231,19 @@ def _patterns(step, acts) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
             {"activations": head + sizes, "temporaries": head + sizes})
 
 
-def too_many_tensors(spec) -> bool:
+def too_many_tensors(spec: ModelSpec) -> bool:
     """Whether ``spec`` has more parameter tensors than a replay takes (MAX_TENSORS)."""
     return sum(g.repeat * len(g.tensors) for g in spec.param_groups) > MAX_TENSORS
 
 
-def step_sequence(step, batch: int, seq: int) -> StepSequence | None:
+def step_sequence(step: StepModel, batch: int, seq: int) -> StepSequence | None:
     """The allocation log of two steps of ``step`` (a stepmodel.StepModel) at (batch, seq); None where the estimate
     has no layer-by-layer timeline (no architecture, the seed's activation rule)."""
     settings = step.settings_at(batch, seq)
     if not step.spec.has_architecture or settings.activation_k is not None or too_many_tensors(step.spec):
         return None
     acts, layers = step.activations_and_layers(settings)
+    assert layers is not None  # (activations_and_layers makes the layers)
     load, forward, backward, optimizer, between = step_candidates(
         step.spec, step._static_bytes, acts, step.recipe, step.optimizer, settings, step.rank, step.finetune,
         every_layer=True, layers=layers)
@@ -268,7 +278,7 @@ def step_sequence(step, batch: int, seq: int) -> StepSequence | None:
     return StepSequence(AllocationLog(tuple(w.events), tuple(starts)), w.peak, w.moments)
 
 
-def replay_step(step, batch: int, seq: int, config: AllocatorConfig = DEFAULT_CONFIG,
+def replay_step(step: StepModel, batch: int, seq: int, config: AllocatorConfig = DEFAULT_CONFIG,
                 capacity: int | None = None, sequence: StepSequence | None = None) -> ReplayReport | None:
     """The caching allocator's figures for the estimate's sequence (``step_sequence``, or the one given), None
     where it has none."""
@@ -278,7 +288,8 @@ def replay_step(step, batch: int, seq: int, config: AllocatorConfig = DEFAULT_CO
     return replay(sequence.log, config, capacity=capacity, steps=STEPS)
 
 
-def replayed_max_reserved(step, batch: int, seq: int, config: AllocatorConfig = DEFAULT_CONFIG) -> int | None:
+def replayed_max_reserved(step: StepModel, batch: int, seq: int,
+                          config: AllocatorConfig = DEFAULT_CONFIG) -> int | None:
     """The replay's max_memory_reserved() alone (allocator.max_reserved: one pass), None without a sequence."""
     from .allocator import max_reserved
 
@@ -286,9 +297,10 @@ def replayed_max_reserved(step, batch: int, seq: int, config: AllocatorConfig = 
     return None if sequence is None else max_reserved(sequence.log, config, STEPS)
 
 
-def reserved_basis(est) -> str:
+def reserved_basis(est: Estimate) -> str:
     """How an estimate's reserved line was found, in words (report.py prints it beside the figure)."""
     dev, peak = est.device, est.peak
+    assert peak is not None  # (the reserved line is printed under a peak)
     settings = (dev.alloc_config.describe() if dev.alloc_config is not None else "PyTorch's defaults")
     if peak.reserved_from == "replay" and est.allocator is not None:
         r = est.allocator
@@ -304,7 +316,7 @@ def reserved_basis(est) -> str:
     return f"+ {DEFAULT_FRAGMENTATION:.0%} of the dynamic memory (flat: {why}); max_memory_reserved()"
 
 
-def plan_reserved_note(device) -> str:
+def plan_reserved_note(device: DeviceOptions) -> str:
     """The line under a plan's table: how its "needed" column counts reserved memory (plan.search_ratio)."""
     settings = device.alloc_config.describe() if device.alloc_config is not None else "PyTorch's defaults"
     if device.fragmentation is not None:
@@ -318,9 +330,10 @@ def plan_reserved_note(device) -> str:
             "replays a layout's own step")
 
 
-def reserved_dict(est) -> dict:
+def reserved_dict(est: Estimate) -> dict[str, Any]:
     """The JSON's peak keys on reserved memory (the schema's peak.reserved_from, alloc_conf, allocator)."""
     dev = est.device
+    assert est.peak is not None  # (the peak's keys)
     out = {"reserved_from": est.peak.reserved_from,
            "alloc_conf": dev.alloc_config.settings if dev.alloc_config is not None else "",
            "allocator": None}
@@ -334,13 +347,13 @@ EXPLAIN_SEGMENTS = 12
 EXPLAIN_POINTS = 16
 
 
-def explain_reserved_lines(est, unit: str) -> list[str]:
+def explain_reserved_lines(est: Estimate, unit: str) -> list[str]:
     """--explain-reserved: the replay's figures, the segments at the peak (size, used, largest free block: a
     split block the allocator cannot hand back) and allocated vs reserved through the two steps."""
     from .allocator import render_lines
 
     r = est.allocator
-    b = lambda n: format_bytes(n, unit)  # noqa: E731
+    b: Callable[[int], str] = lambda n: format_bytes(n, unit)  # noqa: E731
     lines = render_lines(r, None, unit)
     segments = sorted(r.segments_at_peak, key=lambda s: -s.total_size)
     lines.append(f"segments at the peak ({len(segments):,}; the largest {min(EXPLAIN_SEGMENTS, len(segments))}):")

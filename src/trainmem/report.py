@@ -7,8 +7,8 @@ whatever unit the table uses.
 from __future__ import annotations
 
 import math
-
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from . import __version__
 from .estimate import NO_PEAK, Estimate
@@ -17,6 +17,13 @@ from .hardware import DEFAULT_FRAGMENTATION, GPUS, GPU
 from .plaintext import table_class
 from .replay import plan_reserved_note, reserved_basis, reserved_dict
 from .units import format_bytes, format_count
+
+if TYPE_CHECKING:  # (names for the annotations only)
+    from .activations import ActivationEstimate, LayerActivations
+    from .models import ModelSpec
+    from .plan import Layout, PlanSearch
+    from .sharding import Parallel
+    from .timeline import Phase
 
 SCHEMA_VERSION = 2
 """The one version of every JSON document trainmem prints (docs/json-schema.md lists what each version changed)."""
@@ -37,7 +44,7 @@ def json_schema() -> dict[str, Any]:
     import json
     from importlib.resources import files
 
-    return json.loads(files("trainmem").joinpath(SCHEMA_FILE).read_text())
+    return cast(dict[str, Any], json.loads(files("trainmem").joinpath(SCHEMA_FILE).read_text()))
 
 
 def header(engine: str) -> dict[str, Any]:
@@ -45,11 +52,11 @@ def header(engine: str) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, "tool": {"name": "trainmem", "version": __version__}, "engine": engine}
 
 
-def phase_categories(phase) -> dict[str, int]:
+def phase_categories(phase: Phase) -> dict[str, int]:
     return {_PHASE_KEYS[k]: v for k, v in phase.by_category().items()}
 
 
-def model_dict(m) -> dict[str, Any]:
+def model_dict(m: ModelSpec) -> dict[str, Any]:
     """The ``model`` object of every document that names a model."""
     return {
         "name": m.name,
@@ -65,7 +72,7 @@ def model_dict(m) -> dict[str, Any]:
     }
 
 
-def kept_bytes_per_token(acts, la) -> float:
+def kept_bytes_per_token(acts: ActivationEstimate, la: LayerActivations) -> float:
     """What the step keeps on the device per token for each layer of the run ``la``, as the timeline counts it
     (ActivationEstimate.layer_saved_bytes, less the batch-independent constant): a checkpointed layer (every layer
     under --checkpointing full, every second one under selective) keeps its input, and nothing on the device when
@@ -141,7 +148,7 @@ def gpus_document() -> dict[str, Any]:
                                        for g in GPUS.values()]}
 
 
-def json_safe(value):
+def json_safe(value: Any) -> Any:
     """JSON has no NaN or infinity: such floats are written as the strings "NaN", "Infinity", "-Infinity"."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
@@ -296,7 +303,7 @@ def estimate_title(est: Estimate) -> str:
     return title
 
 
-def _engine_words(parallel) -> str:
+def _engine_words(parallel: Parallel) -> str:
     engine = {"single": "no data-parallel engine", "ddp": "DDP", "deepspeed": f"DeepSpeed ZeRO-{parallel.zero}",
               "fsdp2": f"FSDP2 ({parallel.fsdp})",
               "fsdp1": f"FSDP1 ({parallel.fsdp}" + (", use_orig_params" if parallel.fsdp_use_orig_params else "")
@@ -304,7 +311,7 @@ def _engine_words(parallel) -> str:
     return engine + (f", offload {parallel.offload}" if parallel.offload != "none" else "")
 
 
-def _layout_words(parallel) -> str:
+def _layout_words(parallel: Parallel) -> str:
     if not parallel.is_model_parallel:
         return f"{parallel.gpus} ({_engine_words(parallel)})"
     axes = [f"TP {parallel.tp}" + (" with SP" if parallel.sp else "")] if parallel.tp > 1 else []
@@ -317,7 +324,7 @@ def _layout_words(parallel) -> str:
     return f"{parallel.gpus} ({' x '.join(axes)}{engine})"
 
 
-def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, explain: bool = False,
+def render_estimate(est: Estimate, unit: str, console: Any, gpu: GPU | None = None, explain: bool = False,
                     verdict: dict[str, Any] | None = None) -> None:
     """Print the breakdown tables to a rich console, and with ``gpu`` the verdict line (``verdict``: gpu_verdict's,
     when the caller has it)."""
@@ -378,7 +385,7 @@ def render_estimate(est: Estimate, unit: str, console, gpu: GPU | None = None, e
         console.print(f"[bold]{verdict_line(est, gpu, unit, verdict)}[/bold]", highlight=False, soft_wrap=True)
 
 
-def _render_per_rank(est: Estimate, unit: str, console) -> None:
+def _render_per_rank(est: Estimate, unit: str, console: Any) -> None:
     Table = table_class(console)
 
     table = Table(title="Each kind of GPU in the layout (the figures above are the most loaded one's)")
@@ -398,12 +405,12 @@ def _render_per_rank(est: Estimate, unit: str, console) -> None:
     console.print(table)
 
 
-def render_warnings(est: Estimate, console) -> None:
+def render_warnings(est: Estimate, console: Any) -> None:
     for warning in est.warnings:
         console.print(f"[bold yellow]warning:[/bold yellow] {warning}")
 
 
-def _render_activations(est: Estimate, unit: str, console, explain: bool) -> None:
+def _render_activations(est: Estimate, unit: str, console: Any, explain: bool) -> None:
     Table = table_class(console)
 
     acts = est.activations
@@ -447,7 +454,7 @@ def _render_activations(est: Estimate, unit: str, console, explain: bool) -> Non
         console.print("[dim]--explain lists every saved tensor of a layer[/dim]")
 
 
-def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
+def _render_peak(est: Estimate, unit: str, console: Any, gpu: GPU | None) -> None:
     Table = table_class(console)
 
     pk = est.peak
@@ -487,7 +494,7 @@ def _render_peak(est: Estimate, unit: str, console, gpu: GPU | None) -> None:
     console.print(fits)
 
 
-def render_models(rows: list[tuple[str, str, str, int, int]], console) -> None:
+def render_models(rows: list[tuple[str, str, str, int, int]], console: Any) -> None:
     from rich.table import Table
 
     table = Table(title="trainmem catalog")
@@ -500,7 +507,7 @@ def render_models(rows: list[tuple[str, str, str, int, int]], console) -> None:
     console.print(table)
 
 
-def render_sweep(estimates: list[Estimate], unit: str, console, gpu: GPU | None) -> None:
+def render_sweep(estimates: list[Estimate], unit: str, console: Any, gpu: GPU | None) -> None:
     from rich.table import Table
 
     layouts = len({(e.parallel.gpus, e.parallel.zero) for e in estimates if e.parallel}) > 1
@@ -529,7 +536,8 @@ def render_sweep(estimates: list[Estimate], unit: str, console, gpu: GPU | None)
     console.print(table)
 
 
-def trace_to_dict(est: Estimate, phases, seconds: float, rounded: bool, host_bytes: int = 0) -> dict[str, Any]:
+def trace_to_dict(est: Estimate, phases: Sequence[Phase], seconds: float, rounded: bool,
+                  host_bytes: int = 0) -> dict[str, Any]:
     """The estimate's document with the traced phases in its place, and the estimate beside them; ``host_bytes``:
     what the traced step offloaded to host memory (--offload-activations)."""
     doc = to_dict(est)
@@ -554,7 +562,8 @@ def trace_to_dict(est: Estimate, phases, seconds: float, rounded: bool, host_byt
     return doc
 
 
-def render_trace(est: Estimate, phases, seconds: float, unit: str, console, host_bytes: int = 0) -> None:
+def render_trace(est: Estimate, phases: Sequence[Phase], seconds: float, unit: str, console: Any,
+                 host_bytes: int = 0) -> None:
     from rich.table import Table
 
     table = Table(title=f"{estimate_title(est)}: traced step vs estimate ({unit})",
@@ -582,7 +591,7 @@ def render_trace(est: Estimate, phases, seconds: float, unit: str, console, host
     render_warnings(est, console)
 
 
-def plan_document(found, top: int, min_gpus: int | None = None) -> dict[str, Any]:
+def plan_document(found: PlanSearch, top: int, min_gpus: int | None = None) -> dict[str, Any]:
     """``trainmem plan --json`` (and POST /api/plan): the search, and its ``top`` fastest fitting layouts, each
     with its time and the estimate document of that layout (the same figures ``trainmem estimate --json`` gives)."""
     from .plan import TIME_MODEL, throughput_of
@@ -612,7 +621,7 @@ def plan_document(found, top: int, min_gpus: int | None = None) -> dict[str, Any
     return doc
 
 
-def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None) -> None:
+def render_plan(found: PlanSearch, top: int, unit: str, console: Any, min_gpus: int | None = None) -> None:
     from rich import box
     from rich.table import Table
 
@@ -670,12 +679,12 @@ def render_plan(found, top: int, unit: str, console, min_gpus: int | None = None
         console.print(line)
 
 
-def _degrees(layout) -> str:
+def _degrees(layout: Layout) -> str:
     return (f"{layout.tp}{'+sp' if layout.tp > 1 else ''} x {layout.pp} x {layout.cp} x {layout.data_parallel}"
             + (f", ep {layout.ep}" if layout.ep > 1 else ""))
 
 
-def plan_reasons(found) -> list[str]:
+def plan_reasons(found: PlanSearch) -> list[str]:
     """Why the best layouts win, in words: what bounds the best step, and what the runners-up pay."""
     best = found.plans[0]
     L, t = best.layout, best.time

@@ -27,7 +27,7 @@ MASKED_EVERY, MASKED_OF = 3, 20
 """masked-lm: positions p with p % 20 < 3 carry a label (15%, DataCollatorForLanguageModeling's mlm_probability)."""
 
 
-def auto_class(task: str):
+def auto_class(task: str) -> Any:
     """transformers' Auto class that builds ``task``'s model."""
     import transformers
 
@@ -54,7 +54,7 @@ def task_fields(task: str, num_labels: int | None) -> dict[str, Any]:
     return {"num_labels": num_labels} if task == "seq-cls" and num_labels is not None else {}
 
 
-def make_batch(torch, task: str, vocab: int, num_labels: int, batch: int, seq: int,
+def make_batch(torch: Any, task: str, vocab: int, num_labels: int, batch: int, seq: int,
                device: str = "cpu") -> dict[str, Any]:
     """The keyword arguments of one training forward of ``task`` (module docstring); ``num_labels`` is the built
     model's (seq-cls)."""

@@ -15,7 +15,9 @@ recompute under checkpointing). The numbers are checked against PyTorch by ``tra
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, cast
 
 from .activations import (COMPILED_LOSS_BACKWARD, FP32, INDEX, MASK, OP_SAVED, OP_SAVED_UNTAKEN, ActivationEstimate,
                           LayerActivations, Precision, _hidden_dropout_sites, _router_score_bytes,
@@ -27,6 +29,12 @@ from .owners import Owner, OwnerKind
 from .recipes import Recipe
 from .settings import OUTPUT_CHUNKS, TrainingSettings
 from .sharding import RankLayout
+
+if TYPE_CHECKING:  # (names for the annotations only)
+    from .activations import Term
+    from .lora import FineTune
+    from .models import Layer, MoE, ParamTensor
+    from .sharding import Buffer
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporaries")
 
@@ -56,10 +64,11 @@ class Phase:
         return {c: getattr(self, c) for c in CATEGORIES}
 
 
-def _mlp_width(layer) -> int:
+def _mlp_width(layer: Layer) -> int:
     """I-wide tensors per token: the MLP's width, or top-k times an expert's width for MoE."""
     if layer.moe:
         return layer.moe.top_k * layer.moe.expert_intermediate_size
+    assert layer.mlp is not None  # (mlp xor moe)
     return layer.mlp.intermediate_size
 
 
@@ -90,29 +99,29 @@ def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: 
     return (mlp + p.residual * spec.hidden_size) * tokens + _attention_gradient_waiting(spec, layer, p, tokens)
 
 
-def _attention_gradient_waiting(spec: ModelSpec, layer, p: Precision, tokens: int) -> int:
+def _attention_gradient_waiting(spec: ModelSpec, layer: Layer, p: Precision, tokens: int) -> int:
     """Cohere's ``residual + attention + mlp``: the inner add's backward runs before the MLP's (its node is the
     later one) and, under autocast, casts the gradient for the half attention output: a half hidden-state tensor
     alive through the MLP's backward (traced: seed 5's case 69 of ``validate --random``)."""
     return p.compute * spec.hidden_size * tokens if p.autocast and _shares_one_norm(spec, layer) else 0
 
 
-def _mlp_output_dropout(spec: ModelSpec, layer, settings: TrainingSettings) -> bool:
+def _mlp_output_dropout(spec: ModelSpec, layer: Layer, settings: TrainingSettings) -> bool:
     p = spec.dropout.hidden if settings.dropout is None else settings.dropout
     return p > 0 and _hidden_dropout_sites(spec, layer) > 0
 
 
-def _mlp_bytes(layer, p: Precision) -> int:
+def _mlp_bytes(layer: Layer, p: Precision) -> int:
     """The dtype the MLP's intermediate tensors have: the routed experts run in their weights' dtype."""
     return p.experts if layer.moe else p.compute
 
 
-def _numel(tensors, *roles: str) -> int:
+def _numel(tensors: Iterable[ParamTensor], *roles: str) -> int:
     """Elements of the tensors with one of ``roles``."""
     return sum(t.numel for t in tensors if t.role in roles)
 
 
-def _term_bytes(terms, module: str, *kinds: str, exclude: tuple[str, ...] = ()) -> float:
+def _term_bytes(terms: Iterable[Term], module: str, *kinds: str, exclude: tuple[str, ...] = ()) -> float:
     """Bytes per token of the terms of ``module`` (of ``kinds`` if given, less ``exclude``)."""
     return sum(t.bytes_per_token for t in terms if t.module == module and (not kinds or t.kind in kinds)
                and t.kind not in exclude)
@@ -132,7 +141,7 @@ def _experts_transient(spec: ModelSpec, la: LayerActivations, p: Precision, reci
     return (k * (2 * w * i + w * h + FP32) + p.residual * h) * tokens + weight_grad
 
 
-def _experts_weighting_transient(spec: ModelSpec, layer, p: Precision, tokens: int) -> int:
+def _experts_weighting_transient(spec: ModelSpec, layer: Layer, p: Precision, tokens: int) -> int:
     """See _LayerBytes.experts_weighting_transient (traced: transformers' grouped_mm experts, Qwen2-MoE's block)."""
     moe = layer.moe
     if moe is None:
@@ -145,14 +154,14 @@ def _experts_weighting_transient(spec: ModelSpec, layer, p: Precision, tokens: i
     return int(per_token * tokens)
 
 
-def _weighted_bytes(moe, p: Precision) -> int:
+def _weighted_bytes(moe: MoE, p: Precision) -> int:
     """The router-weighted expert outputs' dtype: the experts' output times the routing weights (fp32 unless cast
     to the compute dtype), promoted."""
     weights = p.compute if moe.weights_in_compute_dtype else _router_score_bytes(moe, p)
     return max(p.experts, weights)
 
 
-def _shared_first(layer) -> bool:
+def _shared_first(layer: Layer) -> bool:
     """Whether the shared experts' backward runs before the routed experts' (DeepSeek-V3's order:
     DeepseekV3MoE.forward adds ``self.shared_experts(residuals)`` after the routed experts). DeepSeek builds its
     shared-expert MLP even with ``n_shared_experts`` 0 (``shared_always_built``): zero wide, its backward still
@@ -196,8 +205,8 @@ def _shared_experts_freed(spec: ModelSpec, la: LayerActivations, p: Precision, t
     return int((_term_bytes(la.terms, "shared_expert") + copies) * tokens) + casts
 
 
-def _norm_moment(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Recipe, tensors, tokens: int,
-                 attention_live: int) -> tuple[int, int, int]:
+def _norm_moment(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Recipe,
+                 tensors: list[ParamTensor], tokens: int, attention_live: int) -> tuple[int, int, int]:
     """See _LayerBytes.norm_moment."""
     # the norm's own terms, less its normalised value (the MLP's input copies are not the norm's)
     norm = [t for t in la.terms if t.module in ("post_attention_norm", "mlp_norm") and t.kind != "normalised"]
@@ -211,7 +220,7 @@ def _norm_moment(spec: ModelSpec, la: LayerActivations, p: Precision, recipe: Re
     return live, mlp_grads, temps
 
 
-def _shares_one_norm(spec: ModelSpec, layer) -> bool:
+def _shares_one_norm(spec: ModelSpec, layer: Layer) -> bool:
     """Attention and the MLP read one norm's output in parallel (CohereDecoderLayer): the MLP's backward runs first
     (its nodes are the later ones) and the gradient of that output it made waits, in the residual dtype, for the
     attention's (traced: Cohere, one hidden-state tensor at the attention's backward). FalconDecoderLayer's own
@@ -258,7 +267,7 @@ def _down_projection_locals(spec: ModelSpec, la: LayerActivations, p: Precision)
     return held
 
 
-def _input_norm_output_held(spec: ModelSpec, layer, p: Precision) -> int:
+def _input_norm_output_held(spec: ModelSpec, layer: Layer, p: Precision) -> int:
     """StableLmDecoderLayer's sequential path keeps the input norm's output in ``hidden_states`` through the MLP
     (``mlp_output = self.mlp(self.post_attention_layernorm(residual))`` rebinds nothing): under autocast an fp32
     tensor the q/k/v projections do not keep (their half casts are what they save). Traced: StableLM, amp-bf16,
@@ -268,7 +277,7 @@ def _input_norm_output_held(spec: ModelSpec, layer, p: Precision) -> int:
     return 0
 
 
-def _residual_sum_locals(spec: ModelSpec, layer, p: Precision) -> int:
+def _residual_sum_locals(spec: ModelSpec, layer: Layer, p: Precision) -> int:
     """Bytes per token alive beside the saved tensors while a layer's last residual add writes its output, none of
     them saved (an add keeps nothing): the MLP's output (or its dropped copy, or the post-feedforward norm's
     output), the attention output where the layer still holds it (a parallel block adds it in the same expression;
@@ -289,7 +298,7 @@ def _has_output_norm(la: LayerActivations) -> bool:
     return any(t.module == "post_feedforward_norm" for t in la.terms)
 
 
-def _mlp_output_bytes(spec: ModelSpec, layer, p: Precision) -> int:
+def _mlp_output_bytes(spec: ModelSpec, layer: Layer, p: Precision) -> int:
     """The dtype a dense MLP returns: the compute dtype, except FalconLinear's bias added after an autocast matmul
     (fp32); MoE blocks return the hidden states' dtype (``.to(hidden_states.dtype)``)."""
     if layer.mlp is None:
@@ -299,7 +308,7 @@ def _mlp_output_bytes(spec: ModelSpec, layer, p: Precision) -> int:
     return p.compute
 
 
-def _recompute_gradient(spec: ModelSpec, layer, p: Precision, output_norm: bool) -> int:
+def _recompute_gradient(spec: ModelSpec, layer: Layer, p: Precision, output_norm: bool) -> int:
     """See _LayerBytes.recompute_gradient, per token: the residual stream's gradient, and beside it what the
     layer's backward made before its first node that needs a saved tensor started the recompute."""
     if layer.moe:
@@ -385,13 +394,13 @@ def _standard_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision,
     return max(at_output, at_mask)
 
 
-def _routing_weight_bytes(moe, p: Precision) -> int:
+def _routing_weight_bytes(moe: MoE, p: Precision) -> int:
     """The routing weights' dtype (``top_k_weights``, ``sample_weights_g``): cast to the router logits' (Qwen-MoE)
     or the scores' (fp32 softmax; DeepSeek's sigmoid)."""
     return p.compute if moe.weights_in_compute_dtype else _router_score_bytes(moe, p)
 
 
-def _routing_locals(moe, p: Precision) -> int:
+def _routing_locals(moe: MoE, p: Precision) -> int:
     """Bytes per token that the MoE block and transformers' grouped_mm_experts_forward (integrations/moe.py) hold
     in locals while the routed experts run, and no backward keeps: the router logits (the ``_`` of
     ``_, top_k_weights, top_k_index = self.gate(hidden_states)``, MixtralSparseMoeBlock and kin; the logits of
@@ -427,7 +436,7 @@ def _moe_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     return max(routed - _shared_experts_freed(spec, la, p, tokens), int(weighted * tokens))
 
 
-def _clamped_swiglu_at_product(moe, p: Precision, h: int) -> float:
+def _clamped_swiglu_at_product(moe: MoE, p: Precision, h: int) -> float:
     """Bytes per token at GptOssExperts._apply_gate's product beyond what the layer saves by then: per (token,
     expert) pair the gathered gate_up biases and the clamped up (3 I, no backward keeps them), less the down
     projection's output and inv_perm, not made yet."""
@@ -435,7 +444,7 @@ def _clamped_swiglu_at_product(moe, p: Precision, h: int) -> float:
 
 
 def _lora_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings: TrainingSettings,
-                        finetune) -> int:
+                        finetune: FineTune) -> int:
     """Per token, how a LoRA layer's recompute end differs from a fully trained one's (_recompute_end). An adapted
     down_proj saves its adapter's inputs after the base Linear has run (peft's ``result = self.base_layer(x)``,
     then ``lora_B(lora_A(dropout(x)))``): its output is written. A frozen one without an adapter saves only the
@@ -524,7 +533,7 @@ def _op_saved_in_forward(la: LayerActivations, tokens: int) -> tuple[int, int]:
 
 
 def _adapter_forward_transients(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
-                                finetune) -> tuple[int, ...]:
+                                finetune: FineTune) -> tuple[int, ...]:
     """A checkpointed layer's forward under LoRA: at each adapted Linear, peft's ``result + lora_B(lora_A(x)) *
     scaling`` (peft/tuners/lora/layer.py, ``Linear.forward``) holds the base output, the scaled adapter output and
     their sum (in the adapter's dtype: the sum is promoted before ``result.to``; in half under autocast), and the
@@ -574,7 +583,7 @@ def _adapter_forward_transients(spec: ModelSpec, la: LayerActivations, p: Precis
     return tuple(out)
 
 
-def _dora_site(finetune, p: Precision, width_in: int, width_out: int, saving: bool, stops: bool = False,
+def _dora_site(finetune: FineTune, p: Precision, width_in: int, width_out: int, saving: bool, stops: bool = False,
                bias: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
     """DoRA at one adapted Linear (peft/tuners/lora/dora.py, ``DoraLinearLayer.forward``), beyond the base output
     and the adapter's input copy: (bytes per token, fixed bytes) at its two worst moments.
@@ -606,7 +615,7 @@ def _dora_site(finetune, p: Precision, width_in: int, width_out: int, saving: bo
 
 
 def _dora_backward(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
-                   finetune) -> tuple[int, int]:
+                   finetune: FineTune) -> tuple[int, int]:
     """DoRA's backward at the MLP's widest adapted Linear (gate, up, gate_up or fc1): (gradient temporaries beyond
     the LoRA step's, what is freed beyond it). The backward of ``(scale - 1) * base_result + scale * lora_result *
     scaling`` makes the scaled gradient, the gradient of the adapter output and each product to be summed into the
@@ -672,13 +681,19 @@ def _has_bias(spec: ModelSpec, la: LayerActivations, linear: str) -> bool:
     return any(t.name == f"{linear}.bias" for t in layer_tensors(la.layer, spec.hidden_size, spec.norm_vectors))
 
 
-def _adapted_down(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> list:
+_AdapterSite = tuple[str, str, int, int, int, bool]
+"""An _adapter_sites entry: (name, its input's site tag, in, out, the outputs made before it, whether adapted)."""
+
+
+def _adapted_down(spec: ModelSpec, la: LayerActivations, p: Precision,
+                  finetune: FineTune) -> list[_AdapterSite]:
     """The adapted down projection (down_proj, fc2) of a LoRA layer, as an _adapter_sites entry; empty where it is
     frozen."""
     return [site for site in _adapter_sites(spec, la, p, finetune) if site[1] == "down_input"]
 
 
-def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune, every: bool = False):
+def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune: FineTune,
+                   every: bool = False) -> list[_AdapterSite]:
     """Each adapted Linear of a Llama-style layer (``every``: each Linear): (name, its input's site tag, in, out,
     the outputs made before it in its block that are alive when it runs, whether it is adapted)."""
     from .lora import adapted_names
@@ -699,7 +714,7 @@ def _adapter_sites(spec: ModelSpec, la: LayerActivations, p: Precision, finetune
     return [(*site, site[0] in chosen) for site in sites if site[0] in present and (every or site[0] in chosen)]
 
 
-def _adapted_down_gradient(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> int:
+def _adapted_down_gradient(spec: ModelSpec, la: LayerActivations, p: Precision, finetune: FineTune) -> int:
     """Per token, how an adapted down projection's backward differs from a frozen one's where its fp32 adapters sit
     on a half base (no autocast): the adapter branch runs first, so at lora_A's weight gradient the input's
     gradient is the adapter copy's, in fp32, beside the gradient of A's output and the base output's gradient
@@ -715,7 +730,7 @@ def _adapted_down_gradient(spec: ModelSpec, la: LayerActivations, p: Precision, 
     return (ab - c) * width_in + c * width_out + ab * finetune.lora.rank
 
 
-def _adapter_recompute_gradient(spec: ModelSpec, la: LayerActivations, p: Precision, finetune) -> int:
+def _adapter_recompute_gradient(spec: ModelSpec, la: LayerActivations, p: Precision, finetune: FineTune) -> int:
     """Per token, what a checkpointed layer's backward has made before its recompute starts, where its last Linear
     (down_proj) is adapted: the recompute starts at the first node that unpacks a saved tensor, lora_B's matmul,
     and the nodes before it save nothing (peft's ``result + lora_B(lora_A(x)) * scaling``, then ``result.to``):
@@ -739,7 +754,7 @@ def _adapter_recompute_gradient(spec: ModelSpec, la: LayerActivations, p: Precis
 
 
 def _adapter_recompute_moments(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
-                               finetune, recompute: bool = True) -> tuple[tuple[int, int], ...]:
+                               finetune: FineTune, recompute: bool = True) -> tuple[tuple[int, int], ...]:
     """A checkpointed LoRA layer's recompute (in backward, saving for real; or, not ``recompute``, a DoRA layer's
     forward without checkpointing, which saves the same and runs to its end): at each adapted Linear's adapter sum,
     the layer's saved tensors up to that Linear's input site (its adapters' input copies and A outputs included),
@@ -834,7 +849,7 @@ def _param_bytes(numel: int, per_param: float) -> int:
 
 
 def _optimizer_temporaries(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, fused: bool,
-                           rank: RankLayout | None = None, finetune=None) -> int:
+                           rank: RankLayout | None = None, finetune: FineTune | None = None) -> int:
     """Temporaries of optimizer.step(): the foreach implementations (CUDA's default) compute over all of a
     group's tensors at once, so one parameter-sized intermediate exists, e.g. AdamW's
     ``torch._foreach_sqrt(exp_avg_sqs)`` (torch/optim/adamw.py, _multi_tensor_adamw); Muon runs one tensor at a
@@ -977,7 +992,7 @@ def casts_cached(spec: ModelSpec, p: Precision, settings: TrainingSettings) -> b
 
 
 def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
-                     settings: TrainingSettings, finetune=None) -> list[_LayerBytes]:
+                     settings: TrainingSettings, finetune: FineTune | None = None) -> list[_LayerBytes]:
     if not spec.has_architecture:
         return []
     p = Precision.of(recipe)
@@ -997,7 +1012,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
         gradients_of = replaced(recipe, gradients={4: "fp32", 2: "bf16"}[ab], weights={4: "fp32", 2: "bf16"}[ab])
         adapted = adapted_names(spec, finetune.lora)
     out = []
-    made: dict[tuple, _LayerBytes] = {}  # (selective checkpointing makes a run of every layer: alike ones once)
+    # (selective checkpointing makes a run of every layer: alike ones once)
+    made: dict[tuple[object, ...], _LayerBytes] = {}
     for la in acts.layers:
         key = (la.layer, la.checkpointed, la.terms, la.constant_bytes, la.checkpoint_terms)
         if key in made:
@@ -1155,8 +1171,8 @@ MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 """The modules of the MLP's Linears, as Terms name them (opsac.projection_order)."""
 
 
-def _compiled_mlp_backward(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int, tensors,
-                           finetune) -> tuple[int, int]:
+def _compiled_mlp_backward(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
+                           tensors: list[ParamTensor], finetune: FineTune | None) -> tuple[int, int]:
     """A compiled layer's backward at its SiLU gradient (aot_eager_decomp_partition: the decomposed graph runs op by
     op and frees each saved tensor after its last use): the MLP's gate, up and product are freed; the decomposition
     upcasts the gate and the activation's gradient to fp32 and makes the sigmoid and a product of them in fp32
@@ -1178,7 +1194,7 @@ def _compiled_mlp_backward(spec: ModelSpec, la: LayerActivations, p: Precision, 
     return int(freed * tokens), (upcast + c * i * down_trained + (p.residual + c) * h) * tokens + down_grad
 
 
-def _compiled_gradient_copies(tensors, gradients_of: Recipe) -> int:
+def _compiled_gradient_copies(tensors: list[ParamTensor], gradients_of: Recipe) -> int:
     """A compiled layer's matrix gradients, counted twice at the end of its backward. AOTAutograd's decomposed
     backward returns each Linear's weight gradient as the transpose of an mm's output, whose strides are not the
     parameter's, so AccumulateGrad copies it into the parameter's layout (the gradient layout contract,
@@ -1188,7 +1204,7 @@ def _compiled_gradient_copies(tensors, gradients_of: Recipe) -> int:
     return _param_bytes(sum(t.numel for t in tensors if len(t.shape) == 2), gradients_of.gradient_bytes)
 
 
-def _interior_layers(layers) -> set[int]:
+def _interior_layers(layers: Sequence[_LayerBytes]) -> set[int]:
     """The layers whose backward moments can be left out of the walk without changing any phase's peak: layer k
     inside a stretch that repeats with period P (1, or 2 under selective checkpointing), layers[m] being
     layers[m + P] for every m from k - P to k. Along such a stretch each moment's bytes are the larger of two lines
@@ -1200,7 +1216,7 @@ def _interior_layers(layers) -> set[int]:
     # (kept for the tuples a step model caches; a list made for one call is not worth holding)
     memo = _memo(layers) if isinstance(layers, tuple) else {}
     if "interior" in memo:
-        return memo["interior"]
+        return cast(set[int], memo["interior"])
     interior: set[int] = set()
     for period in (1, 2):
         for k in range(period, len(layers) - period):
@@ -1210,7 +1226,8 @@ def _interior_layers(layers) -> set[int]:
     return interior
 
 
-def _adapter_view(tensors, adapted: frozenset[str], rank: int, dora: bool = False) -> list:
+def _adapter_view(tensors: Iterable[ParamTensor], adapted: frozenset[str], rank: int,
+                  dora: bool = False) -> list[ParamTensor]:
     """A layer's tensors as a LoRA step's gradients see them: each adapted Linear's weight (named in ``adapted``)
     stands for its adapter pair (rank x (in + out) elements, and with DoRA its magnitude, one per output feature),
     the rest take none."""
@@ -1336,7 +1353,7 @@ def _static(static: dict[str, int], recipe: Recipe, settings: TrainingSettings,
 
 def _outer_phases(spec: ModelSpec, st: _Static, recipe: Recipe, optimizer: Optimizer,
                   settings: TrainingSettings, rank: RankLayout | None = None,
-                  finetune=None) -> tuple[Phase, Phase, Phase]:
+                  finetune: FineTune | None = None) -> tuple[Phase, Phase, Phase]:
     """load, optimizer and between_steps: the phases outside forward and backward, the same whatever models the
     activations."""
     if settings.optimizer_in_backward:  # the steps ran in backward: nothing is left for step()
@@ -1359,8 +1376,8 @@ def forward_floor(static: dict[str, int], acts: ActivationEstimate, recipe: Reci
             + acts.loss_transient_bytes)
 
 
-def final_hidden_bytes(spec: ModelSpec, p: Precision, tokens: int, settings: TrainingSettings, finetune,
-                       has_layers: bool) -> int:
+def final_hidden_bytes(spec: ModelSpec, p: Precision, tokens: int, settings: TrainingSettings,
+                       finetune: FineTune | None, has_layers: bool) -> int:
     """The base model's output (the final norm's) the CausalLM forward holds while it computes the logits and the
     loss, where nothing saves that tensor: forward's moment at the loss (step_candidates; diff.py owns it to the
     final norm)."""
@@ -1377,7 +1394,7 @@ def final_hidden_bytes(spec: ModelSpec, p: Precision, tokens: int, settings: Tra
             and not spec.projects_embeddings and spec.has_head else 0)
 
 
-def gathers_before_first_layer(rank) -> bool:
+def gathers_before_first_layer(rank: RankLayout | None) -> bool:
     """Whether the step's first forward moment is before the first decoder layer: a sharded engine gathering that
     layer while the root's gather buffer is still alive (FSDP2's "forward:start" buffers). step_candidates puts that
     moment first among the forward moments; replay.step_sequence walks it before the layers."""
@@ -1386,7 +1403,7 @@ def gathers_before_first_layer(rank) -> bool:
 
 def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEstimate, recipe: Recipe,
                     optimizer: Optimizer, settings: TrainingSettings,
-                    rank: RankLayout | None = None, finetune=None,
+                    rank: RankLayout | None = None, finetune: FineTune | None = None,
                     every_layer: bool = False, layers: tuple[_LayerBytes, ...] | list[_LayerBytes] | None = None,
                     peaks_only: bool = False) -> tuple[tuple[Phase, ...], ...]:
     """Every moment that can be a phase's peak, per phase (load, forward, backward, optimizer, between_steps), in
@@ -1591,6 +1608,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     if head_trained and not stepped:  # peft's trained copy of the head, in the base's dtype
         from .lora import trained_copies
 
+        assert finetune is not None  # (head_trained)
         head_grad = trained_copies(spec, finetune.lora)["head"] * recipe.weight_bytes
     if rank and rank.head_gradient_sharded:
         head_grad = -(-head_grad // shards)
@@ -1762,6 +1780,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         if embedding_trained:  # peft's trained copy, in the base's dtype
             from .lora import trained_copies
 
+            assert finetune is not None  # (embedding_trained)
             emb_grad = trained_copies(spec, finetune.lora)["embedding"] * recipe.weight_bytes
         finished = 0 if stepped else grads - emb_grad if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, finished), states,
@@ -1792,7 +1811,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     return with_buffers(phases, buffers, places, peaks_only)
 
 
-def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers, places: tuple = ({},) * 5,
+def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers: tuple[Buffer, ...],
+                 places: tuple[Mapping[str, Sequence[int]], ...] = ({},) * 5,
                  peaks_only: bool = False) -> tuple[tuple[Phase, ...], ...]:
     """Every candidate moment with the engine's buffers alive then added to their categories: a buffer of phase
     ``name`` is alive at each of its moments; one of ``name:layer``, ``name:head`` (backward's ``name:loss`` and
@@ -1825,10 +1845,10 @@ def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers, places: tuple =
     return tuple(out)
 
 
-_MEMO: dict[int, tuple[object, dict]] = {}
+_MEMO: dict[int, tuple[object, dict[Any, Any]]] = {}
 
 
-def _memo(of: object) -> dict:
+def _memo(of: object) -> dict[Any, Any]:
     """A memo of answers about ``of``, kept by its identity (and ``of`` with it, so that the id is not reused): a
     step's buffers and layers are the same tuples at every batch of a search, and hashing them costs as much as
     the answers."""
@@ -1840,12 +1860,12 @@ def _memo(of: object) -> dict:
     return kept[1]
 
 
-def _buffer_sums(buffers: tuple, when: str) -> tuple[int, ...]:
+def _buffer_sums(buffers: tuple[Buffer, ...], when: str) -> tuple[int, ...]:
     """The bytes of the buffers alive ``when``, per category (CATEGORIES' order)."""
     memo = _memo(buffers)
     if when not in memo:
         memo[when] = tuple(sum(b.bytes for b in buffers if when in b.phases and b.category == c) for c in CATEGORIES)
-    return memo[when]
+    return cast(tuple[int, ...], memo[when])
 
 
 def _plus(ph: Phase, add: tuple[int, ...]) -> Phase:
