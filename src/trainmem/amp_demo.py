@@ -20,7 +20,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 RUNS = ("fp32", "fp16-autocast", "fp16-autocast+scaler", "bf16-autocast", "pure-bf16", "pure-bf16+master")
 
@@ -42,12 +42,12 @@ class RunResult:
         return sum(tail) / len(tail)
 
 
-def corpus_tokens(torch):
+def corpus_tokens(torch: Any) -> Any:
     text = (resources.files("trainmem") / "data" / "tiny_corpus.txt").read_bytes()
     return torch.tensor(list(text), dtype=torch.long)
 
 
-def _model(torch, seed: int):
+def _model(torch: Any, seed: int) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
 
@@ -124,13 +124,14 @@ def run(name: str, steps: int = 300, batch: int = 16, seq: int = 64, lr: float =
     return result
 
 
-def run_all(steps: int = 300, grad_scale_down: float = 1.0, runs=RUNS, **kwargs) -> tuple[list[RunResult], float]:
+def run_all(steps: int = 300, grad_scale_down: float = 1.0, runs: Iterable[str] = RUNS,
+            **kwargs: Any) -> tuple[list[RunResult], float]:
     started = time.perf_counter()
     results = [run(name, steps=steps, grad_scale_down=grad_scale_down, **kwargs) for name in runs]
     return results, time.perf_counter() - started
 
 
-def rounded_away(torch, weights, update) -> tuple[int, int, int]:
+def rounded_away(torch: Any, weights: Any, update: Any) -> tuple[int, int, int]:
     """How many elements of one update tensor each scheme loses, applied once to the same weights:
     (pure bf16: the bf16 weight plus the update, rounded to bf16, is the bf16 weight;
     fp32 master weights: the fp32 weight plus the update is the fp32 weight; elements with a non-zero update).
@@ -148,7 +149,7 @@ def rounded_away(torch, weights, update) -> tuple[int, int, int]:
     return bf16_lost, fp32_lost, int(moving.sum())
 
 
-def repeated_update(torch, weights, update, steps: int) -> tuple[int, int]:
+def repeated_update(torch: Any, weights: Any, update: Any, steps: int) -> tuple[int, int]:
     """Apply the same update ``steps`` times: (weights pure bf16 has moved, weights whose bf16 copy of the fp32
     master has moved). An update below half a bf16 spacing never moves a pure-bf16 weight however often it comes;
     the master accumulates it until its bf16 copy moves. Exact, as rounded_away."""

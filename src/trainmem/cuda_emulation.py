@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
+from typing import Any, Callable, Iterator, Sequence
 
 from .kernels import EFFICIENT, FLASH, flash_head_dim, sdpa_backend
 
@@ -76,7 +77,7 @@ CUDA_AUTOCAST_POLICY: dict[str, str] = {
 checks that it names exactly the overloads torch registers at the ``AutocastCUDA`` key."""
 
 
-def _overload(torch, name: str):
+def _overload(torch: Any, name: str) -> Any:
     base, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, base), overload or "default")
 
@@ -85,10 +86,10 @@ class _CastCache:
     """Autocast's weight-cast cache (``cached_cast`` in autocast_mode.cpp): the half copy of an fp32 leaf tensor that
     requires grad is made once per autocast region and reused by every op that reads it."""
 
-    def __init__(self):
-        self.casts: dict[int, tuple[weakref.ref, object]] = {}
+    def __init__(self) -> None:
+        self.casts: dict[int, tuple[weakref.ref[Any], object]] = {}
 
-    def cast(self, torch, tensor, dtype):
+    def cast(self, torch: Any, tensor: Any, dtype: Any) -> Any:
         if not _eligible(torch, tensor) or tensor.dtype == dtype:
             return tensor
         cacheable = (dtype == torch.get_autocast_dtype("cpu") and tensor.dtype == torch.float32
@@ -107,17 +108,17 @@ class _CastCache:
         self.casts.clear()
 
 
-def _eligible(torch, value) -> bool:
+def _eligible(torch: Any, value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
 
 
-def _map_tensors(value, fn):
+def _map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_map_tensors(v, fn) for v in value)
     return fn(value)
 
 
-def _tensors(value):
+def _tensors(value: Any) -> Iterator[Any]:
     if isinstance(value, (list, tuple)):
         for v in value:
             yield from _tensors(v)
@@ -125,17 +126,17 @@ def _tensors(value):
         yield value
 
 
-def _kernel(torch, name: str, policy: str, cache: _CastCache):
+def _kernel(torch: Any, name: str, policy: str, cache: _CastCache) -> Callable[..., Any]:
     op = _overload(torch, name)
     excluded = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     dtype_index = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype" and not a.kwarg_only),
                        None)
 
-    def run(target, args, kwargs):
+    def run(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(excluded):
             return target(*args, **kwargs)
 
-    def kernel(*args, **kwargs):
+    def kernel(*args: Any, **kwargs: Any) -> Any:
         if policy == PASS:
             return run(op, args, kwargs)
         if policy == BANNED:
@@ -171,7 +172,7 @@ def _kernel(torch, name: str, policy: str, cache: _CastCache):
 
 
 @contextlib.contextmanager
-def cuda_autocast_policy():
+def cuda_autocast_policy() -> Iterator[None]:
     """While active, ``torch.autocast("cpu", dtype=...)`` casts what ``torch.autocast("cuda", dtype=...)`` casts."""
     import torch
 
@@ -182,7 +183,7 @@ def cuda_autocast_policy():
     library = torch.library.Library("aten", "IMPL")
     original_clear = torch.clear_autocast_cache
 
-    def clear_autocast_cache():  # the autocast context manager calls this when its outermost region ends
+    def clear_autocast_cache() -> None:  # the autocast context manager calls this when its outermost region ends
         cache.clear()
         original_clear()
 
@@ -199,7 +200,7 @@ def cuda_autocast_policy():
         cache.clear()
 
 
-def _has_overload(torch, name: str) -> bool:
+def _has_overload(torch: Any, name: str) -> bool:
     try:
         _overload(torch, name)
         return True
@@ -214,13 +215,13 @@ def _has_overload(torch, name: str) -> bool:
 _DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 
 
-def _cuda_sdpa(torch, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-               enable_gqa=False):
+def _cuda_sdpa(torch: Any, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
     """``F.scaled_dot_product_attention`` as on CUDA: autocast's cast (SDPA is on its lower-precision list), then
     the kernel :func:`sdpa_backend` picks, called below autocast as the autocast wrapper does."""
     if torch.is_autocast_enabled("cpu"):
         half = torch.get_autocast_dtype("cpu")
-        cast = lambda t: t.to(half) if _eligible(torch, t) else t  # noqa: E731
+        cast: Callable[[Any], Any] = lambda t: t.to(half) if _eligible(torch, t) else t  # noqa: E731
         query, key, value, attn_mask = cast(query), cast(key), cast(value), cast(attn_mask)
     backend = sdpa_backend(
         dtype=_DTYPE_NAMES.get(str(query.dtype), "fp32"), head_dim_qk=query.shape[-1], head_dim_v=value.shape[-1],
@@ -254,7 +255,7 @@ def _cuda_sdpa(torch, query, key, value, attn_mask=None, dropout_p=0.0, is_causa
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
 
 
-def _mem_efficient_mask(torch, mask, query, key):
+def _mem_efficient_mask(torch: Any, mask: Any, query: Any, key: Any) -> Any:
     """sdp::preprocess_mask: the bias's last dim padded to a multiple of 16 (a copy when it is not), then expanded
     to (batch, heads, q_len, kv_len) (a view)."""
     kv_len = key.shape[-2]
@@ -264,7 +265,7 @@ def _mem_efficient_mask(torch, mask, query, key):
     return mask.expand(query.shape[0], query.shape[1], query.shape[-2], kv_len)
 
 
-def _cuda_dropout(torch, input, p, train):
+def _cuda_dropout(torch: Any, input: Any, p: float, train: bool) -> Any:
     """aten::dropout on CUDA (aten/src/ATen/native/Dropout.cpp): the fused native_dropout, which keeps a bool mask,
     when 0 < p < 1 (``is_fused_kernel_acceptable``); the CPU keeps a mask in the input's dtype instead."""
     if train and 0 < p < 1 and input.numel() > 0:
@@ -275,7 +276,7 @@ def _cuda_dropout(torch, input, p, train):
 
 
 @contextlib.contextmanager
-def cuda_kernels():
+def cuda_kernels() -> Iterator[None]:
     """While active, ``aten::scaled_dot_product_attention`` and ``aten::dropout`` run what CUDA runs. Both are
     registered at the ``AutogradCPU`` key, which takes precedence over their composite CPU implementation, so every
     caller is covered: transformers' attention functions, ``nn.Dropout``, the math SDPA kernel's own dropout, and a
@@ -284,17 +285,18 @@ def cuda_kernels():
 
     library = torch.library.Library("aten", "IMPL")
 
-    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                     enable_gqa=False):
+    def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                                     is_causal: bool = False, scale: float | None = None,
+                                     enable_gqa: bool = False) -> Any:
         return _cuda_sdpa(torch, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
-    def dropout(input, p, train):
+    def dropout(input: Any, p: float, train: bool) -> Any:
         return _cuda_dropout(torch, input, p, train)
 
     flash_backward_op = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
     below_autograd = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU)
 
-    def flash_backward(grad_out, query, key, value, *args, **kwargs):
+    def flash_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
         workspace = _flash_backward_workspace(torch, query, key)
         with torch._C._ExcludeDispatchKeyGuard(below_autograd):
             grads = flash_backward_op(grad_out, query, key, value, *args, **kwargs)
@@ -312,7 +314,7 @@ def cuda_kernels():
         library._destroy()
 
 
-def _flash_backward_workspace(torch, query, key) -> list:
+def _flash_backward_workspace(torch: Any, query: Any, key: Any) -> list[Any]:
     """What CUDA's flash backward allocates beside dq, dk and dv (flash_api.cpp ``mha_bwd``; the meta kernel
     allocates only those): fp32 ``softmax_d`` (b, a, round128(s)), an fp32 ``dq_accum`` (b, round128(s), a,
     head dim rounded to 32, or 64 above 128), and with fewer key/value heads dk and dv expanded to every head."""
@@ -328,7 +330,7 @@ def _flash_backward_workspace(torch, query, key) -> list:
 
 
 @contextlib.contextmanager
-def cuda_layer_norm_statistics():
+def cuda_layer_norm_statistics() -> Iterator[None]:
     """``native_layer_norm`` on CUDA returns its mean and rstd in the accumulation type, fp32 for half inputs
     (aten/src/ATen/native/cuda/layer_norm_kernel.cu, ``acc_type``), and backward keeps them; on the CPU they are
     in the input's dtype. Fake tensors follow the CPU (torch/_refs ``native_layer_norm``: ``if input.device.type in
@@ -340,7 +342,8 @@ def cuda_layer_norm_statistics():
     op = torch.ops.aten.native_layer_norm.default
     original = fake_impls.op_implementations_dict.get(op)
 
-    def native_layer_norm_fake(fake_mode, func, input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    def native_layer_norm_fake(fake_mode: Any, func: Any, input: Any, normalized_shape: Sequence[int],
+                               weight: Any = None, bias: Any = None, eps: float = 1e-5) -> tuple[Any, Any, Any]:
         with fake_mode:
             out = torch.empty_like(input, memory_format=torch.contiguous_format)
             stats_shape = tuple(input.shape[:input.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
@@ -360,7 +363,7 @@ def cuda_layer_norm_statistics():
 
 
 @contextlib.contextmanager
-def emulate_cuda():
+def emulate_cuda() -> Iterator[None]:
     """CUDA's autocast policy, kernels and LayerNorm statistics, for the duration of a trace."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -374,7 +377,7 @@ def emulate_cuda():
 
 
 @contextlib.contextmanager
-def scalars_from_fake_tensors():
+def scalars_from_fake_tensors() -> Iterator[None]:
     """``Tensor.item()`` on a fake tensor has no value to return; optimizers that read one (Adafactor's update
     clipping and relative step size: ``param.norm(2).item()``) get 1.0, which changes no tensor's size."""
     import torch
@@ -388,7 +391,7 @@ def scalars_from_fake_tensors():
 
 
 @contextlib.contextmanager
-def grouped_mm_fallback_for_non_bf16():
+def grouped_mm_fallback_for_non_bf16() -> Iterator[None]:
     """The fake (meta) ``grouped_mm`` accepts bf16 only, so routed experts with fp32 or fp16 weights take
     transformers' own fallback (``transformers::grouped_mm_fallback``), which keeps the same tensors for backward
     (the gathered input and the weights) and returns the same output."""
@@ -396,7 +399,7 @@ def grouped_mm_fallback_for_non_bf16():
 
     original = moe._can_use_grouped_mm
 
-    def can_use_grouped_mm(input, weight, offs) -> bool:
+    def can_use_grouped_mm(input: Any, weight: Any, offs: Any) -> bool:
         import torch
 
         # grouped_mm also needs 16-byte aligned strides (a GPU run with such a config fails).
@@ -412,7 +415,7 @@ def grouped_mm_fallback_for_non_bf16():
 
 
 @contextlib.contextmanager
-def unpacked_batches():
+def unpacked_batches() -> Iterator[None]:
     """Without a KV cache (use_cache is off under checkpointing) transformers checks position_ids for packed
     sequences, a data-dependent check that fake tensors cannot answer, so it would build a dense causal mask (and
     SDPA would then repeat k and v to every head) where a real run with one sequence per row builds none. The
@@ -431,7 +434,7 @@ def unpacked_batches():
 
 
 @contextlib.contextmanager
-def fake_gpu(emulate: str = "cuda"):
+def fake_gpu(emulate: str = "cuda") -> Iterator[None]:
     """Fake tensors behaving as on a GPU: CUDA's autocast policy and kernels (``emulate="cuda"``), transformers'
     data-dependent checks answered as a real run answers them, and ops that need a value given one."""
     from torch._subclasses.fake_tensor import FakeTensorMode

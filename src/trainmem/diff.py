@@ -25,11 +25,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from .models import ModelSpec, ParamGroup
 from .owners import Owner, OwnerKind
 from .timeline import CATEGORIES, Phase
+
+if TYPE_CHECKING:
+    from .activations import ActivationEstimate, Term
+    from .estimate import Estimate
+    from .lora import FineTune
+    from .settings import TrainingSettings
+    from .timeline import _LayerBytes
+    from .tracelive import TracedTensor
 
 PHASES = ("forward", "backward", "optimizer")
 """The phases whose peak a trace's tracker measures (load and between_steps are the static state)."""
@@ -87,7 +95,7 @@ class PhaseDiff:
         return self.difference / t if t else 0.0
 
 
-def check_diffable(settings, finetune=None) -> None:
+def check_diffable(settings: TrainingSettings, finetune: FineTune | None = None) -> None:
     """Refuse, before torch is imported, what diff does not run (trace.trace_step runs the rest)."""
     from .errors import ConfigError
 
@@ -129,7 +137,8 @@ def _owned_groups(spec: ModelSpec) -> list[tuple[Owner, ParamGroup]] | None:
     return out
 
 
-def static_by_owner(spec: ModelSpec, settings, finetune=None) -> dict[str, dict[Owner, int]]:
+def static_by_owner(spec: ModelSpec, settings: TrainingSettings,
+                    finetune: FineTune | None = None) -> dict[str, dict[Owner, int]]:
     """Parameters, gradients and optimizer states (masters included) of the whole step, by owner; {} where the
     owners are not known (a model counted by transformers, LoRA's frozen base)."""
     from .optimizers import get_optimizer
@@ -152,7 +161,7 @@ def static_by_owner(spec: ModelSpec, settings, finetune=None) -> dict[str, dict[
     return {c: dict(v) for c, v in out.items()}
 
 
-def _term_owner(term, default: OwnerKind) -> Owner:
+def _term_owner(term: Term, default: OwnerKind) -> Owner:
     if term.owner is not None:
         return Owner(term.owner)
     if term.module == "final_norm":
@@ -162,7 +171,7 @@ def _term_owner(term, default: OwnerKind) -> Owner:
     return Owner(default)
 
 
-def saved_by_owner(acts) -> dict[Owner, int]:
+def saved_by_owner(acts: ActivationEstimate) -> dict[Owner, int]:
     """What the forward pass saved for backward (ActivationEstimate.saved_bytes), by owner: each layer's, the
     embedding's, the final norm's, the head's and the loss's terms, the shared constants."""
     out: dict[Owner, int] = defaultdict(int)
@@ -180,7 +189,8 @@ def saved_by_owner(acts) -> dict[Owner, int]:
     return out
 
 
-def forward_activations_by_owner(spec: ModelSpec, acts, settings) -> dict[Owner, int]:
+def forward_activations_by_owner(spec: ModelSpec, acts: ActivationEstimate,
+                                 settings: TrainingSettings) -> dict[Owner, int]:
     """The activations of forward's moment "at the loss" (timeline.step_candidates) by owner: what was saved
     (saved_by_owner), the KV cache each layer returns, autocast's cached casts of checkpointed layers, the logits,
     the loss's fp32 upcast and the base model's output the CausalLM forward holds."""
@@ -204,7 +214,8 @@ def forward_activations_by_owner(spec: ModelSpec, acts, settings) -> dict[Owner,
     return out
 
 
-def _backward_moment(acts, layers, at: Owner, moment: Phase, static: dict) -> dict[str, dict[Owner, int]]:
+def _backward_moment(acts: ActivationEstimate, layers: Sequence[_LayerBytes], at: Owner, moment: Phase,
+                     static: dict[str, dict[Owner, int]]) -> dict[str, dict[Owner, int]]:
     """A backward moment inside layer ``at.layer`` or the embedding's backward (step_candidates' walk from the
     last layer to the embedding): the embedding's and the constants' activations (but the LM head's autocast
     copy, gone by then) and those the layers below keep; the gradients of what backward has finished (the layers
@@ -225,7 +236,7 @@ def _backward_moment(acts, layers, at: Owner, moment: Phase, static: dict) -> di
                               for above in range(first_done, len(layers))}
     for owner in (Owner(OwnerKind.HEAD), Owner(OwnerKind.FINAL_NORM)):
         done[owner] = static.get("gradients", {}).get(owner, 0)
-    out = {}
+    out: dict[str, dict[Owner, int]] = {}
     for category, parts in (("activations", kept), ("gradients", done)):
         rest = getattr(moment, category) - sum(parts.values())
         if rest >= 0:
@@ -233,7 +244,8 @@ def _backward_moment(acts, layers, at: Owner, moment: Phase, static: dict) -> di
     return out
 
 
-def moment_by_owner(spec: ModelSpec, settings, est, static: dict, finetune=None) -> dict[str, dict[str, dict]]:
+def moment_by_owner(spec: ModelSpec, settings: TrainingSettings, est: Estimate, static: dict[str, dict[Owner, int]],
+                    finetune: FineTune | None = None) -> dict[str, dict[str, dict[Owner, int]]]:
     """Per phase and category, the owners of the estimate's peak moment where step_candidates says whose its
     bytes are: forward's at the loss; backward's at the loss's backward, inside a layer or at the embedding's
     backward (``Phase.at``). A
@@ -245,8 +257,9 @@ def moment_by_owner(spec: ModelSpec, settings, est, static: dict, finetune=None)
         return {}
     step = compile_step(spec, settings, est.device, est.parallel, finetune)
     acts, candidates = step.candidates(settings.batch, settings.seq)
+    assert acts is not None  # (est.activations is not None: not the seed rule, the one that gives no activations)
     phases = {p.name: p for p in est.phases}
-    out: dict[str, dict[str, dict]] = {}
+    out: dict[str, dict[str, dict[Owner, int]]] = {}
     if candidates[1] and candidates[1][-1].by_category() == phases["forward"].by_category():
         out["forward"] = {"activations": forward_activations_by_owner(spec, acts, settings)}
     moment = next((c for c in candidates[2] if c.by_category() == phases["backward"].by_category()), None)
@@ -255,11 +268,13 @@ def moment_by_owner(spec: ModelSpec, settings, est, static: dict, finetune=None)
         out["backward"] = {"activations": saved_by_owner(acts)}
     elif moment is not None and at is not None:
         _, layers = step.activations_and_layers(step.settings_at(settings.batch, settings.seq))
+        assert layers is not None  # (activations_and_layers makes the layers' bytes)
         out["backward"] = _backward_moment(acts, layers, at, moment, static)
     return out
 
 
-def _category_parts(name: str, category: str, phase: Phase, static: dict, moment: dict) -> dict[Owner, int]:
+def _category_parts(name: str, category: str, phase: Phase, static: dict[str, dict[Owner, int]],
+                    moment: dict[str, dict[Owner, int]]) -> dict[Owner, int]:
     total = getattr(phase, category)
     parts: dict[Owner, int] | None = None
     split = moment.get(category)
@@ -276,7 +291,8 @@ def _category_parts(name: str, category: str, phase: Phase, static: dict, moment
     return {o: b for o, b in parts.items() if b}
 
 
-def estimated_groups(spec: ModelSpec, settings, est, finetune=None) -> dict[str, dict[tuple[str, Owner], int]]:
+def estimated_groups(spec: ModelSpec, settings: TrainingSettings, est: Estimate,
+                     finetune: FineTune | None = None) -> dict[str, dict[tuple[str, Owner], int]]:
     """Per phase, the estimate's peak moment by (category, owner)."""
     phases = {p.name: p for p in est.phases}
     static = static_by_owner(spec, settings, finetune)
@@ -289,8 +305,8 @@ def estimated_groups(spec: ModelSpec, settings, est, finetune=None) -> dict[str,
 # -- the match ------------------------------------------------------------------------------------------------
 
 
-def _top(tensors) -> tuple[TensorGroup, ...]:
-    alike: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+def _top(tensors: Iterable[TracedTensor]) -> tuple[TensorGroup, ...]:
+    alike: dict[tuple[str, str, tuple[int, ...], str], list[int]] = defaultdict(lambda: [0, 0])
     for t in tensors:
         entry = alike[(t.op, t.dtype, t.shape, t.module)]
         entry[0] += 1
@@ -299,13 +315,13 @@ def _top(tensors) -> tuple[TensorGroup, ...]:
     return tuple(TensorGroup(op, dtype, shape, module, n, b) for (op, dtype, shape, module), (n, b) in ranked)
 
 
-def match(phase: str, traced_phase: Phase, estimated_phase: Phase, tensors,
+def match(phase: str, traced_phase: Phase, estimated_phase: Phase, tensors: Iterable[TracedTensor],
           estimated: dict[tuple[str, Owner], int]) -> PhaseDiff:
     """One phase's rows: the traced tensors grouped as the estimate's side is (a category the estimate gives as one
     "all" row is one on the traced side too)."""
     whole = {c for (c, o) in estimated if o == ALL}
     whole |= {c for c in CATEGORIES if not any(k[0] == c for k in estimated)}
-    by_key: dict[tuple[str, Owner], list] = defaultdict(list)
+    by_key: dict[tuple[str, Owner], list[TracedTensor]] = defaultdict(list)
     for t in tensors:
         by_key[(t.category, ALL if t.category in whole else t.owner)].append(t)
     keys = set(by_key) | set(estimated)
@@ -315,8 +331,8 @@ def match(phase: str, traced_phase: Phase, estimated_phase: Phase, tensors,
     return PhaseDiff(phase, traced_phase, estimated_phase, tuple(rows))
 
 
-def diff_step(config: dict, spec: ModelSpec, settings, est, round_to_cuda: bool = False,
-              finetune=None) -> tuple[PhaseDiff, ...]:
+def diff_step(config: dict[str, Any], spec: ModelSpec, settings: TrainingSettings, est: Estimate,
+              round_to_cuda: bool = False, finetune: FineTune | None = None) -> tuple[PhaseDiff, ...]:
     """Trace ``config``'s step (tracelive.live_sets) and match it with the estimate ``est`` of the same set-up."""
     from .tracelive import live_sets
 
@@ -324,7 +340,8 @@ def diff_step(config: dict, spec: ModelSpec, settings, est, round_to_cuda: bool 
     return diff_of(result.phases, live, spec, settings, est, finetune)
 
 
-def diff_of(traced_phases, live: dict, spec: ModelSpec, settings, est, finetune=None) -> tuple[PhaseDiff, ...]:
+def diff_of(traced_phases: Iterable[Phase], live: dict[str, tuple[TracedTensor, ...]], spec: ModelSpec,
+            settings: TrainingSettings, est: Estimate, finetune: FineTune | None = None) -> tuple[PhaseDiff, ...]:
     """The match of a trace already made (its phases and live tensors) with the estimate ``est``."""
     groups = estimated_groups(spec, settings, est, finetune)
     traced = {p.name: p for p in traced_phases}
@@ -352,7 +369,7 @@ def _tensor_text(g: TensorGroup) -> str:
 
 
 def to_dict(diffs: tuple[PhaseDiff, ...]) -> list[dict[str, Any]]:
-    def owner(o: Owner) -> dict:
+    def owner(o: Owner) -> dict[str, Any]:
         return {"kind": o.kind.value, "layer": o.layer}
 
     return [{"phase": d.phase, "traced_bytes": d.traced.allocated_bytes, "estimated_bytes": d.estimated.allocated_bytes,
@@ -364,7 +381,7 @@ def to_dict(diffs: tuple[PhaseDiff, ...]) -> list[dict[str, Any]]:
                                             for g in r.tensors]} for r in d.rows]} for d in diffs]
 
 
-def render(diffs: tuple[PhaseDiff, ...], unit: str, console, every: bool = False) -> None:
+def render(diffs: tuple[PhaseDiff, ...], unit: str, console: Any, every: bool = False) -> None:
     """One table per phase: its groups (those that differ, or ``every`` one) and the total line."""
     from rich.table import Table
 

@@ -17,7 +17,12 @@ import platform
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+if TYPE_CHECKING:
+    from .estimate import Estimate
+    from .lora import FineTune
+    from .settings import TrainingSettings
 
 PHASES = ("load", "forward", "backward", "optimizer", "between_steps")
 
@@ -39,11 +44,11 @@ class Measurement:
     def peak(self) -> PhasePeak:
         return max(self.phases, key=lambda p: p.allocated_bytes)
 
-    def compare(self, estimate) -> list[dict[str, Any]]:
+    def compare(self, estimate: Estimate) -> list[dict[str, Any]]:
         """Each measured phase beside the estimate's (an ``Estimate`` of the same set-up): bytes and the
         estimate's relative error."""
         estimated = {p.name: p.allocated_bytes for p in estimate.phases}
-        rows = []
+        rows: list[dict[str, Any]] = []
         for p in self.phases:
             e = estimated.get(p.name)
             rows.append({"phase": p.name, "measured_bytes": p.allocated_bytes, "estimate_bytes": e,
@@ -64,7 +69,7 @@ class Measurement:
 
 
 class _CudaRecorder:
-    def __init__(self, torch, device):
+    def __init__(self, torch: Any, device: Any) -> None:
         self.torch, self.device = torch, device
         self.peaks: dict[str, PhasePeak] = {}
         self.current = "load"
@@ -92,7 +97,7 @@ class _CpuRecorder:
     """Replays the CPU allocator's events recorded by the profiler. ``baseline`` is what was allocated before
     recording started (the profiler sees only later events)."""
 
-    def __init__(self, torch, baseline: int):
+    def __init__(self, torch: Any, baseline: int) -> None:
         self.torch, self.baseline = torch, baseline
         self.marks: list[tuple[int, str]] = []
         self.profiler: Any = None
@@ -132,7 +137,7 @@ class _CpuRecorder:
         return [PhasePeak(p, peaks[p]) for p in PHASES if p in peaks]
 
 
-def _storage_bytes(torch, tensors) -> int:
+def _storage_bytes(torch: Any, tensors: Iterable[Any]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type == "cpu":
@@ -152,7 +157,7 @@ class Tracker:
     ``optimizer.zero_grad()`` returning starts "between_steps". With ``hook_optimizer=False`` the caller marks
     the optimizer phases itself with ``switch()`` (the Trainer callback does, from the Trainer's events)."""
 
-    def __init__(self, model, optimizer, device=None, hook_optimizer: bool = True):
+    def __init__(self, model: Any, optimizer: Any, device: Any = None, hook_optimizer: bool = True) -> None:
         import torch
 
         self.torch, self.model, self.optimizer = torch, model, optimizer
@@ -160,8 +165,8 @@ class Tracker:
         self.device = torch.device(device) if device is not None else param.device
         self.measurement = Measurement(self.device.type)
         self.hook_optimizer = hook_optimizer
-        self._handles: list = []
-        self._restore = lambda: None
+        self._handles: list[Any] = []
+        self._restore: Callable[[], None] = lambda: None
 
     def switch(self, phase: str) -> None:
         """Start ``phase`` (one of PHASES) now."""
@@ -192,7 +197,7 @@ class Tracker:
             # "between_steps" starts when the gradients are released: after zero_grad, not right after step().
             original_zero_grad = self.optimizer.zero_grad
 
-            def zero_grad(*args, **kwargs):
+            def zero_grad(*args: Any, **kwargs: Any) -> Any:
                 result = original_zero_grad(*args, **kwargs)
                 switch("between_steps")
                 return result
@@ -203,7 +208,7 @@ class Tracker:
         self.recorder.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for h in self._handles:
             h.remove()
         self._restore()
@@ -215,7 +220,7 @@ class Tracker:
 
 
 @contextlib.contextmanager
-def track(model, optimizer, device=None) -> Iterator[Tracker]:
+def track(model: Any, optimizer: Any, device: Any = None) -> Iterator[Tracker]:
     """Measure the per-phase peaks of your own training loop::
 
         with trainmem.track(model, optimizer) as t:
@@ -231,7 +236,7 @@ def track(model, optimizer, device=None) -> Iterator[Tracker]:
         yield tracker
 
 
-def trainer_callback():
+def trainer_callback() -> Any:
     """A ``transformers.TrainerCallback`` that measures each optimizer step of the Hugging Face Trainer by phase,
     as ``track()`` does around a plain loop: CUDA's peak counters, or the CPU allocator's events::
 
@@ -244,29 +249,31 @@ def trainer_callback():
     memory left at ``on_step_end``, after the Trainer's ``model.zero_grad()``."""
     from transformers import TrainerCallback
 
-    class TrainmemCallback(TrainerCallback):
-        def __init__(self):
+    # (transformers is not followed, so its class is Any: strict mypy refuses a subclass of Any, the default accepts it)
+    class TrainmemCallback(TrainerCallback):  # type: ignore[misc, unused-ignore]
+        def __init__(self) -> None:
             self.steps: list[Measurement] = []
             """One Measurement per optimizer step, in order."""
             self._tracker: Tracker | None = None
 
-        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                          **kwargs: Any) -> None:
             self._close()
             # accelerate wraps the torch optimizer (AcceleratedOptimizer.optimizer); its states live in the inner one.
             inner = getattr(optimizer, "optimizer", optimizer)
             self._tracker = Tracker(model, inner, hook_optimizer=False)
             self._tracker.__enter__()
 
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self._tracker is not None:
                 self._tracker.switch("optimizer")
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self._tracker is not None:
                 self._tracker.switch("between_steps")
             self._close()
 
-        def on_train_end(self, args, state, control, **kwargs):
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._close()
 
         def _close(self) -> None:
@@ -289,7 +296,7 @@ def trainer_callback():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def refuse_unmeasurable(finetune) -> None:
+def refuse_unmeasurable(finetune: FineTune | None) -> None:
     """One line for a fine-tune measure cannot run: LoRA on a quantized base, whose bitsandbytes kernels it does
     not drive."""
     from .errors import ConfigError
@@ -349,7 +356,8 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def recipe_for_cpu(settings, device: str, recipe_given: bool):
+def recipe_for_cpu(settings: TrainingSettings, device: str,
+                   recipe_given: bool) -> tuple[TrainingSettings, str | None]:
     """The settings measure runs on ``device`` and a line saying what changed (None when nothing did). On a CPU
     without native bf16 (:func:`cpu_bf16_native`) a bf16 recipe runs emulated, for minutes a step: the default
     recipe becomes fp32 (said in the line); one the user chose is refused in one line (ConfigError)."""
@@ -371,8 +379,8 @@ def recipe_for_cpu(settings, device: str, recipe_given: bool):
                                               f"{why} (give --recipe to choose)")
 
 
-def measure_steps(config: dict[str, Any], settings, device: str = "auto", steps: int = 2,
-                  snapshot: str | None = None, finetune=None,
+def measure_steps(config: dict[str, Any], settings: TrainingSettings, device: str = "auto", steps: int = 2,
+                  snapshot: str | None = None, finetune: FineTune | None = None,
                   progress: Callable[[int, int, float | None], None] | None = None) -> Measurement:
     """Build the model for real (random weights; with ``finetune``, peft's LoRA adapters on its frozen base, as the
     trace builds them), run ``steps`` training steps and measure the last one. ``progress(step, steps, seconds)``

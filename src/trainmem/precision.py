@@ -47,7 +47,7 @@ def check_arguments(steps: int = 1, lr: float = 1e-4, loss_scale: float = 1.0, b
                     flags: bool = False) -> None:
     """precision_check's numbers, refused in one line (before torch is imported) when not whole, not finite or out
     of range. ``flags`` names them as the CLI's flags."""
-    name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)
+    name: Callable[[str], str] = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)
     for key, value, largest in (("steps", steps, MAX_STEPS), ("batch", batch, MAX_BATCH)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= largest:
             raise ConfigError(f"{name(key)} must be a whole number from 1 to {largest:,}, got {value!r}")
@@ -79,15 +79,15 @@ class Distribution:
     """Magnitudes of one quantity (absolute values, flattened), as one float64 tensor. Pieces are collected and
     concatenated once, on first read, rather than re-copied at every add."""
 
-    pieces: list = field(default_factory=list)
+    pieces: list[Any] = field(default_factory=list)
     _values: Any = None
 
-    def add(self, torch, tensor) -> None:
+    def add(self, torch: Any, tensor: Any) -> None:
         self.pieces.append(tensor.detach().abs().flatten().to(torch.float64))
         self._values = None
 
     @property
-    def values(self):
+    def values(self) -> Any:
         if self._values is None and self.pieces:
             import torch
 
@@ -111,11 +111,12 @@ class PrecisionReport:
     cuda_capability: tuple[int, int] | None = None
 
     # -- fractions --------------------------------------------------------------------------------------------
-    def _all(self, torch, parts: dict[str, Distribution]):
+    def _all(self, torch: Any, parts: dict[str, Distribution]) -> Any:
         vals = [d.values for d in parts.values() if d.values is not None]
         return torch.cat(vals) if vals else torch.zeros(0, dtype=torch.float64)
 
-    def gradient_stats(self, torch, scale: float = 1.0, parts: dict[str, Distribution] | None = None) -> dict:
+    def gradient_stats(self, torch: Any, scale: float = 1.0,
+                       parts: dict[str, Distribution] | None = None) -> dict[str, float]:
         g = self._all(torch, parts if parts is not None else self.gradients) * scale
         n = max(int(g.numel()), 1)
         nonzero = g[g > 0]
@@ -129,7 +130,7 @@ class PrecisionReport:
             "min_nonzero": float(nonzero.min()) if nonzero.numel() else 0.0,
         }
 
-    def scale_range(self, torch) -> tuple[float, float]:
+    def scale_range(self, torch: Any) -> tuple[float, float]:
         """(smallest scale keeping 99.9% of non-zero gradients at or above fp16's smallest subnormal,
         largest scale keeping the largest gradient below 65504), as powers of two."""
         g = self._all(torch, self.gradients)
@@ -141,20 +142,20 @@ class PrecisionReport:
         largest = 2.0 ** math.floor(math.log2(FP16.max / float(nonzero.max())))
         return smallest, largest
 
-    def activation_overflow(self, torch) -> float:
+    def activation_overflow(self, torch: Any) -> float:
         a = self._all(torch, self.activations)
         return float((a >= FP16_INF_AT_OR_ABOVE).sum()) / max(int(a.numel()), 1)
 
-    def max_activation(self, torch) -> float:
+    def max_activation(self, torch: Any) -> float:
         a = self._all(torch, self.activations)
         return float(a.max()) if a.numel() else 0.0
 
-    def bf16_lost_updates(self, torch, parts: dict[str, Distribution] | None = None) -> float:
+    def bf16_lost_updates(self, torch: Any, parts: dict[str, Distribution] | None = None) -> float:
         r = self._all(torch, parts if parts is not None else self.update_ratio)
         return float((r < 1.0).sum()) / max(int(r.numel()), 1)
 
     # -- verdict ----------------------------------------------------------------------------------------------
-    def verdict(self, torch) -> list[tuple[str, bool, str]]:
+    def verdict(self, torch: Any) -> list[tuple[str, bool, str]]:
         raw = self.gradient_stats(torch)
         low, high = self.scale_range(torch)
         overflow = self.activation_overflow(torch)
@@ -176,12 +177,12 @@ class PrecisionReport:
         return rows
 
 
-def _hooks(torch, model, report: PrecisionReport) -> list:
-    handles = []
+def _hooks(torch: Any, model: Any, report: PrecisionReport) -> list[Any]:
+    handles: list[Any] = []
     for name, module in model.named_modules():
         kind = type(module).__name__.lower()
         if isinstance(module, torch.nn.Linear) or "norm" in kind or "conv1d" in kind:
-            def hook(mod, args, out, key=layer_type(name)):
+            def hook(mod: Any, args: Any, out: Any, key: str = layer_type(name)) -> None:
                 t = out[0] if isinstance(out, tuple) else out
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     report.activations.setdefault(key, Distribution()).add(torch, t)
@@ -189,8 +190,9 @@ def _hooks(torch, model, report: PrecisionReport) -> list:
     return handles
 
 
-def precision_check(model, batches: list, steps: int = 1, lr: float = 1e-4, loss_scale: float = 1.0,
-                    loss_fn: Callable | None = None, on_step: Callable[[int], None] | None = None) -> PrecisionReport:
+def precision_check(model: Any, batches: list[Any], steps: int = 1, lr: float = 1e-4, loss_scale: float = 1.0,
+                    loss_fn: Callable[[Any, Any], Any] | None = None,
+                    on_step: Callable[[int], None] | None = None) -> PrecisionReport:
     """Run ``steps`` fp32 training steps of ``model`` on ``batches`` (tensors of token ids, or whatever
     ``loss_fn(model, batch)`` takes) and collect the distributions. The last step's gradients and updates are kept.
     ``on_step(step)`` is called after each step (the CLI's progress line).
@@ -237,7 +239,8 @@ def precision_check(model, batches: list, steps: int = 1, lr: float = 1e-4, loss
     return report
 
 
-def text_batches(torch, path: str | None, vocab: int, batch: int, seq: int, count: int, seed: int = 0) -> list:
+def text_batches(torch: Any, path: str | None, vocab: int, batch: int, seq: int, count: int,
+                 seed: int = 0) -> list[Any]:
     """Token batches: bytes of a local text file (each byte one token, modulo the vocabulary), or random tokens."""
     generator = torch.Generator().manual_seed(seed)
     if path is None:
@@ -252,7 +255,7 @@ def text_batches(torch, path: str | None, vocab: int, batch: int, seq: int, coun
     return out
 
 
-def read_data(path) -> bytes:
+def read_data(path: str) -> bytes:
     """The bytes of a --data file: a regular file (a FIFO would block, a device never end) of at most DATA_LIMIT."""
     import os
     import stat
@@ -269,7 +272,7 @@ def read_data(path) -> bytes:
         raise ConfigError(f"--data {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
 
 
-def check_resize(config: dict, hidden: int | None, layers: int | None, name: str) -> None:
+def check_resize(config: dict[str, Any], hidden: int | None, layers: int | None, name: str) -> None:
     """--hidden and --layers scale a model down: whole numbers from 1 to the config's own size."""
     for flag, value, keys in (("--layers", layers, ("num_hidden_layers", "n_layer")),
                               ("--hidden", hidden, ("hidden_size", "n_embd"))):
@@ -289,7 +292,7 @@ def check_resize(config: dict, hidden: int | None, layers: int | None, name: str
             raise ConfigError(f"--hidden keeps the head width, but {name}'s config gives no num_attention_heads")
 
 
-def resize_config(config: dict, hidden: int | None, layers: int | None) -> dict:
+def resize_config(config: dict[str, Any], hidden: int | None, layers: int | None) -> dict[str, Any]:
     """Scale a config down for a CPU check: hidden size (keeping the head dimension and the query/kv grouping),
     number of layers, MLP width in proportion. None keeps the config's value."""
     cfg = dict(config)
@@ -321,7 +324,7 @@ def resize_config(config: dict, hidden: int | None, layers: int | None) -> dict:
     return cfg
 
 
-def plot_gradients(torch, report: PrecisionReport, path: str) -> None:
+def plot_gradients(torch: Any, report: PrecisionReport, path: str) -> None:
     """Histogram of log10 |gradient| against fp16's and bf16's representable ranges."""
     import matplotlib
 

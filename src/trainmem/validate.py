@@ -13,6 +13,7 @@ import itertools
 import json
 import random
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 from .catalog import catalog_config
 from .stepmodel import estimate_model
@@ -20,7 +21,14 @@ from .models import spec_from_config
 from .settings import make_settings
 from .timeline import CATEGORIES
 
-MATRIX_MODELS: dict[str, tuple[str, dict]] = {
+if TYPE_CHECKING:
+    from .lora import FineTune
+    from .settings import TrainingSettings
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+MATRIX_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # label -> (catalog model it is scaled down from, config changes): every model type estimate counts analytically.
     "llama": ("llama-3-8b", {}),
     "mistral": ("mistral-7b", {}),
@@ -56,7 +64,7 @@ TOTAL_TOLERANCE = 0.03
 CATEGORY_TOLERANCE = 0.05
 
 
-def matrix_config(label: str) -> dict:
+def matrix_config(label: str) -> dict[str, Any]:
     """The full-size config of a matrix row's model."""
     catalog, changes = MATRIX_MODELS[label]
     return dict(catalog_config(catalog), **changes)
@@ -66,11 +74,11 @@ _SIZE_KEYS = {"hidden": ("hidden_size", "n_embd", "n_embed"), "heads": ("num_att
               "layers": ("num_hidden_layers", "n_layer")}
 
 
-def _key(cfg: dict, role: str) -> str:
+def _key(cfg: dict[str, Any], role: str) -> str:
     return next(k for k in _SIZE_KEYS[role] if k in cfg)
 
 
-def _kv_heads(cfg: dict, heads: int) -> int:
+def _kv_heads(cfg: dict[str, Any], heads: int) -> int:
     if cfg["model_type"] == "falcon":
         if cfg.get("new_decoder_architecture"):
             return cfg.get("num_kv_heads") or heads
@@ -78,7 +86,8 @@ def _kv_heads(cfg: dict, heads: int) -> int:
     return cfg.get("num_key_value_heads") or heads
 
 
-def scale_down(config: dict, heads: int = 4, head_dim: int = 16, layers: int = 3, vocab: int = 512) -> dict:
+def scale_down(config: dict[str, Any], heads: int = 4, head_dim: int = 16, layers: int = 3,
+               vocab: int = 512) -> dict[str, Any]:
     """Same model type and structure, tiny widths: keeps the query/key-value head grouping (multi-query stays
     multi-query; grouped keeps at least 2 kv heads), the MLP-to-hidden ratios, norms, biases, tying, dropout, the
     attention implementation and sliding windows (shortened to 64 tokens, so a 128-token sequence reaches them);
@@ -185,7 +194,8 @@ def _within(estimate: dict[str, int], trace: dict[str, int]) -> bool:
         e is None or abs(e) <= CATEGORY_TOLERANCE for e in errors)
 
 
-def compare(config: dict, settings, family: str = "", finetune=None) -> Row:
+def compare(config: dict[str, Any], settings: TrainingSettings, family: str = "",
+            finetune: FineTune | None = None) -> Row:
     """Trace one step of ``config`` under ``settings`` (with ``finetune``'s LoRA adapters if given) and estimate it:
     every phase, by category."""
     from .trace import trace_step
@@ -200,13 +210,20 @@ def compare(config: dict, settings, family: str = "", finetune=None) -> Row:
                settings.dropout, others)
 
 
-def run_row(config: dict, family: str, recipe: str, checkpointing: str, batch: int, seq: int,
+def run_row(config: dict[str, Any], family: str, recipe: str, checkpointing: str, batch: int, seq: int,
             optimizer: str, dropout: float | None = 0.0, attention: str = "sdpa") -> Row:
     settings = make_settings(recipe=recipe, checkpointing=checkpointing, batch=batch, seq=seq, optimizer=optimizer,
                              dropout=dropout, attention=attention)
     row = compare(config, settings, family)
     return row if dropout is not None else replace(row, dropout=None)
 
+
+_MatrixTask = tuple[str, str, str, tuple[int, int], str, str, float | None]
+"""A matrix row to run: (label, recipe, checkpointing, (batch, seq), optimizer, attention, dropout)."""
+_LoraTask = tuple[str, str, str, tuple[str, ...], float, bool]
+"""A LoRA row: (label, recipe, checkpointing, targets, lora dropout, DoRA)."""
+_CompileTask = tuple[str, str, tuple[str, ...] | None]
+"""A --compile row: (label, recipe, LoRA targets or None)."""
 
 FULL_SIZE_FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_neox", "phi3")
 """Families traced at their real size (up to 9B: a row takes 8-80 s); the rest only scaled down."""
@@ -221,7 +238,7 @@ def _shape(dropout: float | None) -> tuple[int, int]:
     return (1, 128) if dropout == 0.0 else (2, 64)
 
 
-def matrix(quick: bool = False, full_size: bool = False):
+def matrix(quick: bool = False, full_size: bool = False) -> Iterator[_MatrixTask]:
     """The rows to run: (label, recipe, checkpointing, (batch, seq), optimizer, attention, dropout).
 
     Scaled-down (default): every model type (MATRIX_MODELS) x every recipe x sdpa/eager x checkpointing none/full x
@@ -239,7 +256,7 @@ def matrix(quick: bool = False, full_size: bool = False):
             yield label, recipe, ckpt, _shape(dropout), "sgd", attention, dropout
 
 
-def _run(task: tuple, full_size: bool) -> Row:
+def _run(task: _MatrixTask, full_size: bool) -> Row:
     label, recipe, ckpt, (batch, seq), optimizer, attention, dropout = task
     config = matrix_config(label)
     if not full_size:
@@ -247,7 +264,8 @@ def _run(task: tuple, full_size: bool) -> Row:
     return run_row(config, label, recipe, ckpt, batch, seq, optimizer, dropout, attention)
 
 
-def _map(function, tasks: list, jobs: int, progress=None) -> list:
+def _map(function: Callable[[_T], _R], tasks: list[_T], jobs: int,
+         progress: Callable[[_R], object] | None = None) -> list[_R]:
     """``function`` over ``tasks``, in ``jobs`` worker processes when more than one (results in task order)."""
     if jobs <= 1:
         results = []
@@ -269,7 +287,8 @@ def _map(function, tasks: list, jobs: int, progress=None) -> list:
     return results
 
 
-def validate(quick: bool = False, progress=None, full_size: bool = False, jobs: int = 1) -> list[Row]:
+def validate(quick: bool = False, progress: Callable[[Row], object] | None = None, full_size: bool = False,
+             jobs: int = 1) -> list[Row]:
     """Run the matrix; ``jobs`` > 1 traces rows in that many worker processes (results in matrix order)."""
     import functools
 
@@ -284,7 +303,7 @@ LORA_SET_UPS = ((("q", "v"), 0.0, False), (("all-linear",), 0.0, False), (("q", 
 """(targets, lora_dropout, DoRA) per row."""
 
 
-def lora_matrix(quick: bool = False):
+def lora_matrix(quick: bool = False) -> Iterator[_LoraTask]:
     """The LoRA rows: (label, recipe, checkpointing, targets, lora dropout, DoRA), rank 16 on scaled-down configs, batch 2
     x 64, AdamW (the adapters' states are small: the peak stays in forward or backward). ``quick``: one row per
     family."""
@@ -298,7 +317,7 @@ def lora_matrix(quick: bool = False):
             yield label, recipe, ckpt, targets, dropout, dora
 
 
-def _run_lora(task: tuple) -> Row:
+def _run_lora(task: _LoraTask) -> Row:
     from .lora import FineTune, LoraOptions
 
     label, recipe, ckpt, targets, dropout, dora = task
@@ -309,7 +328,8 @@ def _run_lora(task: tuple) -> Row:
     return compare(scale_down(matrix_config(label)), settings, name, finetune)
 
 
-def validate_lora(quick: bool = False, progress=None, jobs: int = 1) -> list[Row]:
+def validate_lora(quick: bool = False, progress: Callable[[Row], object] | None = None,
+                  jobs: int = 1) -> list[Row]:
     """The LoRA matrix (peft's step traced against the estimate; lora_matrix)."""
     return _map(_run_lora, list(lora_matrix(quick)), jobs, progress)
 
@@ -318,7 +338,7 @@ COMPILE_FAMILIES = ("llama", "mistral", "qwen2")
 """The matrix's families whose compiled layers are modelled (activations.compile_modelled: Llama-style layers)."""
 
 
-def compile_matrix(quick: bool = False):
+def compile_matrix(quick: bool = False) -> Iterator[_CompileTask]:
     """The --compile rows: (label, recipe, LoRA targets or None), batch 2 x 48, AdamW, no checkpointing (the trace
     does not run compiled layers inside a checkpoint): full fine-tuning in each half-precision recipe without
     autocast, and LoRA rank 16 on q,v and all-linear. ``quick``: one full fine-tune and one LoRA row per family."""
@@ -331,7 +351,7 @@ def compile_matrix(quick: bool = False):
             yield label, "pure-bf16-bf16states", targets
 
 
-def _run_compile(task: tuple) -> Row:
+def _run_compile(task: _CompileTask) -> Row:
     from .lora import FineTune, LoraOptions
 
     label, recipe, targets = task
@@ -343,7 +363,8 @@ def _run_compile(task: tuple) -> Row:
     return compare(scale_down(matrix_config(label)), settings, name, finetune)
 
 
-def validate_compile(quick: bool = False, progress=None, jobs: int = 1) -> list[Row]:
+def validate_compile(quick: bool = False, progress: Callable[[Row], object] | None = None,
+                     jobs: int = 1) -> list[Row]:
     """The --compile matrix: layers compiled with aot_eager_decomp_partition traced against the estimate."""
     return _map(_run_compile, list(compile_matrix(quick)), jobs, progress)
 
@@ -595,7 +616,8 @@ TYPES_BEFORE_2026_12_02 = (*TYPES_BEFORE_OLMO2, "olmo2", "cohere")
 then)."""
 
 
-def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpace = DRAW) -> tuple[dict, dict]:
+def random_case(pick: Callable[[str, Sequence[Any]], Any], model_types: tuple[str, ...] | None = None,
+                space: DrawSpace = DRAW) -> tuple[dict[str, Any], dict[str, Any]]:
     """One random small model of a supported type and one random training set-up: ``(config, settings)``.
 
     ``pick(label, options)`` returns one of ``options``: ``random.Random(seed).choice`` for ``trainmem validate
@@ -621,7 +643,7 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
     dropout = pick("config_dropout", (0.0, 0.1))
     tie = pick("tie_word_embeddings", (True, False))
     bias = pick("bias", (True, False))
-    cfg: dict = {"model_type": model_type, "vocab_size": vocab, "tie_word_embeddings": tie, "pad_token_id": 0,
+    cfg: dict[str, Any] = {"model_type": model_type, "vocab_size": vocab, "tie_word_embeddings": tie, "pad_token_id": 0,
                  "bos_token_id": 1, "eos_token_id": 2}
     llama_like = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
                       num_hidden_layers=layers, intermediate_size=inter, max_position_embeddings=4096,
@@ -770,8 +792,8 @@ def random_case(pick, model_types: tuple[str, ...] | None = None, space: DrawSpa
     return cfg, settings
 
 
-def _llama_variant_case(cfg: dict, pick, model_type: str, llama_like: dict, head_dim: int, bias: bool,
-                window: int | None) -> None:
+def _llama_variant_case(cfg: dict[str, Any], pick: Callable[[str, Sequence[Any]], Any], model_type: str,
+                        llama_like: dict[str, Any], head_dim: int, bias: bool, window: int | None) -> None:
     """random_case's draw for SmolLM3 (NoPE every 1st, 2nd or 4th layer, sliding on the NoPE layers), InternLM3,
     ERNIE 4.5, GLM-4 (partial rotary), OLMo-3 and Cohere 2 (full attention every 1st, 2nd or 4th layer): their head
     width given, as their defaults (128) are too wide for a small model."""
@@ -804,8 +826,8 @@ class RandomResult:
     """One random case: the model and set-up drawn, and its comparison (or the error the trace raised)."""
 
     index: int
-    config: dict
-    settings: dict
+    config: dict[str, Any]
+    settings: dict[str, Any]
     row: Row | None
     error: str = ""
 
@@ -829,13 +851,13 @@ class RandomResult:
 
 
 def random_case_for(seed: int, index: int, model_types: tuple[str, ...] | None = None,
-                    space: DrawSpace = DRAW) -> tuple[dict, dict]:
+                    space: DrawSpace = DRAW) -> tuple[dict[str, Any], dict[str, Any]]:
     """Case ``index`` of the random run ``seed``: the same draw whatever ran before it."""
     rng = random.Random(f"{seed}:{index}")
     return random_case(lambda label, options: rng.choice(list(options)), model_types, space)
 
 
-def run_random_case(config: dict, settings: dict, index: int = 0) -> RandomResult:
+def run_random_case(config: dict[str, Any], settings: dict[str, Any], index: int = 0) -> RandomResult:
     try:
         row = compare(config, make_settings(**settings))
     except Exception as exc:  # a trace that fails is a finding to report, not a crash of the whole run
@@ -849,7 +871,8 @@ def _random_task(task: tuple[int, int]) -> RandomResult:
     return run_random_case(config, settings, index)
 
 
-def validate_random(n: int, seed: int = 0, jobs: int = 1, progress=None) -> list[RandomResult]:
+def validate_random(n: int, seed: int = 0, jobs: int = 1,
+                    progress: Callable[[RandomResult], object] | None = None) -> list[RandomResult]:
     """``n`` random models and set-ups (``random_case``), each traced and estimated, every phase scored."""
     return _map(_random_task, [(seed, i) for i in range(n)], jobs, progress)
 
