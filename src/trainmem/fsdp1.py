@@ -39,10 +39,17 @@ a quantized base, LoRA without ``use_orig_params`` (the adapters wrapped apart).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
 from .models import ModelSpec
 from .sharding import Buffer, Parallel, RankLayout
+
+if TYPE_CHECKING:  # (for the annotations only)
+    from .finetune_sharding import HeldGroup
+    from .lora import FineTune
+    from .optimizers import Optimizer
+    from .recipes import Recipe
 
 ALIGNMENT_BYTES = 16
 """_flat_param.py, ``_get_aligned_numel``: each original parameter starts on a 16-byte address (use_orig_params)."""
@@ -141,7 +148,7 @@ def full_units(spec: ModelSpec, weight_bytes: int, parallel: Parallel) -> tuple[
     return (*layers, *((Unit(1, False, root, world, aligned),) if root else ()))
 
 
-def lora_units(groups, parallel: Parallel) -> tuple[Unit, ...]:
+def lora_units(groups: tuple[HeldGroup, ...], parallel: Parallel) -> tuple[Unit, ...]:
     """LoRA (finetune_sharding.held_groups): each layer's frozen base and adapters in one unit, the root the rest
     (peft's trained copies included)."""
     world = parallel.shard_size
@@ -235,8 +242,8 @@ def _kept_gradients(parallel: Parallel, grads: int) -> list[Buffer]:
                    "flat_param.grad (_runtime_utils.py _reset_flat_param_grad_info_if_needed)")]
 
 
-def fsdp1_rank_layout(spec: ModelSpec, recipe, optimizer, states_full: int, parallel: Parallel,
-                      finetune=None) -> RankLayout:
+def fsdp1_rank_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, states_full: int, parallel: Parallel,
+                      finetune: FineTune | None = None) -> RankLayout:
     """One rank's FSDP1 layout for full fine-tuning (``states_full``: the optimizer's states over the whole model)
     or LoRA (``finetune``, as finetune_sharding.engine_finetune gives it; ``states_full`` unused)."""
     check_fsdp1(parallel, bool(recipe.master_weights), finetune.base_quant if finetune else None,
