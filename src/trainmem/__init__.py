@@ -4,6 +4,15 @@ The core (estimate, models, recipes, timeline, planner, report, cli) imports nei
 ``trace``, ``measure``, ``probe``, ``precision`` and ``amp_demo`` import them when a command needs them.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from .measure import Tracker
+
 __version__ = "0.1.0"
 
 from .dataclass_cache import install as _install_dataclass_cache  # noqa: E402
@@ -23,14 +32,14 @@ from .planner import find_max_batch as max_batch, find_max_seq as max_seq, sweep
 from .factory import record_module, trace_module  # noqa: E402  (torch is imported when one runs)
 
 
-def track(model, optimizer, device=None):
+def track(model: Any, optimizer: Any, device: Any = None) -> AbstractContextManager[Tracker]:
     """Measure the per-phase memory peaks of your own training loop (see trainmem.measure.track)."""
     from .measure import track as _track
 
     return _track(model, optimizer, device)
 
 
-def trainer_callback():
+def trainer_callback() -> Any:
     """A transformers TrainerCallback measuring each Trainer step by phase (see trainmem.measure.trainer_callback)."""
     from .measure import trainer_callback as _trainer_callback
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
 
@@ -24,10 +24,17 @@ if TYPE_CHECKING:  # (names for the annotations only: the commands import these 
     from .settings import TrainingSettings
     from .sharding import Parallel
 
+    _IntType = click.ParamType[int]
+    _FloatType = click.ParamType[float]
+else:  # (click's ParamType is generic from 8.4 on: the plain class at run time, for click 8.1 too)
+    _IntType = _FloatType = click.ParamType
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
-def _flag(param) -> str:
+def _flag(param: click.Parameter | None) -> str:
     return max(param.opts, key=len) if param is not None and param.opts else "value"
 
 
@@ -37,7 +44,7 @@ def _short(text: str) -> str:
     return f"{text[:8]}...({len(text)} {'digits' if text.lstrip('-').isdigit() else 'characters'})"
 
 
-class _Whole(click.ParamType):
+class _Whole(_IntType):
     """A whole number up to ``maximum`` (and from ``minimum`` when given; else the command checks the lower end in
     its own words): a typo such as 10**400 is refused in one line while the flags are parsed, before any work."""
 
@@ -46,7 +53,7 @@ class _Whole(click.ParamType):
     def __init__(self, maximum: int, minimum: int | None = None) -> None:
         self.maximum, self.minimum = maximum, minimum
 
-    def convert(self, value, param, ctx):
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             try:
                 value = int(str(value).strip())
@@ -67,7 +74,7 @@ _MAX_GPUS = 1 << 20
 """sharding.MAX_GPUS, the bound of every parallel degree."""
 
 
-class _Real(click.ParamType):
+class _Real(_FloatType):
     """A finite number from ``low`` to ``high``: nan, inf and 1e308 are refused in one line while the flags are
     parsed."""
 
@@ -76,7 +83,7 @@ class _Real(click.ParamType):
     def __init__(self, low: float, high: float) -> None:
         self.low, self.high = low, high
 
-    def convert(self, value, param, ctx):
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -113,7 +120,7 @@ class LazyGroup(click.Group):
     """A click group whose subcommands are imported when asked for (click's documentation, "Complex Applications":
     lazily loading subcommands)."""
 
-    def __init__(self, *args, lazy_subcommands: dict[str, str] | None = None, **kwargs) -> None:
+    def __init__(self, *args: Any, lazy_subcommands: dict[str, str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lazy_subcommands = dict(lazy_subcommands or {})
 
@@ -143,7 +150,7 @@ def app() -> None:
     """How much GPU memory a training run needs, where every byte goes, and whether it fits."""
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> click.Command | None:
     """``from trainmem.cli import estimate`` (the command objects by their function names) still works: the
     command's module is imported then."""
     for cmd_name, where in COMMANDS.items():
@@ -152,25 +159,25 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _console():
+def _console() -> Any:
     from .plaintext import console  # rich's text without importing rich when stdout is not a terminal
 
     return console(120)
 
 
-def _header(engine: str) -> dict:
+def _header(engine: str) -> dict[str, Any]:
     from .report import header
 
     return header(engine)
 
 
-def _model_dict(spec) -> dict:
+def _model_dict(spec: ModelSpec) -> dict[str, Any]:
     from .report import model_dict
 
     return model_dict(spec)
 
 
-def _emit_json(document: dict) -> None:
+def _emit_json(document: dict[str, Any]) -> None:
     from .report import json_safe
 
     sys.stdout.write(json.dumps(json_safe(document), indent=2, allow_nan=False) + "\n")
@@ -208,7 +215,7 @@ _FLAG_WORDS = ("headroom", "fragmentation", "cuda-overhead", "gpu", "params", "n
 """Request fields whose messages name a flag: the CLI prints them as --flag."""
 
 
-def _workload(options: dict, batch: int, seq: int, need_config: str = "", gpus: int | None = None,
+def _workload(options: dict[str, Any], batch: int, seq: int, need_config: str = "", gpus: int | None = None,
               zero: int | None = None) -> _Workload:
     """Turn the shared flags into a validated request (request.py, where the API's keywords are checked too).
     ``need_config`` names a command that cannot run on ``--params`` alone; ``gpus`` and ``zero`` replace the flags'
@@ -299,7 +306,7 @@ _gpu_memory_option = click.option(
 """estimate's and sweep's (trace and measure run no GPU-fit check, so they do not take it)."""
 
 
-def _workload_options(f):
+def _workload_options(f: _F) -> _F:
     """The flags estimate and sweep share."""
     from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION
     from .estimate import DEFAULT_HEADROOM

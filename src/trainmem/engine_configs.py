@@ -53,7 +53,7 @@ import shlex
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .errors import ConfigError
 
@@ -132,7 +132,7 @@ def writers(layout: Layout) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------------------- DeepSpeed
 
 
-def deepspeed_config(layout: Layout) -> dict:
+def deepspeed_config(layout: Layout) -> dict[str, Any]:
     """DeepSpeed's JSON for a ZeRO layout, or Megatron-DeepSpeed's with tensor and pipeline parallelism (the batch is
     counted over the data-parallel ranks, as DeepSpeed does with Megatron's mpu). The recipe's dtypes are DeepSpeed's
     bf16 (or fp16) mode: half parameters, fp32 master partition and states (DEEPSPEED_RECIPES)."""
@@ -141,7 +141,7 @@ def deepspeed_config(layout: Layout) -> dict:
                           f"{' or '.join(DEEPSPEED_RECIPES)} only")
     # (overlap_comm and the buckets left at DeepSpeed's defaults, which the plan's estimate assumes: overlap_comm,
     # on by default in stage 3 only, doubles the gradient bucket; sharding.DeepSpeedConfig)
-    zero: dict = {"stage": layout.zero, "contiguous_gradients": True}
+    zero: dict[str, Any] = {"stage": layout.zero, "contiguous_gradients": True}
     if layout.offload in ("optimizer", "optimizer+params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if layout.offload == "optimizer+params":
@@ -165,7 +165,7 @@ def deepspeed_config(layout: Layout) -> dict:
 # ---------------------------------------------------------------------------------------------------- accelerate
 
 
-def accelerate_config(layout: Layout) -> dict:
+def accelerate_config(layout: Layout) -> dict[str, Any]:
     """accelerate's ClusterConfig for a DeepSpeed, FSDP2, DDP or one-GPU layout (module docstring)."""
     nodes = -(-layout.gpus // layout.gpus_per_node)
     deepspeed = layout.zero is not None
@@ -234,7 +234,7 @@ def _yaml_string(text: str) -> str:
     return '"' + "".join(c if c == "\\" or _YAML_PRINTABLE.fullmatch(c) else f"\\u{ord(c):04x}" for c in body) + '"'
 
 
-def to_yaml(config: dict, indent: int = 0) -> str:
+def to_yaml(config: dict[str, Any], indent: int = 0) -> str:
     """A mapping of scalars, nested mappings and lists of scalars as block YAML that yaml.safe_load reads back
     identically (tests/test_engine_configs.py checks it over arbitrary strings); keys and strings are quoted."""
     lines = []
@@ -257,7 +257,7 @@ def to_yaml(config: dict, indent: int = 0) -> str:
 # ---------------------------------------------------------------------------------------------------- torchtitan
 
 
-def torchtitan_config(layout: Layout, seq: int, model_name: str) -> dict | None:
+def torchtitan_config(layout: Layout, seq: int, model_name: str) -> dict[str, Any] | None:
     """The torchtitan 0.3.0 settings of the layout, by section and field (torchtitan/config/configs.py
     ``TrainingConfig`` and ``ParallelismConfig``; ``activation_checkpoint``: "full" (FullAC) or "none"), which
     torchtitan_plan.py applies to the base config; None where torchtitan does not run the layout (writers)."""
@@ -439,7 +439,7 @@ def plan_files(layout: Layout, seq: int, model_name: str) -> dict[str, str]:
     return files
 
 
-def write_configs(layout: Layout, seq: int, model_name: str, out: str | os.PathLike) -> list[Path]:
+def write_configs(layout: Layout, seq: int, model_name: str, out: str | os.PathLike[str]) -> list[Path]:
     """Write the layout's files into ``out`` (created if missing); returns their paths."""
     if not str(out):
         raise ConfigError("--out is empty; give a folder")
@@ -483,7 +483,7 @@ def write_configs(layout: Layout, seq: int, model_name: str, out: str | os.PathL
 # ---------------------------------------------------------------------------------------------------- reading back
 
 
-def _strict_json(path: str | os.PathLike, what: str) -> dict:
+def _strict_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     """A JSON object from ``path``, refusing duplicate keys (as DeepSpeed does: runtime/config.py loads with
     config_utils.dict_raise_error_on_duplicate_keys) and NaN/Infinity literals, in one line."""
     from .models import CONFIG_SIZE_LIMIT
@@ -498,7 +498,7 @@ def _strict_json(path: str | os.PathLike, what: str) -> dict:
     if len(data) > CONFIG_SIZE_LIMIT:
         raise ConfigError(f"{what} {path}: more than {CONFIG_SIZE_LIMIT:,} bytes")
 
-    def pairs(items):
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         out = {}
         for key, value in items:
             if key in out:
@@ -506,7 +506,7 @@ def _strict_json(path: str | os.PathLike, what: str) -> dict:
             out[key] = value
         return out
 
-    def constant(name):
+    def constant(name: str) -> NoReturn:
         raise ConfigError(f"{what} {path}: {name} is not a number JSON allows")
 
     try:
@@ -523,7 +523,7 @@ def _strict_json(path: str | os.PathLike, what: str) -> dict:
     return doc
 
 
-def _whole(value, where: str, least: int = 1, most: int = 1 << 30) -> int:
+def _whole(value: object, where: str, least: int = 1, most: int = 1 << 30) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
@@ -531,13 +531,13 @@ def _whole(value, where: str, least: int = 1, most: int = 1 << 30) -> int:
     return value
 
 
-def _flag(value, where: str) -> bool:
+def _flag(value: object, where: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{where} must be true or false, got {value!r}")
     return value
 
 
-def deepspeed_file_settings(path: str | os.PathLike) -> dict[str, Any]:
+def deepspeed_file_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What a DeepSpeed JSON sets beyond zero_optimization's memory knobs (sharding.read_deepspeed_config): the
     recipe (bf16 / fp16 mode), micro-batch, accumulation and the global batch, as make_request's keywords. Keys that
     are absent or "auto" (filled by the Hugging Face Trainer) set nothing."""
@@ -574,7 +574,7 @@ def deepspeed_file_settings(path: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
-def _load_yaml_mapping(path: str | os.PathLike) -> dict:
+def _load_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         import yaml
     except ModuleNotFoundError:
@@ -593,7 +593,7 @@ def _load_yaml_mapping(path: str | os.PathLike) -> dict:
     return doc
 
 
-def accelerate_file_settings(path: str | os.PathLike) -> tuple[dict[str, Any], str | None]:
+def accelerate_file_settings(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str | None]:
     """make_request's keywords from accelerate's config YAML (ClusterConfig's keys), and the DeepSpeed JSON it
     names (deepspeed_config.deepspeed_config_file, relative to the YAML's folder)."""
     doc = _load_yaml_mapping(path)
@@ -658,7 +658,7 @@ def accelerate_file_settings(path: str | os.PathLike) -> tuple[dict[str, Any], s
     return out, ds_file
 
 
-def torchtitan_file_settings(path: str | os.PathLike) -> dict[str, Any]:
+def torchtitan_file_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
     """make_request's keywords from the torchtitan.json `trainmem plan` writes (torchtitan 0.3.0's field names)."""
     doc = _strict_json(path, "--torchtitan-config")
     training, par = doc.get("training"), doc.get("parallelism")
@@ -726,8 +726,9 @@ REQUEST_DEFAULTS = {"gpus": 1, "gpus_per_node": 0, "zero": None, "fsdp": None, "
 FLAG_NAMES = {"gpus_per_node": "--gpus-per-node", "micro_batches": "--micro-batches", "grad_accum": "--grad-accum"}
 
 
-def merge_engine_files(given: dict[str, Any], ds_config=None, accelerate_config=None,
-                       torchtitan_config=None) -> tuple[dict[str, Any], Any]:
+def merge_engine_files(given: dict[str, Any], ds_config: str | os.PathLike[str] | None = None,
+                       accelerate_config: str | os.PathLike[str] | None = None,
+                       torchtitan_config: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], Any]:
     """``given`` (make_request's layout keywords and settings) with what the engine files set: a file's value
     applies where the keyword is at its default (REQUEST_DEFAULTS), and one that differs from a given value is
     refused in one line. Returns (the merged keywords, the DeepSpeed JSON to read the ZeRO knobs from)."""

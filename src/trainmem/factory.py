@@ -32,10 +32,14 @@ import importlib
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from .errors import ConfigError
 from .timeline import CATEGORIES, Phase
+
+if TYPE_CHECKING:
+    from .settings import TrainingSettings
+    from .trace import TraceResult
 
 _PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 FACTORY_RECIPES = ("fp32", "amp-bf16", "amp-fp16", "pure-bf16-bf16states")
@@ -43,7 +47,7 @@ FACTORY_RECIPES = ("fp32", "amp-bf16", "amp-fp16", "pure-bf16-bf16states")
 autocast over fp32 weights; master copies need trainmem's own step (step.py), which knows transformers' layers."""
 
 
-def load_factory(path: str, flag: str = "--factory") -> Callable:
+def load_factory(path: str, flag: str = "--factory") -> Callable[..., Any]:
     """The callable at ``pkg.module:function`` (a dotted attribute after the colon), or one line why not."""
     if not isinstance(path, str) or not _PATH.match(path.strip()):
         raise ConfigError(f"{flag} {path!r} is not pkg.module:function (a module path, a colon, a function name)")
@@ -59,10 +63,11 @@ def load_factory(path: str, flag: str = "--factory") -> Callable:
         target = getattr(target, part)
     if not callable(target):
         raise ConfigError(f"{flag} {path}: {attribute!r} is a {type(target).__name__}, not a function")
-    return target
+    function: Callable[..., Any] = target
+    return function
 
 
-def check_module_settings(settings) -> None:
+def check_module_settings(settings: TrainingSettings) -> None:
     """Refuse, before torch is imported, what a user's model is not traced with."""
     if settings.recipe not in FACTORY_RECIPES:
         raise ConfigError(f"trace --factory runs the recipes {', '.join(FACTORY_RECIPES)}; got {settings.recipe!r}")
@@ -77,7 +82,7 @@ def check_module_settings(settings) -> None:
                           "need trainmem's transformers step (build checkpointing into your module instead)")
 
 
-def _default_batch(model, batch: int, seq: int, torch):
+def _default_batch(model: Any, batch: int, seq: int, torch: Any) -> dict[str, Any]:
     vocab = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1:
         raise ConfigError("trace --factory: the model has no vocab_size (nor config.vocab_size) to make token ids "
@@ -85,7 +90,7 @@ def _default_batch(model, batch: int, seq: int, torch):
     return {"input_ids": torch.randint(0, vocab, (batch, seq))}
 
 
-def _loss_of(output, torch):
+def _loss_of(output: Any, torch: Any) -> Any:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
@@ -105,7 +110,7 @@ class _ModuleRun:
     recomputing = False
     main_grads = None
 
-    def __init__(self, torch, model, optimizer, inputs, autocast_dtype):
+    def __init__(self, torch: Any, model: Any, optimizer: Any, inputs: Any, autocast_dtype: Any) -> None:
         self.torch, self.model, self.optimizer, self.inputs = torch, model, optimizer, inputs
         self.autocast_dtype = autocast_dtype
 
@@ -125,15 +130,16 @@ class _ModuleRun:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def tracked_objects(self) -> list:
+    def tracked_objects(self) -> list[Any]:
         return [self.model, self.optimizer] if isinstance(self.optimizer, self.torch.optim.Optimizer) else \
             [self.model, *(t for st in self.optimizer.state.values() for t in st.values())]
 
-    def frozen_parameters(self) -> list:
+    def frozen_parameters(self) -> list[Any]:
         return [p for p in self.model.parameters() if not p.requires_grad]
 
 
-def _build_run(torch, build, make_batch, optimizer, settings) -> _ModuleRun:
+def _build_run(torch: Any, build: Callable[[], Any], make_batch: Callable[..., Any] | None,
+               optimizer: str | Callable[..., Any] | None, settings: TrainingSettings) -> _ModuleRun:
     from .recipes import get_recipe
     from .step import make_optimizer
 
@@ -161,15 +167,17 @@ def _build_run(torch, build, make_batch, optimizer, settings) -> _ModuleRun:
     return _ModuleRun(torch, model, opt, inputs, half_compute if recipe.autocast else None)
 
 
-def trace_module(build: Callable[[], Any], settings=None, make_batch: Callable | None = None,
-                 optimizer: str | Callable | None = None, round_to_cuda: bool = True):
+def trace_module(build: Callable[[], Any], settings: TrainingSettings | None = None,
+                 make_batch: Callable[..., Any] | None = None, optimizer: str | Callable[..., Any] | None = None,
+                 round_to_cuda: bool = True) -> TraceResult:
     """One steady-state training step of the module ``build()`` makes, traced under FakeTensorMode: a
     trace.TraceResult (the five phases by category). ``optimizer`` is a trainmem optimizer name (default: the
     settings') or a function of the trained parameters that returns a torch optimizer."""
     from torch.distributed._tools import mem_tracker
 
     from .settings import TrainingSettings
-    from .trace import TraceResult, _cuda_block_sizes, _device_snapshot, _phase, _rank_phases, _track, fake_gpu, \
+    from .cuda_emulation import fake_gpu
+    from .trace import TraceResult, _cuda_block_sizes, _device_snapshot, _phase, _rank_phases, _track, \
         tracked_micro_batch
 
     settings = settings or TrainingSettings(recipe="fp32")
@@ -223,7 +231,7 @@ class ModuleProgram:
     """s: recorded at micro-batch 1 and s, 2s, 3s, and at micro-batch 2 and s."""
     recorded: tuple[tuple[Phase, ...], ...]
     """The phases at (1, s), (1, 2s), (1, 3s), (2, s)."""
-    moments: tuple[dict, ...] = ()
+    moments: tuple[dict[str, tuple[Phase | None, Phase | None]], ...] = ()
     """At the same four sizes, each module's forward and backward peaks (trace._module_peaks)."""
 
     def phases(self, batch: int, seq: int) -> tuple[Phase, ...]:
@@ -255,15 +263,16 @@ class ModuleProgram:
         for name in self.moments[0] if self.moments else ():
             at = [m.get(name, (None, None))[which] for m in self.moments]
             if name and all(p is not None for p in at):
-                out[name] = at
+                out[name] = cast("list[Phase]", at)  # (none is None: the test above)
         return out
 
     def peak(self, batch: int, seq: int) -> Phase:
         return max(self.phases(batch, seq), key=lambda p: p.allocated_bytes)
 
 
-def record_module(build: Callable[[], Any], settings=None, make_batch: Callable | None = None,
-                  optimizer: str | Callable | None = None, seq: int | None = None) -> ModuleProgram:
+def record_module(build: Callable[[], Any], settings: TrainingSettings | None = None,
+                  make_batch: Callable[..., Any] | None = None, optimizer: str | Callable[..., Any] | None = None,
+                  seq: int | None = None) -> ModuleProgram:
     """The module's step traced at micro-batch 1 and ``seq`` (default: the settings' sequence), 2 x and 3 x ``seq``,
     and at micro-batch 2 and ``seq``: a ModuleProgram for any batch and sequence (module docstring)."""
     from .settings import TrainingSettings

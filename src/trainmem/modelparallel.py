@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from .errors import ConfigError
 from .activations import Precision
@@ -37,6 +37,12 @@ from .recipes import get_recipe
 from .settings import TrainingSettings
 from .sharding import Parallel
 from .timeline import Phase
+
+if TYPE_CHECKING:
+    from .estimate import StaticComponent
+    from .hardware import GPU
+    from .lora import FineTune
+    from .sharding import RankLayout
 
 _STEP_PHASES = ("forward", "backward")
 
@@ -158,7 +164,7 @@ def stage_spec(rank: ModelSpec, parallel: Parallel, stage: int) -> ModelSpec:
                    tied_embeddings=rank.tied_embeddings and not (first or last))
 
 
-def pipeline_split(num_layers: int, pp: int, given) -> tuple[int, ...]:
+def pipeline_split(num_layers: int, pp: int, given: object) -> tuple[int, ...]:
     """``--pp-layers``: the decoder layers of each stage, given as "15,16,...,15" (or a list), or ``torchtitan``
     for torchtitan's split (torchtitan/distributed/pipeline_parallel.py, ``generate_llm_fqn_per_model_part`` with
     its default input_weight = output_weight = 1): the embedding and the norm + output each count as one layer, the
@@ -197,14 +203,15 @@ def _role_stages(parallel: Parallel) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _distinct_stages(spec: ModelSpec, parallel: Parallel,
-                     cache: dict | None = None) -> list[tuple[str, int, ModelSpec]]:
+                     cache: dict[Any, Any] | None = None) -> list[tuple[str, int, ModelSpec]]:
     """(role, stage, what it holds) of each stage a layout is evaluated on: of a role's stages that hold the same,
     the first (the most loaded: in flight falls with the stage). Kept in a search's ``cache`` by the degrees, which
     alone decide it."""
     key = ("stages", spec, parallel.tp, parallel.sp, parallel.pp, parallel.virtual_stages, parallel.cp, parallel.ep,
            parallel.pp_layers)
     if cache is not None and key in cache:
-        return cache[key]
+        cached: list[tuple[str, int, ModelSpec]] = cache[key]
+        return cached
     rank = tensor_parallel_spec(spec, parallel)
     out = []
     for name, stages in _role_stages(parallel):
@@ -235,8 +242,8 @@ class LayoutStep:
     ``phases``, ``estimate``) and answers for the most loaded rank."""
 
     def __init__(self, spec: ModelSpec, settings: TrainingSettings, device: DeviceOptions | None,
-                 parallel: Parallel, finetune=None, cache: dict | None = None, *,
-                 compile_stage: Callable[..., Any]):
+                 parallel: Parallel, finetune: FineTune | None = None, cache: dict[Any, Any] | None = None, *,
+                 compile_stage: Callable[..., Any]) -> None:
         compile_step = compile_stage  # stepmodel.compile_step, handed in by it: this module imports no stepmodel
 
         if finetune is not None:
@@ -262,14 +269,15 @@ class LayoutStep:
         """The stage that last did not fit (fitting_peak tries it first)."""
 
     @property
-    def static(self):
+    def static(self) -> tuple[StaticComponent, ...]:
         """The model states of the rank that holds the most (the search's floor)."""
         return max((stage.step.static for stage in self._stages), key=lambda st: sum(c.bytes for c in st))
 
     @property
-    def rank(self):
+    def rank(self) -> RankLayout | None:
         """The data-parallel engine's layout on the first stage's rank (its buffers, its host memory)."""
-        return self._stages[0].step.rank
+        rank: RankLayout | None = self._stages[0].step.rank
+        return rank
 
     def _local_seq(self, seq: int) -> int:
         return -(-seq // self.parallel.cp)
@@ -283,7 +291,7 @@ class LayoutStep:
     def _stage_phases(self, stage: _Stage, batch: int, seq: int,
                       extras: tuple[int, int, int] | None = None) -> tuple[Phase, ...]:
         local = self._local_seq(seq)
-        phases = stage.step.phases(batch, local)
+        phases: tuple[Phase, ...] = stage.step.phases(batch, local)
         held, buffers, received = extras or self._extras(stage, batch, local)
         if not held and not buffers and not received:
             return phases
@@ -309,13 +317,13 @@ class LayoutStep:
         tokens = batch * (seq // parallel.tp if parallel.sp else seq)
         return buffers * parallel.in_flight_micro_batches * tokens * self.spec.hidden_size * self._precision.residual
 
-    def _held_extra(self, step, in_flight: int, batch: int, seq: int) -> int:
+    def _held_extra(self, step: Any, in_flight: int, batch: int, seq: int) -> int:
         """Activations of the other micro-batches in flight on this stage: (in_flight - V) chunks' worth."""
         chunks = self.parallel.virtual_stages
         if in_flight <= chunks:
             return 0
         acts = step.activations(step.settings.at(batch, seq))
-        per_micro = acts.layers_bytes + acts.embedding_bytes  # (the head's is in flight once: 1F1B's last stage)
+        per_micro: int = acts.layers_bytes + acts.embedding_bytes  # (the head's is in flight once: 1F1B's last stage)
         return per_micro * (in_flight - chunks) // chunks
 
     def _all_to_all(self, s: ModelSpec, batch: int, seq: int) -> int:
@@ -326,7 +334,7 @@ class LayoutStep:
         k = max((layer.moe.top_k for layer, _ in s.layer_runs if layer.moe), default=0)
         return 2 * k * batch * seq * s.hidden_size * self._precision.compute
 
-    def fitting_peak(self, batch: int, seq: int, gpu, exact: bool = False) -> Peak | None:
+    def fitting_peak(self, batch: int, seq: int, gpu: GPU, exact: bool = False) -> Peak | None:
         """The layout's peak at (batch, seq) (that of :meth:`phases`) if every stage's fits ``gpu``, else None.
         A search asks this: it stops at the first stage that does not fit, trying first the one that last did
         not. Reserved memory is each stage's replayed ratio whether or not ``exact`` (as in :meth:`estimate`)."""
@@ -352,7 +360,7 @@ class LayoutStep:
         assert top is not None  # (a layout has at least one stage)
         return peak_of_phases(top[2], self.device, ratio=self._ratio(self._stages[top[1]], batch, local))
 
-    def _ratio(self, stage, batch: int, local: int) -> float | None:
+    def _ratio(self, stage: _Stage, batch: int, local: int) -> float | None:
         """The stage's replayed fragmentation ratio (StepModel.replayed_ratio): its in-flight micro-batches and
         receive buffers are not in its replayed step, so the ratio, not the replay, carries over. A stage that is
         also a rank of a data-parallel engine keeps the flat factor: no published reserved figure of a
@@ -360,7 +368,8 @@ class LayoutStep:
         16 times slower)."""
         if self.device.fragmentation is not None or stage.step.rank is not None:
             return None
-        return stage.step.replayed_ratio(batch, local)
+        ratio: float | None = stage.step.replayed_ratio(batch, local)
+        return ratio
 
     def _most_loaded(self, batch: int, seq: int) -> tuple[tuple[Phase, ...], _Stage]:
         """The phases of the most loaded stage (the first of the largest), and that stage."""

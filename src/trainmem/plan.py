@@ -45,7 +45,7 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Iterator, ParamSpec, TypeVar
 
 from .errors import ConfigError
 from .estimate import DeviceOptions, Estimate, Peak
@@ -58,7 +58,12 @@ from .sharding import Parallel
 from .stepmodel import StepModel, compile_step
 
 if TYPE_CHECKING:
+    import os
+
     from .lora import FineTune
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 TIME_MODEL = ("step = max(compute, communication) + offload + exposed; compute = model FLOPs (6N + causal attention, "
               "+ the forward again under full checkpointing) / (tp x pp) at mfu x peak dense bf16 FLOPS, x (1 + "
@@ -142,7 +147,7 @@ class Layout:
                         offload=self.offload, tp=self.tp, sp=self.tp > 1, pp=self.pp,
                         micro_batches=self.grad_accum if self.pp > 1 else 0, cp=self.cp, ep=self.ep)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"recipe": self.recipe, "engine": self.engine, "zero": self.zero, "fsdp": self.fsdp,
                 "offload": self.offload, "checkpointing": self.checkpointing, "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum, "gpus": self.gpus, "gpus_per_node": self.gpus_per_node,
@@ -166,7 +171,7 @@ class StepTime:
     def seconds(self) -> float:
         return max(self.compute_seconds, self.communication_seconds) + self.offload_seconds + self.exposed_seconds
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "compute_seconds": self.compute_seconds,
                 "communication_seconds": self.communication_seconds, "offload_seconds": self.offload_seconds,
                 "exposed_communication_seconds": self.exposed_seconds,
@@ -221,7 +226,7 @@ class PlanSearch:
     """The LoRA adapters searched (lora.FineTune), or None: full fine-tuning."""
 
 
-def _engines(gpus: int, gpus_per_node: int):
+def _engines(gpus: int, gpus_per_node: int) -> list[tuple[str, int | None, str | None, tuple[str, ...]]]:
     """(label, zero, fsdp, offloads) of every data-parallel engine for ``gpus`` GPUs."""
     if gpus == 1:
         return [("one GPU", None, None, ("none",))]
@@ -243,7 +248,8 @@ def _rank_parameters(spec: ModelSpec, layout: Layout) -> float:
                                                pp=layout.pp)).num_parameters / layout.pp
 
 
-def _model_parallel_engines(data_parallel: int, cp: int = 1, ep: int = 1):
+def _model_parallel_engines(data_parallel: int, cp: int = 1,
+                            ep: int = 1) -> list[tuple[str, int | None, str | None, tuple[str, ...]]]:
     """The data-parallel engines combined with model parallelism: torchtitan's FSDP2 full sharding or DDP
     replication, and, with tensor and pipeline parallelism alone, Megatron-DeepSpeed's ZeRO-1 (the pipeline engine
     refuses ZeRO-2 and 3)."""
@@ -371,11 +377,13 @@ def step_time(spec: ModelSpec, layout: Layout, seq: int, gpu: GPU, mfu: float = 
     return StepTime(compute, communication, offload, tokens // split, exposed)
 
 
-def largest_fitting(count: int, peak_at, guess: int | None = None) -> tuple[int, Peak | None, int]:
+def largest_fitting(count: int, peak_at: Callable[[int], Peak | None],
+                    guess: int | None = None) -> tuple[int, Peak | None, int]:
     """The largest index in range(count) whose ``peak_at(index)`` is a Peak (it fits), given that the ones that fit
     are those up to some index (memory grows with the micro-batch); (index, peak, probes made), or (-1, None,
     probes) where none fits. With a ``guess`` it gallops from it (1, 2, 4, ... indices away) until the answer is
     bracketed, so that a layout like the last one is settled in two probes; then bisection."""
+    best: tuple[int, Peak | None]
     low, high, best, probes = 0, count - 1, (-1, None), 0
 
     def probe(index: int) -> bool:
@@ -402,13 +410,13 @@ def largest_fitting(count: int, peak_at, guess: int | None = None) -> tuple[int,
     return best[0], best[1], probes
 
 
-def _cycle_collection_paused(function):
+def _cycle_collection_paused(function: Callable[_P, _R]) -> Callable[_P, _R]:
     """Runs ``function`` with the cyclic garbage collector paused. A search makes and drops a few hundred thousand
     small objects that reference counting frees (none is in a cycle); the collector would otherwise walk the ones
     the search keeps again and again (about a tenth of a search's time, benchmarks/plan_speed.py)."""
 
     @functools.wraps(function)
-    def paused(*args, **kwargs):
+    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         if not gc.isenabled():
             return function(*args, **kwargs)
         gc.disable()
@@ -424,7 +432,7 @@ class _OutOfTime(Exception):
     """The search's time budget is spent: what was found so far is the answer (PlanSearch.cut_short)."""
 
 
-def _check_number(name: str, value, low: float, high: float, unit: str = "") -> float:
+def _check_number(name: str, value: object, low: float, high: float, unit: str = "") -> float:
     """A finite number in [low, high], or one line naming the input and the range (the CLI and the API share it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or not low <= value <= high:
@@ -459,7 +467,8 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
            host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB,
            checkpointing: tuple[str, ...] = ("none", "selective", "full"),
            engines: tuple[str, ...] | None = None, model_parallel: bool = True,
-           time_budget_s: float | None = None, writable: bool = True, finetune=None) -> PlanSearch:
+           time_budget_s: float | None = None, writable: bool = True,
+           finetune: FineTune | None = None) -> PlanSearch:
     """Every layout of ``gpus`` GPUs for ``global_batch`` sequences of ``seq`` tokens (default: one sequence per GPU),
     the fitting ones ranked by step_time; ``model_parallel=False`` searches data parallelism alone. With
     ``time_budget_s`` the search stops when that many seconds have passed and answers what it found
@@ -492,12 +501,14 @@ def search(spec: ModelSpec, gpu: GPU, gpus: int, seq: int, global_batch: int | N
     plans: list[Plan] = []
     counts = [0, 0]  # candidates, evaluated
     unwritable: set[str] = set()
-    cache: dict = {}  # compiled steps, shared by every layout that holds the same one (stepmodel.compile_step)
-    guesses: dict[tuple, int] = {}  # the last answer of these degrees (and checkpointing): where the next is looked for
+    # compiled steps, shared by every layout that holds the same one (stepmodel.compile_step)
+    cache: dict[Any, Any] = {}
+    # the last answer of these degrees (and checkpointing): where the next is looked for
+    guesses: dict[tuple[int | str, ...], int] = {}
     if finetune is not None:
         model_parallel = False
 
-    def layouts():
+    def layouts() -> Iterator[tuple[int, int, int, int, str, str, int | None, str | None, str, str]]:
         for tp, pp, cp, ep in (model_parallel_degrees(spec, gpus, node, seq) if model_parallel else [(1, 1, 1, 1)]):
             data_parallel = gpus // (tp * pp * cp)
             engine_list = _engines(gpus, node) if (tp, pp, cp, ep) == (1, 1, 1, 1) else \
@@ -550,7 +561,7 @@ TRACED_NOT_SEARCHED = (
     "attention FLOPs in the step time on the traced path (no description of the layers: parameters' FLOPs only)")
 
 
-def _traced_checkpointing(checkpointing: tuple[str, ...], finetune) -> tuple[str, ...]:
+def _traced_checkpointing(checkpointing: tuple[str, ...], finetune: FineTune | None) -> tuple[str, ...]:
     """The checkpointing a plan searches on the traced path: none and full (each recorded when first probed, cached:
     recorded.py); LoRA is not on the traced path yet."""
     if finetune is not None:
@@ -563,7 +574,7 @@ def _traced_checkpointing(checkpointing: tuple[str, ...], finetune) -> tuple[str
     return kept
 
 
-_SEARCH_RATIOS: dict[tuple, float | None] = {}
+_SEARCH_RATIOS: dict[tuple[Any, ...], float | None] = {}
 
 
 def search_ratio(spec: ModelSpec, seq: int, recipe: str, checkpointing: str, device: DeviceOptions,
@@ -586,14 +597,17 @@ def search_ratio(spec: ModelSpec, seq: int, recipe: str, checkpointing: str, dev
     return replace(device, reserved_ratio=_SEARCH_RATIOS[key])
 
 
-def _search_layout(spec, gpu, seq, device, mfu, inter_node_gbps, host_memory, node, gpus, per_rank, recipe, label,
-                   zero, fsdp, offload, ckpt, tp, pp, cp, ep, cache, guesses, plans, counts, finetune=None) -> None:
+def _search_layout(spec: ModelSpec, gpu: GPU, seq: int, device: DeviceOptions, mfu: float, inter_node_gbps: float,
+                   host_memory: int, node: int, gpus: int, per_rank: int, recipe: str, label: str, zero: int | None,
+                   fsdp: str | None, offload: str, ckpt: str, tp: int, pp: int, cp: int, ep: int,
+                   cache: dict[Any, Any], guesses: dict[tuple[int | str, ...], int], plans: list[Plan],
+                   counts: list[int], finetune: FineTune | None = None) -> None:
     """One engine, recipe, offload, checkpointing and degrees: the largest micro-batch that fits, appended to
     ``plans``; ``counts`` (candidates, evaluated) grow by what was counted and probed."""
     micro_batches = divisors(per_rank)
     steps: dict[int, StepModel] = {}
 
-    def step_for(b: int):
+    def step_for(b: int) -> StepModel:
         """The compiled step at micro-batch b, from the search's cache. Its accumulation steps (per_rank / b)
         matter only as more than one (the gradients then live through forward: timeline._static) and, with a
         pipeline, as what each stage holds in flight (min(M, P)) and, in torch's pipelining, as its receive buffers
@@ -660,7 +674,7 @@ def min_gpus_counts(gpus_per_node: int) -> list[int]:
 
 
 def min_gpus(spec: ModelSpec, gpu: GPU, seq: int, gpus_per_node: int = 8, time_budget_s: float | None = None,
-             **options) -> tuple[int, PlanSearch] | None:
+             **options: Any) -> tuple[int, PlanSearch] | None:
     """The fewest GPUs of this type that can train the model at all (one sequence per GPU, any engine, checkpointing
     and offload), among min_gpus_counts, tried in ascending order; None past MAX_MIN_GPUS. With ``time_budget_s``
     the searches share that many seconds; when it runs out before a count fits the answer is None, and a search
@@ -683,11 +697,11 @@ def min_gpus(spec: ModelSpec, gpu: GPU, seq: int, gpus_per_node: int = 8, time_b
     return None
 
 
-def run_plan(model, gpu: str, gpus: int | None = None, seq: int = 2048, global_batch: int | None = None,
-             gpus_per_node: int = 8, nodes: int | None = None, recipe: str | None = None,
-             checkpointing: str | None = None, min_gpus_wanted: bool = False, hub: bool = False,
-             time_budget_s: float | None = None, lora: dict | None = None,
-             **options) -> tuple[PlanSearch, int | None]:
+def run_plan(model: str | os.PathLike[str] | ModelSpec | None, gpu: str, gpus: int | None = None, seq: int = 2048,
+             global_batch: int | None = None, gpus_per_node: int = 8, nodes: int | None = None,
+             recipe: str | None = None, checkpointing: str | None = None, min_gpus_wanted: bool = False,
+             hub: bool = False, time_budget_s: float | None = None, lora: dict[str, Any] | None = None,
+             **options: Any) -> tuple[PlanSearch, int | None]:
     """What ``trainmem plan`` and POST /api/plan answer: the search (or, with ``min_gpus_wanted``, the fewest GPUs
     and the search at that count). ``model`` as trainmem.estimate takes it; ``options``: mfu, inter_node_gbps,
     host_memory_gib, device. ``time_budget_s`` bounds the seconds the answer may take (PlanSearch.cut_short says

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -36,6 +36,27 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stric
 from .errors import ConfigError, TrainmemError
 from .estimate import DEFAULT_HEADROOM, MAX_CUDA_OVERHEAD_BYTES
 from .hardware import DEFAULT_CUDA_OVERHEAD_MIB, DEFAULT_FRAGMENTATION
+
+if TYPE_CHECKING:
+    from fastapi.responses import Response
+
+    from .models import ModelSpec
+
+    _F = TypeVar("_F", bound=Callable[..., Any])
+
+    class _App(Protocol):
+        """What create_app uses of FastAPI (not followed by mypy: Any): decorators that register the function they
+        are given and return it."""
+
+        state: Any
+
+        def get(self, path: str, **options: Any) -> Callable[[_F], _F]: ...
+
+        def post(self, path: str, **options: Any) -> Callable[[_F], _F]: ...
+
+        def middleware(self, middleware_type: str) -> Callable[[_F], _F]: ...
+
+        def exception_handler(self, exc_class: type[BaseException]) -> Callable[[_F], _F]: ...
 
 MAX_BODY_BYTES = 64 * 1024
 """The largest request body /api accepts (an uploaded config.json is a few KiB)."""
@@ -179,12 +200,12 @@ MAX_BUILT_EXPERTS = 4096
 """The most experts such a config may ask for (published MoE models have up to 512)."""
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers")
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_BUILT: dict[str, Any] = {}
+_BUILT: dict[str, ModelSpec] = {}
 """Specs of uploaded configs counted by transformers, by their JSON text (the page sends the config with every
 request; building takes a second or more)."""
 
 
-def _model_of(body):
+def _model_of(body: EstimateInput | PlanInput) -> str | ModelSpec | None:
     """A catalog name, a nominal size, or the uploaded config as a ModelSpec: never a path or a Hub id."""
     from .catalog import catalog_names
 
@@ -201,7 +222,7 @@ def _model_of(body):
     return body.model
 
 
-def _uploaded_spec(config: dict[str, Any]):
+def _uploaded_spec(config: dict[str, Any]) -> ModelSpec:
     """The ModelSpec of an uploaded config.json, as the CLI reads the same file (catalog.resolve_model_and_config):
     the hand-written description of its model_type, else the parameters counted by transformers."""
     import json
@@ -244,7 +265,7 @@ def _short(exc: BaseException) -> str:
     return text[0][:200] if text else "no message"
 
 
-def estimate_document(body) -> dict:
+def estimate_document(body: EstimateInput) -> dict[str, Any]:
     """The `trainmem estimate --json` document for one request body (EstimateInput)."""
     from .planner import estimate_searched
     from .report import json_safe, to_dict
@@ -258,11 +279,12 @@ def estimate_document(body) -> dict:
         req = make_request(model, **options)
         est, extra = estimate_searched(req.model, req.settings, req.device, req.gpu, req.parallel, req.finetune,
                                        find_batch=body.max_batch, find_seq=body.max_seq)
-        return json_safe(to_dict(est, req.gpu, extra))
+        document: dict[str, Any] = json_safe(to_dict(est, req.gpu, extra))
+        return document
 
 
 @contextlib.contextmanager
-def _upload_guard(body):
+def _upload_guard(body: EstimateInput | PlanInput) -> Iterator[None]:
     """An uploaded config is anything a JSON object can be: a value of a type its model_type never takes (a dropout
     given as text, an object where a number goes) that the parser let through and the estimator trips on is a 422
     about the config, not a 500. Requests without an upload are not guarded: a failure there is a bug to see."""
@@ -300,7 +322,7 @@ def _run_plan_takes_budget() -> bool:
     return "time_budget_s" in inspect.signature(run_plan).parameters
 
 
-def plan_document_for(body: PlanInput) -> dict:
+def plan_document_for(body: PlanInput) -> dict[str, Any]:
     """The `trainmem plan --json` document for one request body (plan.run_plan, report.plan_document), searched
     for at most PLAN_TIME_BUDGET_S where the planner takes a budget: ``search.cut_short`` says when it ran out."""
     from .plan import run_plan
@@ -318,7 +340,7 @@ def plan_document_for(body: PlanInput) -> dict:
     with _upload_guard(body):
         found, answer = run_plan(model, body.gpu, body.gpus, body.seq, body.global_batch, body.gpus_per_node,
                                  body.nodes, body.recipe, body.checkpointing, body.min_gpus, **options)
-        doc = json_safe(plan_document(found, body.top, answer))
+        doc: dict[str, Any] = json_safe(plan_document(found, body.top, answer))
     if budget:  # (report.plan_document says it where PlanSearch has cut_short; the web's answer always does)
         doc["search"].setdefault("cut_short", bool(getattr(found, "cut_short", False)))
     return doc
@@ -330,7 +352,7 @@ class _FieldError(ConfigError):
         self.field = field
 
 
-def _field_of(message: str, names) -> str | None:
+def _field_of(message: str, names: Iterable[str]) -> str | None:
     """The request field a trainmem message is about: the first --flag it names, else the first field name."""
     import re
 
@@ -351,26 +373,26 @@ class _Bad:
         self.what = what
 
 
-class _Pairs(list):
+class _Pairs(list[tuple[str, Any]]):
     """An object's (key, value) pairs as the parser gave them (duplicates kept, so that they can be refused)."""
 
 
-def _parse_float(text: str):
+def _parse_float(text: str) -> float | _Bad:
     import math
 
     value = float(text)
     return value if math.isfinite(value) else _Bad(f"{text[:24]} is beyond a float's range; give a finite number")
 
 
-def _parse_int(text: str):
+def _parse_int(text: str) -> int | _Bad:
     return int(text) if len(text) <= 400 else _Bad(f"an integer of {len(text):,} digits is out of every range here")
 
 
-def _parse_constant(name: str):
+def _parse_constant(name: str) -> _Bad:
     return _Bad(f"{name} is not a JSON number; give a finite number")
 
 
-def _check_json(raw: bytes) -> tuple[list, str] | None:
+def _check_json(raw: bytes) -> tuple[list[str | int], str] | None:
     """Why a request body cannot be taken, as (its path, the message), or None: not JSON, or JSON with what the
     standard refuses (NaN, Infinity, -Infinity, a number out of a float's range such as 1e999), a string with a lone
     surrogate (no UTF-8 for it), a key given twice, or nesting deeper than MAX_JSON_DEPTH."""
@@ -387,7 +409,7 @@ def _check_json(raw: bytes) -> tuple[list, str] | None:
         return [], f"the body is nested deeper than {MAX_JSON_DEPTH} levels"
     except ValueError as exc:
         return [], f"the body is not JSON ({_short(exc)})"
-    stack: list[tuple[list, Any]] = [([], tree)]
+    stack: list[tuple[list[str | int], Any]] = [([], tree)]
     while stack:
         path, value = stack.pop()
         if len(path) > MAX_JSON_DEPTH:
@@ -397,7 +419,7 @@ def _check_json(raw: bytes) -> tuple[list, str] | None:
         if isinstance(value, str) and _has_surrogate(value):
             return path, "a string with a lone surrogate (\\ud800-\\udfff alone is not a character)"
         if isinstance(value, _Pairs):
-            seen = set()
+            seen: set[str] = set()
             for key, item in value:
                 if _has_surrogate(key):
                     return path, "a key with a lone surrogate (\\ud800-\\udfff alone is not a character)"
@@ -423,13 +445,13 @@ def _safe(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _error(loc: list, message: str, kind: str = "value_error", status: int = 422) -> JSONResponse:
+def _error(loc: Sequence[str | int], message: str, kind: str = "value_error", status: int = 422) -> JSONResponse:
     return JSONResponse(status_code=status, content={"detail": [
         {"loc": ["body"] + [_safe(str(x)) if isinstance(x, str) else x for x in loc], "msg": _safe(message),
          "type": kind}]})
 
 
-def create_app():
+def create_app() -> FastAPI:
     """The FastAPI application (``trainmem serve`` runs it with uvicorn). /docs is Swagger UI from the files of the
     fastapi-offline package (the web extra), served here: nothing is fetched from a CDN."""
     from fastapi.exceptions import RequestValidationError
@@ -438,6 +460,7 @@ def create_app():
 
     about = dict(title="trainmem", summary="How much GPU memory a training run needs, where every byte goes.",
                  version=_version())
+    app: _App
     try:
         from fastapi_offline import FastAPIOffline
     except ImportError:  # (an install without the whole web extra: the API works, /docs says what is missing)
@@ -453,7 +476,7 @@ def create_app():
     cached: dict[str, Any] = {}
 
     @app.middleware("http")
-    async def limit_body(request: Request, call_next):
+    async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if request.method in ("POST", "PUT", "PATCH"):
             declared = request.headers.get("content-length")
             if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
@@ -469,13 +492,13 @@ def create_app():
         return await call_next(request)
 
     @app.exception_handler(TrainmemError)
-    async def config_error(request: Request, exc: TrainmemError):
+    async def config_error(request: Request, exc: TrainmemError) -> JSONResponse:
         names = PlanInput.model_fields if request.url.path == "/api/plan" else EstimateInput.model_fields
         field = getattr(exc, "field", None) or _field_of(str(exc), names)
         return _error([field] if field else [], str(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         """pydantic's errors as FastAPI words them (loc, msg, type), without the input they quote."""
         return JSONResponse(status_code=422, content={"detail": [
             {"loc": [_safe(str(x)) if isinstance(x, str) else x for x in e.get("loc", ())],
@@ -485,20 +508,22 @@ def create_app():
     def page() -> str:
         if "page" not in cached:
             cached["page"] = resources.files("trainmem").joinpath("static/index.html").read_text(encoding="utf-8")
-        return cached["page"]
+        text: str = cached["page"]
+        return text
 
     @app.get("/api/models", summary="The built-in catalog (as `trainmem models --json`).")
-    def models() -> dict:
+    def models() -> dict[str, Any]:
         if "models" not in cached:
             cached["models"] = models_document()
-        return cached["models"]
+        document: dict[str, Any] = cached["models"]
+        return document
 
     @app.get("/api/gpus", summary="The GPU table: names and the memory their drivers report.")
-    def gpus() -> dict:
+    def gpus() -> dict[str, Any]:
         return gpus_document()
 
     @app.get("/api/recipes", summary="Bytes per parameter of every recipe x optimizer (as `trainmem recipes --json`).")
-    def recipes() -> dict:
+    def recipes() -> dict[str, Any]:
         from .recipes_table import recipes_document
 
         return recipes_document()
@@ -523,7 +548,7 @@ def create_app():
     return app
 
 
-def _too_large():
+def _too_large() -> JSONResponse:
     return _error([], f"the request body is larger than {MAX_BODY_BYTES // 1024} KiB", "too_large", 413)
 
 

@@ -17,7 +17,7 @@ from ..errors import ConfigError
                                            "pure-bf16", "pure-bf16+master")), show_default=True)
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write the loss curves as a PNG.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def amp_demo(steps, batch, grad_scale_down, runs, plot, as_json) -> None:
+def amp_demo(steps: int, batch: int, grad_scale_down: float, runs: str, plot: str | None, as_json: bool) -> None:
     """Train a tiny GPT on a text shipped with trainmem under fp32, fp16 autocast (with and without GradScaler),
     bf16 autocast, pure bf16 and bf16 with fp32 master weights, on the CPU, and compare.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from ..cli import (_MAX_STEP, _Whole, _console, _emit_json, _header, _model_dict, _one_process, _refuse_fit_only_flags,
@@ -15,7 +17,7 @@ from ..errors import ConfigError
 @click.option("--seq", type=_Whole(_MAX_STEP), default=2048, show_default=True, help="Sequence length in tokens.")
 @click.option("--no-round", is_flag=True, help="Keep raw tensor sizes (CUDA rounds each allocation to 512 B).")
 @click.option("--all", "every", is_flag=True, help="Show every group, also those where the two agree.")
-def diff(batch, seq, no_round, every, **options) -> None:
+def diff(batch: int, seq: int, no_round: bool, every: bool, **options: Any) -> None:
     """Trace one step of MODEL (as trace does) and print, group by group (phase, category, owner: a layer, the
     embedding, the final norm, the head, the loss, the optimizer), what is alive at each traced peak that the
     estimate lacks or adds, with the traced tensors (op, dtype, shape) that make each group up.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from ..cli import _console, _emit_json, _workload, _gpu_memory_option, _workload_options, _Whole, _MAX_STEP
@@ -26,7 +28,8 @@ from ..errors import ConfigError
                    "(default: the environment's PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, else torch's).")
 @click.option("--explain-reserved", is_flag=True, help="The allocator replay behind the reserved line: the segments "
               "at the peak and allocated vs reserved through two steps.")
-def estimate(batch, seq, max_batch, max_seq, explain, plot, explain_reserved, **options) -> None:
+def estimate(batch: int, seq: int, max_batch: bool, max_seq: bool, explain: bool, plot: str | None,
+             explain_reserved: bool, **options: Any) -> None:
     """Estimate the memory of training MODEL: a catalog name (trainmem models), a Hub repo id, or a path to a
     config.json or its folder.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import click
 
@@ -20,7 +21,7 @@ from ..errors import ConfigError
               help="Steps to run; the last one is measured.")
 @click.option("--snapshot", type=click.Path(dir_okay=False), help="CUDA only: write a memory snapshot for "
               "pytorch.org/memory_viz.")
-def measure(batch, seq, device, steps, snapshot, **options) -> None:
+def measure(batch: int, seq: int, device: str, steps: int, snapshot: str | None, **options: Any) -> None:
     """Build MODEL for real (random weights), run training steps on a device and report each phase's peak:
     torch.cuda.max_memory_allocated()/max_memory_reserved() on CUDA, the allocator's own events on the CPU.
 

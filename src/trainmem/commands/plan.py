@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import click
 
 from ..cli import _console, _emit_json, _Whole
 from ..errors import ConfigError
 from ..units import DEFAULT_UNIT, parse_unit
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @click.command()
@@ -39,9 +44,11 @@ from ..units import DEFAULT_UNIT, parse_unit
 @click.option("--dora", is_flag=True, help="DoRA adapters (peft's use_dora).")
 @click.option("--qlora", is_flag=True, help="QLoRA's base: nf4 with double quantization.")
 @click.option("--json", "as_json", is_flag=True, help="Print the versioned JSON document (bytes as integers).")
-def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, checkpointing, mfu, inter_node_gbps,
-         host_memory_gib, min_gpus, time_budget, top, out_dir, units, hub, lora, lora_targets, dora, qlora,
-         as_json) -> None:
+def plan(model: str, gpu: str, gpus: int | None, nodes: int | None, gpus_per_node: int, seq: int,
+         global_batch: int | None, recipe: str | None, checkpointing: str | None, mfu: float | None,
+         inter_node_gbps: float | None, host_memory_gib: float | None, min_gpus: bool, time_budget: float | None,
+         top: int, out_dir: str | Path | None, units: str, hub: bool, lora: int | None, lora_targets: str, dora: bool,
+         qlora: bool, as_json: bool) -> None:
     """Search the layouts of MODEL on GPU that fit and rank them by a stated time model: data parallelism (DDP,
     ZeRO 1-3, FSDP2 full / grad-op / hybrid) x recipe x checkpointing x offload x micro-batch, with tensor (and
     sequence), pipeline, context (from 16k tokens) and expert parallelism; only layouts some engine's files run as
@@ -66,8 +73,9 @@ def plan(model, gpu, gpus, nodes, gpus_per_node, seq, global_batch, recipe, chec
         from ..outputs import check_output_dir
 
         out_dir = check_output_dir(out_dir, "--out")
-    options = {key: value for key, value in (("mfu", mfu), ("inter_node_gbps", inter_node_gbps),
-                                             ("host_memory_gib", host_memory_gib)) if value is not None}
+    options: dict[str, Any] = {key: value for key, value in (("mfu", mfu), ("inter_node_gbps", inter_node_gbps),
+                                                             ("host_memory_gib", host_memory_gib))
+                               if value is not None}
     if lora is not None:
         options["lora"] = dict(lora=lora, lora_targets=lora_targets, dora=dora, qlora=qlora)
     from ..progress import Progress

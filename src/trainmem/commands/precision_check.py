@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..cli import _console, _header, _model_dict, _emit_json, _Whole
 from ..errors import ConfigError
 
+if TYPE_CHECKING:
+    from rich.table import Table
 
-def _runnable_config(config: dict, name: str, seq: int, build: bool = True) -> None:
+
+def _runnable_config(config: dict[str, Any], name: str, seq: int, build: bool = True) -> None:
     """A config precision-check can build and run at ``seq``: read by its parser (a model_type without one: checked
     as meta_count does), no longer than a learned position table, and (``build``) built by transformers on the meta
     device."""
@@ -28,7 +32,7 @@ def _runnable_config(config: dict, name: str, seq: int, build: bool = True) -> N
         check_transformers_config(config, name)
 
 
-def _checked_model(config: dict, name: str, source: str, net) -> dict:
+def _checked_model(config: dict[str, Any], name: str, source: str, net: Any) -> dict[str, Any]:
     """The model object of estimate's document for the (resized) model precision-check ran; a family without an
     analytic parser gets the counted parameters and what its config says."""
     from ..errors import TrainmemError
@@ -59,8 +63,9 @@ def _checked_model(config: dict, name: str, source: str, net) -> dict:
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write the gradient histogram as a PNG.")
 @click.option("--hub", is_flag=True, help="Allow fetching a Hub model's config.json from the network.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr, loss_scale, plot, hub,
-                    as_json) -> None:
+def precision_check(model: str, layers: int | None, hidden: int | None, weights: str | None, data: str | None,
+                    batch: int, seq: int, steps: int, lr: float, loss_scale: float, plot: str | None, hub: bool,
+                    as_json: bool) -> None:
     """Run real fp32 training steps of MODEL on the CPU and measure whether fp16 or bf16 would lose its gradients,
     activations or weight updates.
 
@@ -74,6 +79,7 @@ def precision_check(model, layers, hidden, weights, data, batch, seq, steps, lr,
     from ..settings import make_settings
     from ..step import vocab_size
 
+    v: int | Table | None  # (each number checked here, then the verdict table below)
     for flag, v in (("--batch", batch), ("--seq", seq), ("--steps", steps), ("--layers", layers),
                     ("--hidden", hidden)):
         if v is not None and v <= 0:

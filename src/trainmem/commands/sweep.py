@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from ..cli import _console, _header, _emit_json, _workload, _int_list, _gpu_memory_option, _workload_options
@@ -15,7 +17,7 @@ from ..errors import ConfigError
 @click.option("--seq", "seqs", default="1024,2048,4096", show_default=True, help="Sequence lengths, comma-separated.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: the bytes needed against the batch or the "
               "sequence, with GPU capacities and where each runs out.")
-def sweep(batches, seqs, plot, **options) -> None:
+def sweep(batches: str, seqs: str, plot: str | None, **options: Any) -> None:
     """Estimate a grid of micro-batch sizes x sequence lengths.
 
     \b

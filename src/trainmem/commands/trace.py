@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import click
 
 from ..cli import _console, _header, _emit_json, _short, _workload, _workload_options, _Whole, _MAX_STEP
 from ..errors import ConfigError
 from ..units import parse_unit
+
+if TYPE_CHECKING:
+    from ..factory import ModuleProgram
+    from ..settings import TrainingSettings
+    from ..trace import TraceResult
 
 
 @click.command()
@@ -30,7 +37,8 @@ from ..units import parse_unit
 @click.option("--at", "at_sizes", default=None, metavar="BxS,...",
               help="--factory: also record the step at four sizes around --seq and estimate it at these micro-batch "
                    "x sequence sizes, e.g. 8x4096,16x2048.")
-def trace(batch, seq, no_round, replay_allocator, alloc_conf, factory, batch_fn, at_sizes, **options) -> None:
+def trace(batch: int, seq: int, no_round: bool, replay_allocator: bool, alloc_conf: str | None, factory: str | None,
+          batch_fn: str | None, at_sizes: str | None, **options: Any) -> None:
     """Run one real training step of MODEL's transformers implementation under FakeTensorMode on the CPU
     (no GPU, no memory), count every allocation, and compare with the estimate. With --gpus N --fsdp full, one rank
     of FSDP2 on a fake process group; with --gpus N --tp N [--sp], one rank of DTensor tensor parallelism.
@@ -140,7 +148,8 @@ def _at_sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
-def _trace_factory(factory, batch_fn, at_sizes, batch, seq, no_round, options) -> None:
+def _trace_factory(factory: str | None, batch_fn: str | None, at_sizes: str | None, batch: int, seq: int,
+                   no_round: bool, options: dict[str, Any]) -> None:
     """trace --factory: a user's own module traced under FakeTensorMode (factory.py)."""
     from ..factory import check_module_settings, load_factory, record_module, trace_module
     from ..settings import make_settings
@@ -171,7 +180,8 @@ def _trace_factory(factory, batch_fn, at_sizes, batch, seq, no_round, options) -
     _print_factory(factory, settings, result, program, sizes, parse_unit(options["units"]), options["as_json"])
 
 
-def _print_factory(factory, settings, result, program, sizes, unit, as_json) -> None:
+def _print_factory(factory: str, settings: TrainingSettings, result: TraceResult, program: ModuleProgram | None,
+                   sizes: list[tuple[int, int]], unit: str, as_json: bool) -> None:
     from ..units import format_bytes
 
     estimated = [(b, s, program.phases(b, s)) for b, s in sizes] if program is not None else []

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from ..cli import _console, _Whole
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..validate import RandomResult, Row
 
 
 @click.command()
@@ -56,7 +61,7 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
     existing = read_existing_text(output_path, "--output")
     console = _console()
 
-    def show_row(r) -> None:
+    def show_row(r: Row) -> None:
         bar.advance()
         verdict = "ok" if r.within_tolerance else "OUT OF TOLERANCE (worst phase %s %+.2f%%)" % (
             r.worst_phase[0], 100 * r.worst_phase[1])
@@ -77,9 +82,10 @@ def validate(quick: bool, full_size: bool, random_cases: int | None, seed: int |
             bad = sum(not r.within_tolerance for r in rows)
             total = len(rows)
         elif random_cases is not None:
-            def show(r) -> None:
+            def show(r: RandomResult) -> None:
                 bar.advance()
                 if r.ok:
+                    assert r.row is not None  # (ok: a row within tolerance)
                     phase, error = r.row.worst_phase
                     bar.print(console, f"case {r.index:<4d} {r.config['model_type']:12s} worst phase {phase} "
                                   f"{error:+.2%} ok")
