@@ -420,6 +420,18 @@ RANDOM_MISSES = {
         # (seed 20261203 case 55: -3.98% at the forward peak; the math kernel returns the product with v and a half
         # copy of the dropped probabilities, made beside everything it saved, before SDPA drops the second output)
     ),
+    "gpt-oss-top-1-sinks-dropout-recompute": (
+        {"model_type": "gpt_oss", "vocab_size": 1024, "tie_word_embeddings": False, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "num_hidden_layers": 3, "intermediate_size": 128, "max_position_embeddings": 4096, "attention_dropout": 0.1,
+         "head_dim": 64, "attention_bias": True, "sliding_window": 2048, "num_local_experts": 3,
+         "num_experts_per_tok": 1},
+        {"recipe": "fp32", "optimizer": "adafactor", "batch": 1, "seq": 512, "attention": "eager",
+         "checkpointing": "full", "dropout": None, "grad_accum": 2},
+        # (seed 20261203 case 276: -13.34% at the forward peak, then +1.16% at the backward one; the sinks softmax
+        # with dropout holds the dropped copy and its mask beside the scores, logits and probabilities, and with one
+        # expert per token no gradient of the weighted outputs exists before the recompute: both are views)
+    ),
 }
 
 

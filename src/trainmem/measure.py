@@ -249,8 +249,8 @@ def trainer_callback() -> Any:
     memory left at ``on_step_end``, after the Trainer's ``model.zero_grad()``."""
     from transformers import TrainerCallback
 
-    # (transformers is not followed, so its class is Any: strict mypy refuses a subclass of Any, the default accepts it)
-    class TrainmemCallback(TrainerCallback):  # type: ignore[misc, unused-ignore]
+    # (transformers is not followed, so its class is Any, which strict mypy refuses to subclass)
+    class TrainmemCallback(TrainerCallback):  # type: ignore[misc]
         def __init__(self) -> None:
             self.steps: list[Measurement] = []
             """One Measurement per optimizer step, in order."""

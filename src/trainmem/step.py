@@ -194,7 +194,7 @@ def chunked_output_model(torch: Any, model: Any, compile_loss: bool = False) -> 
     if compile_loss:  # torchtune's compile_loss compiles compute_cross_entropy
         slice_loss = torch.compile(slice_loss, backend=COMPILE_BACKEND)
 
-    class ChunkedOutputLoss(torch.nn.Module):  # type: ignore[misc, unused-ignore]
+    class ChunkedOutputLoss(torch.nn.Module):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.model = model

@@ -235,7 +235,7 @@ def _recompute_aware_tracker(mem_tracker: Any, run: Any, base: Any = None, tempo
     temporary = temporary or mem_tracker._MemRefType.TEMP
 
     # (base is torch's MemTracker or FSDPMemTracker, chosen at run time: mypy cannot check a class on it)
-    class RecomputeAwareTracker(base):  # type: ignore[misc, unused-ignore]
+    class RecomputeAwareTracker(base):  # type: ignore[misc]
         @classmethod
         def ignore_compile_internals(cls) -> bool:
             # Otherwise torch.compile falls back to eager under the tracker (a dispatch mode); with this it
@@ -681,7 +681,7 @@ def _sharding_propagation_untracked() -> Iterator[list[bool]]:
 
 def _tp_tracker(mem_tracker: Any, propagating: list[bool]) -> Any:
     # (mem_tracker is torch's module, passed in: trace imports torch only when it runs)
-    class ShardingAwareTracker(mem_tracker.MemTracker):  # type: ignore[misc, unused-ignore]
+    class ShardingAwareTracker(mem_tracker.MemTracker):  # type: ignore[misc]
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if propagating[0]:
                 return func(*args, **(kwargs or {}))
@@ -730,7 +730,7 @@ def trace_tp_step(config: dict[str, Any], settings: TrainingSettings, parallel: 
         # (with sequence parallelism the layers see 1/T of the sequence: the positions are given whole)
         positions = torch.arange(settings.seq).unsqueeze(0)
 
-        class WithLoss(torch.nn.Module):  # type: ignore[misc, unused-ignore]
+        class WithLoss(torch.nn.Module):  # type: ignore[misc]
             """The model and torchtitan's loss in one module, so that MemTracker's forward and backward
             peaks take the loss in, as the one-GPU trace's ``model(labels=...)`` does."""
 
