@@ -538,9 +538,8 @@ def lora_activations(acts: ActivationEstimate, spec: ModelSpec, p: Precision,
                                   checkpoint_terms=checkpoint_terms))
     head, _ = rules.adapted_terms(acts.head_terms, None)
     embedding, _ = rules.adapted_terms(acts.embedding_terms, None)
-    if inputs_take_gradient and not embedding_trained and spec.traits.decoder_locals in ("token_and_position",
-                                                                                        "token_and_shared_position",
-                                                                                        "opt"):
+    if inputs_take_gradient and not embedding_trained and spec.traits.decoder_locals in ("token_and_shared_position",
+                                                                                         "opt"):
         from .activations import Term
 
         # The token embeddings made to take a gradient are a leaf, which autograd's AccumulateGrad node holds through

@@ -252,10 +252,9 @@ class FamilyTraits:
     """Position ids the embedding keeps: OPT's per token (int64), GPT-2's one row shared by the batch."""
     rotary_tables: int = 1
     """Pairs of rotary cos/sin tables the base model builds (Gemma 3: one for local layers, one for global)."""
-    decoder_locals: Literal["none", "token_and_position", "token_and_shared_position", "opt",
-                            "dropped_embeddings"] = "none"
+    decoder_locals: Literal["none", "token_and_shared_position", "opt", "dropped_embeddings"] = "none"
     """What the base model's forward holds in locals through its layer loop (ActivationEstimate.decoder_locals_bytes):
-    GPT-2's token and position embeddings; GPT-BigCode's, its position embeddings one row shared by the batch; OPT's,
+    GPT-2's and GPT-BigCode's token embeddings and their position embeddings, one row shared by the batch; OPT's,
     with its position mask and ids; GPT-NeoX's and GPT-J's undropped embeddings beside the dropped ones."""
     mlp_inline: bool = False
     """The decoder layer runs its MLP's Linears itself (OPTDecoderLayer: ``hidden_states = self.fc1(...)``), so the
@@ -1470,7 +1469,7 @@ class UnsupportedModelType(ModelError):
 _GEMMA = FamilyTraits(rms_norm_fp32_plus_one=True)
 FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "gpt2": FamilyTraits(eager_attention="gpt2", hidden_dropout="per_block", embedding_dropout=True,
-                         position_ids="per_sequence", decoder_locals="token_and_position"),
+                         position_ids="per_sequence", decoder_locals="token_and_shared_position"),
     "opt": FamilyTraits(hidden_dropout="per_block", position_ids="per_token", decoder_locals="opt", mlp_inline=True),
     "gpt_neox": FamilyTraits(q_built_by_cat=True, fused_qkv_layout="per_head", hidden_dropout="per_block",
                              embedding_dropout=True, decoder_locals="dropped_embeddings"),
