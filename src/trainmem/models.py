@@ -290,6 +290,10 @@ class FamilyTraits:
     """The decoder layer keeps the attention's output in a local of its own through the MLP, beside the residual
     sum made from it (StableLmDecoderLayer: ``residual = residual + self_attn_output``, then the MLP), so it is
     alive while the down projection writes its output, in the forward and at a checkpointed layer's recompute."""
+    residual_branches_scaled: bool = False
+    """The block adds each branch's output times a Python scalar to the residual (GraniteDecoderLayer's
+    ``residual + hidden_states * self.residual_multiplier``, even at 1.0): the product saves nothing, but its
+    backward makes a new gradient of the branch's output, alive through the branch's last Linear's backward."""
     residual_first_in_parallel_sum: bool = False
     """A parallel block's output sum starts with the residual (CohereDecoderLayer's ``residual +
     hidden_states_attention + hidden_states_mlp``, StableLmDecoderLayer's ``residual + self_attn_output +
@@ -1513,6 +1517,7 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     # GptOssModel.forward builds the full and the sliding mask whatever the layers use)
     "gpt_oss": FamilyTraits(sdpa_supported=False, rms_norm_fp32_product=True,
                             eager_masks_always_built=frozenset({False, True}), rotary_tables_half=True),
+    "granite": FamilyTraits(residual_branches_scaled=True),
 }
 """Each family's traits; a family not listed has Llama's. Gemma 2/3 and Qwen2-MoE build the full and the sliding
 eager mask whatever their layers use, Qwen2/Qwen3 the full one always; the others (Mistral, Mixtral, Phi-3,

@@ -99,6 +99,24 @@ def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: 
     return (mlp + p.residual * spec.hidden_size) * tokens + _attention_gradient_waiting(spec, layer, p, tokens)
 
 
+def _gate_up_moment(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
+                    tensors: list[ParamTensor], gradients_of: Recipe) -> tuple[int, int]:
+    """See _LayerBytes.gate_up_moment. When the fused gate/up projection runs its backward, ``chunk``'s backward has
+    concatenated the gradients of the gate and of up into one 2 I-wide tensor, and the projection makes its weight's
+    gradient (a temporary until autograd accumulates it) and its input's, beside the residual stream's gradient;
+    the MLP's saves but its input (the gate/up output, the activation's, the product) and those of a norm on the
+    layer's output are freed by then (traced: GLM-4, fp32, tied embeddings, full checkpointing, 1 x 256: the peak,
+    -0.38% with 20 MB of temporaries counted as activations without this moment)."""
+    mlp = la.layer.mlp
+    if mlp is None or not mlp.fused_gate_up or la.layer.moe:
+        return 0, 0
+    c, h, width = _mlp_bytes(la.layer, p), spec.hidden_size, _mlp_width(la.layer)
+    freed = 4 * c * width * tokens + int(_term_bytes(la.terms, "post_feedforward_norm") * tokens)
+    weight = _param_bytes(_numel(tensors, "mlp"), _autograd_grad_bytes(gradients_of))
+    transient = (p.residual * h + 2 * c * width + p.compute * h) * tokens + weight
+    return freed, transient + _attention_gradient_waiting(spec, la.layer, p, tokens)
+
+
 def _attention_gradient_waiting(spec: ModelSpec, layer: Layer, p: Precision, tokens: int) -> int:
     """Cohere's ``residual + attention + mlp``: the inner add's backward runs before the MLP's (its node is the
     later one) and, under autocast, casts the gradient for the half attention output: a half hidden-state tensor
@@ -308,7 +326,8 @@ def _mlp_output_bytes(spec: ModelSpec, layer: Layer, p: Precision) -> int:
     return p.compute
 
 
-def _recompute_gradient(spec: ModelSpec, layer: Layer, p: Precision, output_norm: bool) -> int:
+def _recompute_gradient(spec: ModelSpec, layer: Layer, p: Precision, output_norm: bool,
+                        output_dropout: bool = False) -> int:
     """See _LayerBytes.recompute_gradient, per token: the residual stream's gradient, and beside it what the
     layer's backward made before its first node that needs a saved tensor started the recompute."""
     if layer.moe:
@@ -326,8 +345,10 @@ def _recompute_gradient(spec: ModelSpec, layer: Layer, p: Precision, output_norm
     elif spec.traits.block == "falcon" and p.autocast and layer.attention.qkv_bias:
         # FalconLinear adds its fp32 bias after the half matmul (``hidden_states + self.bias``): that add's
         # backward, which needs nothing saved, casts the gradient to the matmul's half dtype before the recompute
-        # (traced: ALiBi, amp-fp16, eager, full checkpointing)
-        extra = p.compute
+        # (traced: ALiBi, amp-fp16, eager, full checkpointing); unless the layer ends with its hidden dropout
+        # (``dropout_add``), whose backward needs its saved mask first (traced: amp-bf16, dropout 0.1, 4 x 256:
+        # +1.2% at the backward peak with the cast)
+        extra = 0 if output_dropout else p.compute
     else:
         # under autocast, the residual add's backward casts the gradient to the MLP output's half dtype, and in a
         # parallel block whose sum starts with the residual (``residual + self_attn_output + mlp_output``) the
@@ -979,6 +1000,9 @@ class _LayerBytes:
     (LayerActivations.returned_to_model), in bytes."""
     checkpointed: bool = False
     """Checkpointed (every layer under --checkpointing full, every second one under selective)."""
+    gate_up_moment: tuple[int, int] = (0, 0)
+    """A fused gate/up projection's backward (GLM-4's and Phi-3's ``gate_up_proj``, then ``chunk``): (what the
+    layer has freed by then, the temporaries), see _gate_up_moment; (0, 0) elsewhere."""
     compiled_mlp: tuple[int, int] = (0, 0)
     """--compile without checkpointing: (what the layer has freed, the temporaries) in its compiled backward's SiLU
     gradient (see _compiled_mlp_backward); (0, 0) in eager."""
@@ -1141,7 +1165,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                 _layer_casts(spec, la, p)[0] if la.recompute_saved and p.autocast and not cached else 0)
             if la.recompute_saved else _saved_before_attention(spec, la, p, tokens, shared_input)
             + int(la.recompute_kernel_saved * tokens),
-            recompute_gradient=int(_recompute_gradient(spec, layer, p, bool(output_norm)) * tokens)
+            recompute_gradient=int(_recompute_gradient(spec, layer, p, bool(output_norm),
+                                                       _mlp_output_dropout(spec, layer, settings)) * tokens)
             + (int(_adapter_recompute_gradient(spec, la, p, finetune) * tokens) if finetune is not None else 0),
             norm_moment=_norm_moment(spec, la, p, gradients_of, tensors, tokens, attention_live),
             # (o_proj's backward has run: its input, the attention output, is freed)
@@ -1156,7 +1181,11 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             down_transient=(_mlp_bytes(layer, p) * _mlp_width(layer) + p.residual * spec.hidden_size
                             + (layer.moe.top_k * p.experts * spec.hidden_size if layer.moe else
                                p.compute * spec.hidden_size if p.autocast or _mlp_output_dropout(spec, layer, settings)
-                               or output_norm else 0)) * tokens
+                               or output_norm else 0)
+                            # (Granite's scaled branch: its product's gradient, a tensor of its own; traced:
+                            # mixed-fp16, eager, full checkpointing, 1 x 512, 1 MiB short at the backward peak)
+                            + (_mlp_output_bytes(spec, layer, p) * spec.hidden_size
+                               if spec.traits.residual_branches_scaled else 0)) * tokens
             + (_adapted_down_gradient(spec, la, p, finetune) * tokens if finetune is not None else 0)
             + _attention_gradient_waiting(spec, layer, p, tokens),
             freed_before_down=freed_before_mlp,
@@ -1164,6 +1193,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             compiled_copies=_compiled_gradient_copies(tensors, gradients_of) if settings.compile else 0,
             compiled_mlp=(_compiled_mlp_backward(spec, la, p, tokens, tensors, finetune)
                           if settings.compile and not recomputes else (0, 0)),
+            gate_up_moment=(_gate_up_moment(spec, la, p, tokens, tensors, gradients_of)
+                            if finetune is None and not settings.compile else (0, 0)),
             checkpointed=recomputes,
         )
         made[key] = item
@@ -1720,6 +1751,12 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             "backward", f"layer {index} MLP", weights,
             max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
             live_acts - x.product, x.transient + tied_held))
+        if x.gate_up_moment[1]:
+            freed, transient = x.gate_up_moment
+            candidates.append(Phase(
+                "backward", f"layer {index} gate_up projection", weights,
+                max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
+                live_acts - freed, transient + tied_held))
         if x.compiled_mlp[1]:
             freed, transient = x.compiled_mlp
             candidates.append(Phase(
