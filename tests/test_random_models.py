@@ -476,23 +476,23 @@ RANDOM_CATEGORY_MISSES = {
 def test_random_category_misses_are_within_tolerance_in_every_category(name):
     """Cases whose total was right at another moment than the trace's peak: every phase and category within
     validate's tolerance, and each phase's total within 1%."""
-    from trainmem.validate import _total_error
-
     config, settings = RANDOM_CATEGORY_MISSES[name]
     result = run_random_case(config, settings)
     assert result.row is not None and result.ok, result.describe()
-    for phase, estimate, trace in ((result.row.phase, result.row.estimate, result.row.trace),
-                                   *result.row.other_phases):
+    _assert_every_phase_within_one_percent(name, result)
+
+
+def _assert_every_phase_within_one_percent(name, result):
+    from trainmem.validate import _total_error
+
+    row = result.row
+    for phase, estimate, trace in ((row.phase, row.estimate, row.trace), *row.other_phases):
         assert abs(_total_error(estimate, trace)) < 0.01, (name, phase, result.describe())
 
 
 @pytest.mark.parametrize("name", sorted(RANDOM_MISSES))
 def test_random_misses_are_within_one_percent(name):
-    from trainmem.validate import _total_error
-
     config, settings, *_ = RANDOM_MISSES[name]
     result = run_random_case(config, settings)
     assert result.row is not None, result.describe()
-    row = result.row
-    for phase, estimate, trace in ((row.phase, row.estimate, row.trace), *row.other_phases):
-        assert abs(_total_error(estimate, trace)) < 0.01, (name, phase, result.describe())
+    _assert_every_phase_within_one_percent(name, result)

@@ -369,8 +369,7 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     v_cache = c * kv * dv if use_cache else 0.0
     k_kept = v_kept = False  # whether attention keeps the cache's own tensors (then the cache adds nothing)
     returned = released = backward = softmax_extra = after_softmax = bloom_forward = returned_to_model = 0.0
-    math_return_extra = 0.0
-    matmul_backward = recompute_locals = recompute_kernel_saved = 0.0
+    matmul_backward = recompute_locals = recompute_kernel_saved = math_return_extra = 0.0
     held_by_layer = 0.0
 
     if kernel == FLASH:

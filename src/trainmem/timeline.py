@@ -1161,10 +1161,10 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                      + (p.compute * sum(t.numel for t in tensors if len(t.shape) == 2
                                                         and t.role not in MLP_ROLES) if p.autocast else 0)
                                      - shared_input if la.recompute_locals else 0),
-            recompute_attention_saved=int(la.recompute_saved * tokens) + (
-                _layer_casts(spec, la, p)[0] if la.recompute_saved and p.autocast and not cached else 0)
-            if la.recompute_saved else _saved_before_attention(spec, la, p, tokens, shared_input)
-            + int(la.recompute_kernel_saved * tokens),
+            recompute_attention_saved=(
+                int(la.recompute_saved * tokens) + (_layer_casts(spec, la, p)[0] if p.autocast and not cached else 0)
+                if la.recompute_saved else
+                _saved_before_attention(spec, la, p, tokens, shared_input) + int(la.recompute_kernel_saved * tokens)),
             recompute_gradient=int(_recompute_gradient(spec, layer, p, bool(output_norm),
                                                        _mlp_output_dropout(spec, layer, settings)) * tokens)
             + (int(_adapter_recompute_gradient(spec, la, p, finetune) * tokens) if finetune is not None else 0),
