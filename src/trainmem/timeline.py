@@ -449,10 +449,6 @@ def _moe_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     moe = layer.moe_block
     weighted = la.returned_extra + moe.top_k * _weighted_bytes(moe, p) * h
     argument = p.residual * h if p.autocast else p.compute * h if _shared_first(layer) and p.compute != FP32 else 0
-    # the decoder layer's ``residual`` (the attention block's sum), where the MLP norm saved an fp32 copy of it
-    # instead of itself (traced: GPT-OSS, mixed-fp16, full checkpointing, 2 x 256: 0.33 MB short)
-    if p.residual != FP32 and any(t.module == "post_attention_norm" and t.kind == "input_fp32" for t in la.terms):
-        argument += p.residual * h
     routed = int((weighted + _routing_locals(moe, p) + moe.top_k * INDEX + argument) * tokens)
     if moe.gate == "clamped_swiglu":
         # GptOssExperts._apply_gate's product, recomputed: beyond what the recompute has saved by then, the gathered
