@@ -1137,7 +1137,13 @@ def _mla_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, p: Pre
             # the dropout (on probabilities cast to q's half dtype) has run its backward by the softmax's: its mask
             # is freed (with fp32 probabilities the dropout's own moment, mask alive, is the larger)
             released += MASK * a * s
-        return AttentionTerms(tuple(terms), EAGER, cache_extra, 0.0, released, 2 * FP32 * a * s + c * a * dv,
+        # eager_attention_forward returns the dropped probabilities, which DeepseekV3DecoderLayer holds in ``_``
+        # to its end: under autocast they are fp32 (the cat with the rotated half promotes q, and the softmax's
+        # ``.to(query.dtype)`` keeps fp32), while the matmul with v keeps a half cast, so they are a tensor of
+        # their own (traced: amp-fp16, eager, dropout 0.1, full checkpointing, 8 KiB per token short at the
+        # routed experts' recompute; seed 20261205 case 4 of ``validate --random``)
+        returned = FP32 * a * s if dropout > 0 and q_bytes == FP32 and c != FP32 else 0.0
+        return AttentionTerms(tuple(terms), EAGER, cache_extra, returned, released, 2 * FP32 * a * s + c * a * dv,
                               forward_inputs=inputs, matmul_backward=c * a * s + 2 * c * a * dv)
     backend = sdpa_backend(dtype=_DTYPE_OF_BYTES[c], head_dim_qk=qk, head_dim_v=dv, q_heads=a, kv_heads=a,
                            has_mask=False, enable_gqa=False, q_len=s, kv_len=s, is_causal=True,

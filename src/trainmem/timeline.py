@@ -336,8 +336,16 @@ def _recompute_gradient(spec: ModelSpec, layer: Layer, p: Precision, output_norm
         # gradient over a size-1 dimension and the view's reshapes it, both views, so there is none (traced:
         # GPT-OSS, top-1, fp32, eager, full checkpointing, 1 x 512 and 1 x 1,024: +0.8-1.2% at the backward peak with
         # it)
+        # DeepSeek's shared experts, added after the routed ones, run their backward first: it needs their saved
+        # tensors, so the recompute starts before the routed sum's backward (traced: DeepSeek-V3, no shared
+        # experts, amp-fp16, full checkpointing, seed 20261205 case 4: +4.8% at the backward peak with it)
+        # Under autocast the shared experts' output is half beside the fp32 routed sum: the add's backward casts
+        # the gradient for them (traced there: 640 B per token short without the cast)
         top_k = layer.moe.top_k
-        extra = top_k * _weighted_bytes(layer.moe, p) if top_k > 1 else 0
+        if _shared_first(layer):
+            extra = p.compute if p.compute != p.residual else 0
+        else:
+            extra = top_k * _weighted_bytes(layer.moe, p) if top_k > 1 else 0
     elif output_norm:
         # Gemma's post-feedforward norm: its output cast back to a half input dtype saves nothing, so its
         # backward, an fp32 gradient, runs before the recompute
@@ -458,7 +466,11 @@ def _moe_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, toke
         routed = max(routed, int((la.returned_extra + at_product + _routing_locals(moe, p) + argument) * tokens))
     if not _shared_first(layer):
         return routed
-    return max(routed - _shared_experts_freed(spec, la, p, tokens), int(weighted * tokens))
+    # The shared experts' saves come later, so the recompute goes on through the gather back to token order: its
+    # output exists beside the weighted outputs it reads (traced: DeepSeek-V3, amp-fp16, no shared experts, full
+    # checkpointing, -4.05% at the backward peak without it; seed 20261205 case 4 of ``validate --random``)
+    gathered_back = int(moe.top_k * _weighted_bytes(moe, p) * h * tokens)
+    return max(routed + gathered_back - _shared_experts_freed(spec, la, p, tokens), int(weighted * tokens))
 
 
 def _clamped_swiglu_at_product(moe: MoE, p: Precision, h: int) -> float:
@@ -534,7 +546,11 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
         # the down projection's output, the weighted outputs and their permuted copy, k x h wide each, with
         # inv_perm (traced: Qwen3-MoE, experts narrower than the width, -4.1% at the forward peak without it)
         gather_back = 2 * moe.top_k * (p.experts + _weighted_bytes(moe, p)) * h + moe.top_k * INDEX
-        mlp = max(mlp, gather_back) + routing
+        # Qwen2MoeSparseMoeBlock.forward runs its shared expert before the routed ones: its output is a local
+        # through both moments (DeepSeek's run after them, _shared_first). Traced: Qwen2-MoE, fp32, full
+        # checkpointing, -2.05% at the forward peak without it (seed 20261205 case 66 of ``validate --random``)
+        shared_output = c * h if moe.shared_intermediate_size and not _shared_first(layer) else 0
+        mlp = max(mlp, gather_back) + routing + shared_output
     mlp += la.held_by_layer  # the attention weights eager attention returned, held in the block's locals
     attn = la.attention_forward or c * (2 * att.num_heads * att.head_dim + 2 * att.num_kv_heads * att.head_dim)
     # Beside, in the MLP: the layer input (the caller's variable), the residual and the norm output; in attention,
