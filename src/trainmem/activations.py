@@ -455,6 +455,12 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
             # (the returned weights are ``probs[..., :-1]`` cast to v's dtype: a view keeping the sink column too
             # where the softmax is already in it, the cast copy under autocast)
             held_by_layer = c * a * s + (c * a if p.residual == c else 0)
+            # In the recompute (grad mode) the scores matmul saves autocast's half casts of the fp32 q and k, and
+            # the dropout its mask, all freed by the no-grad forward's moment at the cast to v's dtype (traced:
+            # amp-fp16, dropout 0.1, full checkpointing, 1 x 256: 0.45 MB short at the top layer's recompute;
+            # seed 765427750 case 6 of ``validate --random``)
+            recompute_kernel_saved = (c * (a * d + kv_passed * d) if qk_bytes != c else 0) \
+                + (MASK * a * s if dropout > 0 and p.residual != c else 0)
         # (the cast back to q's dtype under autocast: eager_softmax_moment's cast_to)
         softmax_extra, after_softmax = eager_softmax_moment(eager, p, a, s, 0 if gpt2_eager else dropout_bytes,
                                                             spec.traits.eager_attention == "fp32_scores")
@@ -1940,6 +1946,10 @@ def recompute_masks_freed(spec: ModelSpec, settings: TrainingSettings, p: Precis
     the lower layer's recompute (seed 2718 case 29 of ``validate --random``)."""
     if not spec.has_architecture or settings.checkpointing == "none":
         return (0,) * (len(layers) + 1)
+    # (a family without an SDPA path runs eager and gets eager's masks: GPT-OSS's full-attention layer is handed
+    # one, freed after its backward; traced: mixed-bf16, --attention sdpa, full checkpointing, +0.67% at the lower
+    # sliding layer's recompute with it kept)
+    settings = replace(settings, attention=effective_kernel(spec, settings.attention))
     size = _mask_size(spec, settings, p)
     kinds = [_layer_mask(spec, layer, settings) if checkpointed else None for layer, checkpointed in layers]
     lowest = {kind: kinds.index(kind) for kind in set(kinds) - {None}}

@@ -457,7 +457,15 @@ def _moe_recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     moe = layer.moe_block
     weighted = la.returned_extra + moe.top_k * _weighted_bytes(moe, p) * h
     argument = p.residual * h if p.autocast else p.compute * h if _shared_first(layer) and p.compute != FP32 else 0
-    routed = int((weighted + _routing_locals(moe, p) + moe.top_k * INDEX + argument) * tokens)
+    # The decoder layer's ``residual`` (the sum after attention) is held through the MLP; where the post-attention
+    # norm saved an fp32 copy of a half one instead of the tensor itself, it is one more (traced: GPT-OSS,
+    # mixed-fp16 and mixed-bf16, full checkpointing; seed 20261204 case 469 of ``validate --random``)
+    if _term_bytes(la.terms, "post_attention_norm", "input_fp32") and p.residual != FP32:
+        argument += p.residual * h
+    # With biased experts the down projection's gathered biases stay in grouped_mm_experts_forward's
+    # ``selected_biases`` to its end (traced: GPT-OSS, mixed-bf16, experts narrower than the width)
+    down_biases = moe.top_k * p.experts * h if moe.bias else 0
+    routed = int((weighted + _routing_locals(moe, p) + moe.top_k * INDEX + argument + down_biases) * tokens)
     if moe.gate == "clamped_swiglu":
         # GptOssExperts._apply_gate's product, recomputed: beyond what the recompute has saved by then, the gathered
         # gate_up biases and the clamped up (3 I, no backward keeps them), while the down projection's output and
