@@ -331,20 +331,21 @@ def _recompute_gradient(spec: ModelSpec, layer: Layer, p: Precision, output_norm
     """See _LayerBytes.recompute_gradient, per token: the residual stream's gradient, and beside it what the
     layer's backward made before its first node that needs a saved tensor started the recompute."""
     if layer.moe:
-        # the gradient of the weighted outputs in token order, made by the sum's and the view's backward before the
-        # gather's backward needs its saved indices; with one expert per token the sum's backward expands the
-        # gradient over a size-1 dimension and the view's reshapes it, both views, so there is none (traced:
-        # GPT-OSS, top-1, fp32, eager, full checkpointing, 1 x 512 and 1 x 1,024: +0.8-1.2% at the backward peak with
-        # it)
-        # DeepSeek's shared experts, added after the routed ones, run their backward first: it needs their saved
-        # tensors, so the recompute starts before the routed sum's backward (traced: DeepSeek-V3, no shared
-        # experts, amp-fp16, full checkpointing, seed 20261205 case 4: +4.8% at the backward peak with it)
-        # Under autocast the shared experts' output is half beside the fp32 routed sum: the add's backward casts
-        # the gradient for them (traced there: 640 B per token short without the cast)
         top_k = layer.moe.top_k
         if _shared_first(layer):
+            # DeepSeek's shared experts, added after the routed ones, run their backward first: it needs their
+            # saved tensors, so the recompute starts before the routed sum's backward (traced: DeepSeek-V3, no
+            # shared experts, amp-fp16, full checkpointing, seed 20261205 case 4: +4.8% at the backward peak with
+            # the weighted outputs' gradient). Under autocast the shared experts' output is half beside the fp32
+            # routed sum: the add's backward casts the gradient for them (traced there: 640 B per token short
+            # without the cast)
             extra = p.compute if p.compute != p.residual else 0
         else:
+            # the gradient of the weighted outputs in token order, made by the sum's and the view's backward before
+            # the gather's backward needs its saved indices; with one expert per token the sum's backward expands
+            # the gradient over a size-1 dimension and the view's reshapes it, both views, so there is none
+            # (traced: GPT-OSS, top-1, fp32, eager, full checkpointing, 1 x 512 and 1 x 1,024: +0.8-1.2% at the
+            # backward peak with it)
             extra = top_k * _weighted_bytes(layer.moe, p) if top_k > 1 else 0
     elif output_norm:
         # Gemma's post-feedforward norm: its output cast back to a half input dtype saves nothing, so its
