@@ -256,6 +256,9 @@ class FamilyTraits:
     """What the base model's forward holds in locals through its layer loop (ActivationEstimate.decoder_locals_bytes):
     GPT-2's and GPT-BigCode's token embeddings and their position embeddings, one row shared by the batch; OPT's,
     with its position mask and ids; GPT-NeoX's and GPT-J's undropped embeddings beside the dropped ones."""
+    mlp_applies_dropout: bool = False
+    """The MLP module drops its own output out before returning (GPT2MLP, Starcoder2MLP, GPTBigCodeMLP), so the
+    decoder layer's local holding the MLP norm's output is alive while the dropout writes its copy."""
     mlp_inline: bool = False
     """The decoder layer runs its MLP's Linears itself (OPTDecoderLayer: ``hidden_states = self.fc1(...)``), so the
     MLP norm's output is no longer held once the first Linear has run."""
@@ -1473,7 +1476,8 @@ class UnsupportedModelType(ModelError):
 _GEMMA = FamilyTraits(rms_norm_fp32_plus_one=True)
 FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "gpt2": FamilyTraits(eager_attention="gpt2", hidden_dropout="per_block", embedding_dropout=True,
-                         position_ids="per_sequence", decoder_locals="token_and_shared_position"),
+                         position_ids="per_sequence", decoder_locals="token_and_shared_position",
+                         mlp_applies_dropout=True),
     "opt": FamilyTraits(hidden_dropout="per_block", position_ids="per_token", decoder_locals="opt", mlp_inline=True),
     "gpt_neox": FamilyTraits(q_built_by_cat=True, fused_qkv_layout="per_head", hidden_dropout="per_block",
                              embedding_dropout=True, decoder_locals="dropped_embeddings"),
@@ -1504,14 +1508,16 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "cohere2": FamilyTraits(rms_norm_fp32_product=True, norm_centred_twice=True, rotary_in_input_dtype=True,
                             rotary_float_copies=True, eager_masks_always_built=frozenset({False, True}),
                             residual_first_in_parallel_sum=True),
-    "starcoder2": FamilyTraits(hidden_dropout="per_block", embedding_dropout=True),
+    "starcoder2": FamilyTraits(hidden_dropout="per_block", embedding_dropout=True,
+                               decoder_locals="dropped_embeddings", mlp_applies_dropout=True),
     "stablelm": FamilyTraits(q_built_by_cat=True, hidden_dropout="after_mlp", rotary_split_locals=True,
                              attention_output_held=True, residual_first_in_parallel_sum=True),
     "gptj": FamilyTraits(eager_attention="fp32_scores", hidden_dropout="per_block", embedding_dropout=True,
                          decoder_locals="dropped_embeddings", rotary_split_locals=True, rotary_tables_per_layer=True,
                          rotary_tables_split=True),
     "gpt_bigcode": FamilyTraits(fused_qkv_layout="blocks", hidden_dropout="per_block", embedding_dropout=True,
-                                position_ids="per_sequence", decoder_locals="token_and_shared_position"),
+                                position_ids="per_sequence", decoder_locals="token_and_shared_position",
+                                mlp_applies_dropout=True),
     "olmo": FamilyTraits(layer_norm_upcast=True, rotary_in_input_dtype=True, rotary_tables_fp32=True),
     # (GptOssPreTrainedModel._supports_sdpa is False: --attention sdpa runs eager, as transformers' default does;
     # GptOssModel.forward builds the full and the sliding mask whatever the layers use)
