@@ -62,6 +62,20 @@ def test_a_reduced_config_keeps_the_first_layers_of_each_per_layer_list():
                    "mlp_only_layers": [0, 3]}
 
 
+def test_a_reduced_config_keeps_the_per_layer_sizes_of_its_first_layers():
+    """Gemma 4's per_layer_config ({layer index: that layer's own sizes}) is cut to the traced layers: transformers
+    refuses an index past the layer count, so without the cut every reduced trace of such a config fails."""
+    transformers = pytest.importorskip("transformers")
+    overrides = {"05": {"head_dim": 32}, "11": {"head_dim": 32}}
+    full = {"model_type": "gemma4_text", "num_hidden_layers": 12, "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 128, "vocab_size": 256,
+            "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16, "per_layer_config": overrides}
+    out = reduced_config(full, full, "num_hidden_layers", 12, 6)
+    assert out["per_layer_config"] == {"05": {"head_dim": 32}}
+    fields = {k: v for k, v in out.items() if k != "model_type"}
+    assert transformers.AutoConfig.for_model("gemma4_text", **fields).num_hidden_layers == 6
+
+
 def test_a_multimodal_config_is_reduced_in_its_text_config():
     """Where the causal LM is the text model of a multimodal config (Emu3, Qwen3.5, Mllama), its layer count and
     lists are the text config's: a top-level count is read by no one (both traces had every layer, and the

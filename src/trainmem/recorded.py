@@ -193,6 +193,9 @@ def reduced_config(config: dict[str, Any], full: dict[str, Any], key: str, layer
         out[name] = values[:count]
     for name, values in indices.items():
         out[name] = [i for i in values if i < count]
+    overrides = config.get("per_layer_config")
+    if isinstance(overrides, dict):  # {layer index: that layer's own sizes} (Gemma 4, dots3): the first count's
+        out["per_layer_config"] = {k: v for k, v in overrides.items() if str(k).isdigit() and int(k) < count}
     return out
 
 
