@@ -76,6 +76,16 @@ def test_a_reduced_config_keeps_the_per_layer_sizes_of_its_first_layers():
     assert transformers.AutoConfig.for_model("gemma4_text", **fields).num_hidden_layers == 6
 
 
+def test_a_config_counting_its_encoder_and_decoder_layers_gets_no_num_hidden_layers():
+    """ProphetNet's config refuses a num_hidden_layers (its num_encoder_layers and num_decoder_layers say it): the
+    reduced config sets the counts the config has (traced: prophetnet, the traced path failed where a full trace
+    ran; it is byte-exact now, docs/accuracy.md)."""
+    full = {"model_type": "p", "num_hidden_layers": 6, "num_encoder_layers": 6, "num_decoder_layers": 6}
+    config = {"model_type": "p", "num_encoder_layers": 6, "num_decoder_layers": 6}
+    out = reduced_config(config, full, "num_hidden_layers", 6, 3)
+    assert out == {"model_type": "p", "num_encoder_layers": 3, "num_decoder_layers": 3}
+
+
 def test_a_multimodal_config_is_reduced_in_its_text_config():
     """Where the causal LM is the text model of a multimodal config (Emu3, Qwen3.5, Mllama), its layer count and
     lists are the text config's: a top-level count is read by no one (both traces had every layer, and the

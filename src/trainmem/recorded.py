@@ -184,10 +184,12 @@ def reduced_config(config: dict[str, Any], full: dict[str, Any], key: str, layer
         # (the top-level count was read by no one: both traces had every layer)
         return {**config, "text_config": reduced_config(text, full, key, layers, count)}
     out = {k: v for k, v in config.items() if k not in ("num_hidden_layers", key)}
-    out[key] = count
-    for name, value in full.items():  # the decoder's own count where the layer count names the encoder's (BART)
-        if name != key and re.search(r"(^|_)(layers|n_layer)$", name) and value == layers:
-            out[name] = count
+    own_counts = [name for name, value in full.items()  # the decoder's own count where the layer count names the
+                  if name != key and re.search(r"(^|_)(layers|n_layer)$", name) and value == layers]  # encoder's (BART)
+    if key in config or not own_counts:  # (ProphetNet's config refuses a num_hidden_layers: its two counts say it)
+        out[key] = count
+    for name in own_counts:
+        out[name] = count
     per_layer, indices = per_layer_lists(full, layers)
     for name, values in per_layer.items():
         out[name] = values[:count]
