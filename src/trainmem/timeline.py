@@ -1582,24 +1582,26 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                     before + acts.kv_cache_bytes + acts.mask_bytes + held
                     + int((last.after_softmax + last.math_return_extra) * tokens), 0))
         returned = int(acts.layers[-1].returned_extra * tokens)
+        # everything alive beside the last layer's MLP: what the layers saved, the cache, the masks and the
+        # attention weights the layer holds until it returns
+        beside_last_mlp = layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
+        at_down_projection = p.compute * h + _down_projection_locals(spec, last, p)
         candidates_fw.append(Phase("forward", "last layer's MLP output", weights, grads_in_forward, states,
-                                   layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
-                                   + (p.compute * h + _down_projection_locals(spec, last, p)) * tokens, 0))
+                                   beside_last_mlp + at_down_projection * tokens, 0))
         if _mlp_output_dropout(spec, last.layer, settings) and last.layer.mlp is not None:
             # The dropout on the last layer's MLP output: its input, the down projection's output, is alive while
             # it writes the dropped copy (it keeps only its mask). Where the MLP module itself drops out
             # (Starcoder2MLP, GPT2MLP), under autocast so is the MLP norm's fp32 output, which the decoder layer's
             # ``hidden_states`` holds until the MLP returns (its Linear keeps a half cast; StableLM's inline
             # ``self.mlp(self.post_attention_layernorm(residual))`` has freed it). Traced: StarCoder2, amp-bf16,
-            # eager, dropout 0.1, 4 x 1,024: -1.45% at the forward peak without it and StarCoder2's undropped embeddings
-            # (FamilyTraits.decoder_locals), 1.5 kB and 1 kB per token.
+            # eager, dropout 0.1, 4 x 1,024: -1.45% at the forward peak without it and StarCoder2's undropped
+            # embeddings (FamilyTraits.decoder_locals), 1.5 kB and 1 kB per token.
             norm_held = p.residual * h // spec.sequence_shards if (
                 p.autocast and spec.traits.mlp_applies_dropout and not last.layer.parallel_residual) else 0
-            candidates_fw.append(Phase(
-                "forward", "last layer's MLP output dropout", weights, grads_in_forward, states,
-                layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
-                + ((p.compute + _mlp_output_bytes(spec, last.layer, p)) * h + _down_projection_locals(spec, last, p)
-                   + norm_held) * tokens, 0))
+            dropped = _mlp_output_bytes(spec, last.layer, p) * h
+            candidates_fw.append(Phase("forward", "last layer's MLP output dropout", weights, grads_in_forward,
+                                       states, beside_last_mlp + (at_down_projection + dropped + norm_held) * tokens,
+                                       0))
         moe = last.layer.moe
         if moe is not None and moe.gate == "clamped_swiglu":
             # GptOssExperts._apply_gate's product in the last layer: what _moe_recompute_end counts at it (the
@@ -1609,12 +1611,11 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             at_product = _clamped_swiglu_at_product(moe, p, h)
             argument = p.residual * h if p.autocast else 0
             candidates_fw.append(Phase("forward", "last layer's experts' clamped SwiGLU", weights, grads_in_forward,
-                                       states, layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
+                                       states, beside_last_mlp
                                        + int((at_product + _routing_locals(moe, p) + argument) * tokens), 0))
         if spec.traits.block == "standard":
             candidates_fw.append(Phase("forward", "last layer's residual sum", weights, grads_in_forward, states,
-                                       layers_saved + acts.kv_cache_bytes + acts.mask_bytes + returned
-                                       + _residual_sum_locals(spec, last.layer, p) * tokens, 0))
+                                       beside_last_mlp + _residual_sum_locals(spec, last.layer, p) * tokens, 0))
         # DoRA: each adapted Linear's weight norm and output products in the last layer, beside everything saved
         # before it and its input (_dora_site)
         before_last = layers_saved - layers[-1].kept + p.residual * h * tokens + acts.kv_cache_bytes + acts.mask_bytes
