@@ -100,8 +100,8 @@ TORCHTUNE = [
         _a(TT8 + " --optimizer paged-adamw-8bit --optimizer-in-backward"), 37.4, GIB, Metric.ACTIVE, specified=False,
         remark="the A6000 row differs from the 4090 row in settings the README does not state"),
     Row(Source.TORCHTUNE, TT_README, "Llama 3.1 8B LoRA, 1x 4090", _a(TT8_LORA), 16.2, GIB, Metric.ACTIVE,
-        remark="8B_lora_single_device: q,v rank 8, AdamW; above: the compiled loss's fp32 slice temporaries "
-               "that inductor fuses (issue 27)"),
+        remark="8B_lora_single_device: q,v rank 8, AdamW; the compiled loss counted as inductor runs it "
+               "(compiled_loss.py); above by 0.94 GiB, not explained yet"),
     Row(Source.TORCHTUNE, TT_README, "Llama 3.1 8B LoRA, 1x A6000", _a(TT8_LORA), 30.3, GIB, Metric.ACTIVE,
         specified=False, remark="the A6000 row differs from the 4090 row in settings the README does not state"),
     Row(Source.TORCHTUNE, TT_README, "Llama 3.1 8B QLoRA, 1x 4090", _a(TT8_QLORA), 7.4, GIB, Metric.ACTIVE,
@@ -149,7 +149,7 @@ TORCHTUNE = [
                "copies of the 394M-value tied embedding's two states, which torchao's step dequantizes"),
     Row(Source.TORCHTUNE, TT_FLAGS, "LoRA (no optimizer in backward, AdamW)", _a(TT3_LORA), 8.5, GIB, Metric.ACTIVE,
         remark="3B_lora_single_device: q,v,output_proj + MLP, rank 64; the README's reproduce command; above "
-               "by about 1 GiB, as QLoRA: the compiled loss's fp32 slice temporaries that inductor fuses"),
+               "by 0.38 GiB, as QLoRA"),
     Row(Source.TORCHTUNE, TT_FLAGS, "QLoRA", _a(TT3_LORA + " --qlora"), 4.6, GIB, Metric.ACTIVE,
         remark="torchao's NF4 counted as bitsandbytes' nf4 with double quantization"),
     Row(Source.TORCHTUNE, TT_LORA, "Llama 2 7B LoRA, q,v rank 8", _a(TT7 + " --lora 8 --lora-targets q,v"), 15.57,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 from trainmem.validate import random_case, run_random_case  # noqa: E402
 
 
-@settings(max_examples=22, derandomize=True, deadline=None, database=None,
+@settings(max_examples=12, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_estimate_matches_the_trace_of_a_random_model(data):
@@ -544,3 +544,65 @@ def test_random_misses_are_within_one_percent(name):
     result = run_random_case(config, settings)
     assert result.row is not None, result.describe()
     _assert_every_phase_within_one_percent(name, result)
+
+
+# Misses found on 2026-12-03, each fixed in the operation whose lifetime was wrong: every phase within 0.1%.
+TIGHT_MISSES = {
+    "falcon-recompute-stops-before-fc2": (
+        {"model_type": "falcon", "vocab_size": 3207, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id":
+         1, "eos_token_id": 2, "hidden_size": 400, "num_attention_heads": 4, "num_hidden_layers": 2, "bias": True,
+         "attention_dropout": 0.0, "hidden_dropout": 0.0, "max_position_embeddings": 4096, "ffn_hidden_size": 1600,
+         "multi_query": True, "parallel_attn": False, "new_decoder_architecture": False},
+        {"recipe": "amp-fp16", "optimizer": "adamw", "batch": 4, "seq": 512, "attention": "eager", "checkpointing":
+         "full", "dropout": None, "grad_accum": 1},
+        # (seed 7730419 case 175: +2.99% at the backward peak; without hidden dropout the recompute stops at
+        # fc2's matmul, whose output never exists)
+    ),
+    "phi3-gate-up-weight-gradient-cast": (
+        {"model_type": "phi3", "vocab_size": 2304, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id":
+         1, "eos_token_id": 2, "hidden_size": 288, "num_attention_heads": 8, "num_key_value_heads": 4,
+         "num_hidden_layers": 1, "intermediate_size": 1152, "max_position_embeddings": 4096, "attention_dropout":
+         0.1, "head_dim": 128, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "sliding_window": None,
+         "partial_rotary_factor": 1.0},
+        {"recipe": "amp-fp16", "optimizer": "sgd-momentum", "batch": 1, "seq": 128, "attention": "sdpa",
+         "checkpointing": "full", "dropout": None, "grad_accum": 2},
+        # (seed 7730419 case 113: +2.02% at the backward peak; the fused gate_up backward counted an fp32
+        # weight gradient beside the half one's inputs, and down_proj's copy, freed by then)
+    ),
+    "phi3-down-projection-forward": (
+        {"model_type": "phi3", "vocab_size": 256, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "num_hidden_layers": 2, "intermediate_size": 8192, "max_position_embeddings": 4096, "attention_dropout":
+         0.1, "head_dim": 64, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "sliding_window": None,
+         "partial_rotary_factor": 1.0},
+        {"recipe": "amp-fp16", "optimizer": "sgd-momentum", "batch": 1, "seq": 32, "attention": "sdpa",
+         "checkpointing": "full", "dropout": None, "grad_accum": 1},
+        # (case 113 with an MLP 64x the width and 32 tokens: -2.14% at the forward peak; a checkpointed
+        # layer's forward at its down projection holds the weight copy autocast makes there)
+    ),
+    "llama-gate-and-up-weight-gradient-cast": (
+        {"_name_or_path": "meta-llama/Llama-3.2-1B", "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "hidden_size": 2048, "intermediate_size":
+         8192, "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+         "vocab_size": 512, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+         "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "tie_word_embeddings": False,
+         "torch_dtype": "bfloat16"},
+        {"recipe": "amp-bf16", "optimizer": "adamw", "batch": 1, "seq": 64, "attention": "sdpa", "checkpointing":
+         "full", "dropout": 0.0, "grad_accum": 1},
+        # (Llama-3.2-1B's layers with a 512-token vocabulary: -0.64% at the backward peak; the second input
+        # projection's weight gradient cast, the first's gradient accumulated)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TIGHT_MISSES))
+def test_tight_misses_are_within_a_tenth_of_a_percent(name):
+    from trainmem.validate import _total_error
+
+    config, settings = TIGHT_MISSES[name]
+    result = run_random_case(config, settings)
+    assert result.row is not None, result.describe()
+    row = result.row
+    for phase, estimate, trace in ((row.phase, row.estimate, row.trace), *row.other_phases):
+        assert abs(_total_error(estimate, trace)) < 0.001, (name, phase, result.describe())

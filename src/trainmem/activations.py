@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from . import compiled_loss
 from .kernels import (EAGER, EFFICIENT, EFFICIENT_MASK_MULTIPLE, FLASH, FLASH_MAX_HEAD_DIM, MATH,
                       efficient_lse_per_token, efficient_mask_width, flash_head_dim, sdpa_backend)
 from .models import MLP, Attention, Layer, ModelSpec, MoE, runs_of
@@ -161,14 +162,6 @@ class LayerActivations:
 # Building blocks
 # --------------------------------------------------------------------------------------------------------
 
-
-
-COMPILED_LOSS_FORWARD = 1
-"""fp32 slice-sized intermediates alive at once in the forward of torchtune's compiled per-slice loss, as the
-aot_eager_decomp_partition trace runs its decomposed graph (traced: Llama-3.1-8B shapes, -1.4%)."""
-COMPILED_LOSS_BACKWARD = 2
-"""The same in its backward (recomputing the softmax from the kept half logits; traced -0.44%). Inductor's fused
-kernels hold fewer, which is most of the LoRA rows' excess over torchtune's published peaks (docs/accuracy.md)."""
 
 
 def uses_kv_cache(settings: TrainingSettings) -> bool:
@@ -1791,14 +1784,15 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
         # logits are kept in a list until the loss is summed; each slice's fp32 copy lives only through its own
         # cross_entropy, whose log_softmax keeps its fp32 output. The labels are views.
         if settings.compile:
-            # torchtune's compile_loss: the partitioner keeps each slice's half logits (the loss's own input,
-            # alive anyway) and two fp32 values per row (max, logsumexp) instead of the fp32 log_softmax, and
-            # recomputes the rest in backward (traced with aot_eager_decomp_partition, whose decomposed graph
-            # holds COMPILED_LOSS_FORWARD fp32 slice-sized intermediates at once).
+            # torchtune's compile_loss, as inductor runs it (compiled_loss.py): the partitioner keeps each
+            # slice's half logits (the loss's own input, alive anyway) and two fp32 values per row (max,
+            # logsumexp) instead of the fp32 log_softmax; the fused kernel makes no vocabulary-wide temporary.
             head += [Term("logits kept by the compiled loss (all slices)", p.compute * v, owner=OwnerKind.LOSS),
-                     Term("max and logsumexp per row (fp32)", 2 * FP32, owner=OwnerKind.LOSS)]
+                     Term("max and logsumexp per row (fp32)",
+                          compiled_loss.total(compiled_loss.FORWARD, "saved", 1, v, p.compute), owner=OwnerKind.LOSS)]
             logits_bytes = 0
-            loss_transient = COMPILED_LOSS_FORWARD * FP32 * v * tokens // OUTPUT_CHUNKS
+            loss_transient = compiled_loss.total(compiled_loss.FORWARD, "temporary", tokens // OUTPUT_CHUNKS, v,
+                                                 p.compute)
         else:
             head += [Term("log_softmax output (fp32, all slices)", FP32 * v, owner=OwnerKind.LOSS)]
             logits_bytes = p.compute * v * tokens

@@ -293,7 +293,9 @@ def validation_notes(model: ModelSpec, settings: TrainingSettings) -> tuple[str,
     if settings.compile:
         notes.append("not validated on a GPU: --compile is checked against the aot_eager_decomp_partition trace "
                      "(within 0.3%: docs/accuracy.md, Matrix: --compile), whose unfused graphs make the SiLU's fp32 "
-                     "intermediates that inductor fuses away, so a real compiled step may hold less")
+                     "intermediates that inductor fuses away, so a real compiled step may hold less"
+                     + ("; the chunked-output loss is counted as inductor's generated code allocates (compiled_loss.py)"
+                        if settings.loss == "chunked-output" else ""))
     if settings.compile and settings.checkpointing == "full":
         notes.append("not validated: --compile with --checkpointing full (the trace does not run a compiled "
                      "layer inside its checkpoint yet); the recomputed layer keeps what a compiled layer keeps")

@@ -185,14 +185,13 @@ def chunked_output_model(torch: Any, model: Any, compile_loss: bool = False) -> 
     ``cross_entropy(reduction="sum")`` and divides the sum by the token count. No KV cache, as in torchtune."""
     from transformers.modeling_outputs import CausalLMOutput
 
+    from .compiled_loss import cross_entropy_sum, slice_loss as compiled_slice_loss
+
     base = causal_lm(model)
-    functional = torch.nn.functional
 
-    def slice_loss(logits: Any, target: Any) -> Any:  # CEWithChunkedOutputLoss.compute_cross_entropy
-        return functional.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
-
-    if compile_loss:  # torchtune's compile_loss compiles compute_cross_entropy
-        slice_loss = torch.compile(slice_loss, backend=COMPILE_BACKEND)
+    # torchtune's compile_loss compiles compute_cross_entropy with inductor
+    slice_loss: Callable[[Any, Any], Any] = (compiled_slice_loss(torch) if compile_loss else
+                                             lambda logits, target: cross_entropy_sum(torch, logits, target))
 
     class ChunkedOutputLoss(torch.nn.Module):  # type: ignore[misc]
         def __init__(self) -> None:

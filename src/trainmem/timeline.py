@@ -19,9 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
-from .activations import (COMPILED_LOSS_BACKWARD, FP32, INDEX, MASK, OP_SAVED, OP_SAVED_UNTAKEN, ActivationEstimate,
+from .activations import (FP32, INDEX, MASK, OP_SAVED, OP_SAVED_UNTAKEN, ActivationEstimate,
                           LayerActivations, Precision, _hidden_dropout_sites, _router_score_bytes,
                           recompute_masks_freed)
+from .compiled_loss import backward_bytes as compiled_loss_backward_bytes
 from .kernels import MATH
 from .models import MLP_ROLES, ModelSpec, layer_tensors
 from .optimizers import Optimizer
@@ -99,22 +100,48 @@ def _mlp_transient(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: 
     return (mlp + p.residual * spec.hidden_size) * tokens + _attention_gradient_waiting(spec, layer, p, tokens)
 
 
-def _gate_up_moment(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
-                    tensors: list[ParamTensor], gradients_of: Recipe) -> tuple[int, int]:
-    """See _LayerBytes.gate_up_moment. When the fused gate/up projection runs its backward, ``chunk``'s backward has
-    concatenated the gradients of the gate and of up into one 2 I-wide tensor, and the projection makes its weight's
-    gradient (a temporary until autograd accumulates it) and its input's, beside the residual stream's gradient;
-    the MLP's saves but its input (the gate/up output, the activation's, the product) and those of a norm on the
-    layer's output are freed by then (traced: GLM-4, fp32, tied embeddings, full checkpointing, 1 x 256: the peak,
-    -0.38% with 20 MB of temporaries counted as activations without this moment)."""
+def _gate_up_moments(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int,
+                     tensors: list[ParamTensor], gradients_of: Recipe) -> tuple[tuple[str, int, int, int], ...]:
+    """See _LayerBytes.gate_up_moments: (the moment's name, what the layer has freed, the temporaries, the
+    gradients accumulated beyond down_proj's) at each moment.
+
+    When a fused gate/up projection runs its backward, ``chunk``'s backward has concatenated the gradients of the
+    gate and of up into one 2 I-wide tensor, and the projection makes its weight's gradient (in the matmul's dtype:
+    the half copy's under autocast) and its input's, beside the residual stream's gradient; the MLP's saves but its
+    input (the gate/up output, the activation's, the product), those of a norm on the layer's output and
+    down_proj's half weight copy (released with down_proj's MmBackward0) are freed by then (traced: GLM-4, fp32,
+    tied embeddings, full checkpointing, 1 x 256: the peak, -0.38% with 20 MB of temporaries counted as
+    activations without this moment).
+
+    Under autocast, the half weight gradient's cast to the parameter's dtype (ToCopyBackward0) is a later moment:
+    the matmul's node has released its saved half weight copy and input copy, and its input gradient is freed. A
+    fused projection has one (traced: Phi-3, amp-fp16, full checkpointing, seed 7730419 case 113 of ``validate
+    --random``: +2.02% when its first moment counted the fp32 gradient and down_proj's copy); separate gate and up
+    projections have two, of which the second is the larger: every save of the MLP is freed, the first
+    projection's gradient is accumulated and its input's gradient, cast back to the norm output's dtype, waits
+    for the second's (traced: Llama-3.2-1B's layers with a 512-token vocabulary, amp-bf16, full checkpointing,
+    1 x 64: -0.64% at the backward peak without it)."""
     mlp = la.layer.mlp
-    if mlp is None or not mlp.fused_gate_up or la.layer.moe:
-        return 0, 0
+    if mlp is None or la.layer.moe or not (mlp.fused_gate_up or (mlp.gated and p.autocast)):
+        return ()
     c, h, width = _mlp_bytes(la.layer, p), spec.hidden_size, _mlp_width(la.layer)
-    freed = 4 * c * width * tokens + int(_term_bytes(la.terms, "post_feedforward_norm") * tokens)
-    weight = _param_bytes(_numel(tensors, "mlp"), _autograd_grad_bytes(gradients_of))
-    transient = (p.residual * h + 2 * c * width + p.compute * h) * tokens + weight
-    return freed, transient + _attention_gradient_waiting(spec, la.layer, p, tokens)
+    numel, down = _numel(tensors, "mlp"), _numel(tensors, "mlp_down")
+    copies = p.compute if p.autocast else 0  # autocast's half weight copies, saved by the matmuls
+    freed = 4 * c * width * tokens + int(_term_bytes(la.terms, "post_feedforward_norm") * tokens) + copies * down
+    waiting = (p.residual * h + p.compute * h) * tokens + _attention_gradient_waiting(spec, la.layer, p, tokens)
+    if not mlp.fused_gate_up:  # gate_proj's and up_proj's (numel / 2 each), at the second one's cast
+        one = numel // 2
+        first = _param_bytes(one, gradients_of.gradient_bytes)
+        return (("gate and up projections' weight gradient cast", freed + copies * (numel + 2 * h * tokens),
+                 waiting + p.residual * h * tokens + copies * one + first, first),)
+    matmul_grad = copies * numel or _param_bytes(numel, _autograd_grad_bytes(gradients_of))
+    moments: tuple[tuple[str, int, int, int], ...] = (
+        ("gate_up projection", freed, waiting + 2 * c * width * tokens + matmul_grad, 0),)
+    if copies:
+        cast = _param_bytes(numel, gradients_of.gradient_bytes)
+        moments += (("gate_up projection's weight gradient cast", freed + copies * (numel + h * tokens),
+                     waiting + matmul_grad + cast, 0),)
+    return moments
 
 
 def _attention_gradient_waiting(spec: ModelSpec, layer: Layer, p: Precision, tokens: int) -> int:
@@ -389,15 +416,22 @@ def _recompute_end(spec: ModelSpec, la: LayerActivations, p: Precision, settings
         return int((per_token + _standard_recompute_end(spec, la, p, dropout)) * tokens)
     if layer.mlp:
         per_token += (p.residual if p.autocast else 0) * h  # the MLP's argument
-    at_down = (p.compute * h if layer.mlp else 0) - (MASK * h if dropout else 0)  # its output; no mask yet
     biased = p.autocast and layer.attention.qkv_bias
     out = p.residual if biased else p.compute
     per_token += out * h  # attention_output
     if p.autocast and not (layer.parallel_residual and layer.num_norms == 1):
         per_token += p.residual * h  # attention_layernorm_out, not the MLP's norm output
-    if biased:
-        at_down += p.residual * h + p.residual * layer.dense_mlp.intermediate_size  # output plus bias; the fp32 GELU
-    at_dropout = 2 * out * h if dropout else at_down  # the MLP's output and its dropped copy (the mask exists)
+    gelu = p.residual * layer.dense_mlp.intermediate_size if biased and layer.mlp else 0  # the fp32 GELU, held
+    if dropout:
+        # the recompute goes on to dropout_add's mask: fc2's output is written first (plus bias: fp32), beside the
+        # fp32 GELU; then the MLP's output and its dropped copy (the mask exists)
+        at_down = (p.compute - MASK) * h + (p.residual * h if biased else 0) + gelu
+        at_dropout = 2 * out * h
+    else:
+        # fc2's matmul packs its inputs (the GELU's half copy, the weight's cast) before it runs, and they are the
+        # layer's last saved tensors: the recompute stops there, fc2's output never exists (traced: seed 7730419
+        # case 175 of ``validate --random``, amp-fp16, eager, full checkpointing: +2.99% before)
+        at_down = at_dropout = gelu
     return int((per_token + max(at_down, at_dropout)) * tokens)
 
 
@@ -567,6 +601,24 @@ def _forward_transient(spec: ModelSpec, la: LayerActivations, p: Precision, toke
     # Both moments are returned, not their maximum: which is larger depends on the batch (the casts are constant),
     # and every candidate must stay linear in the batch for the compiled step model (stepmodel.py).
     return int((mlp + 3 * w * h) * tokens + casts[1]), int((attn + w * h) * tokens + casts[0])
+
+
+def _down_projection_forward(spec: ModelSpec, la: LayerActivations, p: Precision, tokens: int, casts: int) -> int:
+    """A checkpointed layer's forward (autograd keeps nothing) when its down projection's output is written, under
+    autocast: the product (down_proj's input), the gate/up output where one fused projection made it (Phi3MLP's
+    ``gate`` is a view of it, alive until the MLP returns), the output, the down projection's half weight copy
+    (autocast makes it as the matmul runs) beside the other cached casts (``casts``, see _layer_casts) and, as at
+    the product (_forward_transient), the layer input, the residual and the norm output. Larger than the product's
+    moment where the copy outweighs the activation's output, i.e. with fewer tokens than the width (traced: Phi-3,
+    amp-fp16, full checkpointing, 32 tokens, width 128: -2.1% at the forward peak without it). 0 for MoE and
+    ungated MLPs, and without autocast (no copy: the product's moment is the larger)."""
+    layer, mlp = la.layer, la.layer.mlp
+    if layer.moe or mlp is None or not mlp.gated or not p.autocast:
+        return 0
+    c, w, h, width = p.compute, p.residual, spec.hidden_size, _mlp_width(layer)
+    held = (2 * width if mlp.fused_gate_up else 0) + width + h
+    down_copy = c * _numel(layer_tensors(layer, h, spec.norm_vectors), "mlp_down")
+    return int((c * held + 3 * w * h + la.held_by_layer) * tokens) + casts + down_copy
 
 
 def _op_saved_in_forward(la: LayerActivations, tokens: int) -> tuple[int, int]:
@@ -1025,15 +1077,20 @@ class _LayerBytes:
     (LayerActivations.returned_to_model), in bytes."""
     checkpointed: bool = False
     """Checkpointed (every layer under --checkpointing full, every second one under selective)."""
-    gate_up_moment: tuple[int, int] = (0, 0)
-    """A fused gate/up projection's backward (GLM-4's and Phi-3's ``gate_up_proj``, then ``chunk``): (what the
-    layer has freed by then, the temporaries), see _gate_up_moment; (0, 0) elsewhere."""
+    gate_up_moments: tuple[tuple[str, int, int, int], ...] = ()
+    """A fused gate/up projection's backward (GLM-4's and Phi-3's ``gate_up_proj``, then ``chunk``) and under
+    autocast its weight gradient's cast, or under autocast the cast of separate gate and up projections' second
+    weight gradient: (its name, what the layer has freed by then, the temporaries, gradients accumulated by then
+    beyond down_proj's) each, see _gate_up_moments; none elsewhere."""
     compiled_mlp: tuple[int, int] = (0, 0)
     """--compile without checkpointing: (what the layer has freed, the temporaries) in its compiled backward's SiLU
     gradient (see _compiled_mlp_backward); (0, 0) in eager."""
     compiled_copies: int = 0
     """--compile: the layer's matrix gradients, which its compiled backward returns twice over (see
     _compiled_gradient_copies); 0 in eager."""
+    down_forward: int = 0
+    """A checkpointed layer's forward at its down projection under autocast (see _down_projection_forward); 0
+    elsewhere."""
 
 
 def casts_cached(spec: ModelSpec, p: Precision, settings: TrainingSettings) -> bool:
@@ -1218,8 +1275,11 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             compiled_copies=_compiled_gradient_copies(tensors, gradients_of) if settings.compile else 0,
             compiled_mlp=(_compiled_mlp_backward(spec, la, p, tokens, tensors, finetune)
                           if settings.compile and not recomputes else (0, 0)),
-            gate_up_moment=(_gate_up_moment(spec, la, p, tokens, tensors, gradients_of)
-                            if finetune is None and not settings.compile else (0, 0)),
+            down_forward=(_down_projection_forward(spec, la, p, tokens, _layer_casts(spec, la, p)[1] if cached else 0)
+                          if recomputes and finetune is None and settings.checkpointing == "full"
+                          else 0),
+            gate_up_moments=(_gate_up_moments(spec, la, p, tokens, tensors, gradients_of)
+                             if finetune is None and not settings.compile else ()),
             checkpointed=recomputes,
         )
         made[key] = item
@@ -1441,10 +1501,17 @@ def final_hidden_bytes(spec: ModelSpec, p: Precision, tokens: int, settings: Tra
     """The base model's output (the final norm's) the CausalLM forward holds while it computes the logits and the
     loss, where nothing saves that tensor: forward's moment at the loss (step_candidates; diff.py owns it to the
     final norm)."""
-    # Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
-    # (OPT's project_out makes the output a half tensor the head keeps)
     if settings.loss == "chunked-output":
         return 0  # torchtune's decoder returns the list of logits: its hidden-state local is gone
+    return held_hidden_bytes(spec, p, tokens, finetune, has_layers)
+
+
+def held_hidden_bytes(spec: ModelSpec, p: Precision, tokens: int, finetune: FineTune | None,
+                      has_layers: bool) -> int:
+    """The final norm's output while the LM head runs, where the head does not save it: a local of the CausalLM
+    forward (of torchtune's decoder while its chunked output makes the slices' logits)."""
+    # Under autocast that fp32 tensor is not what the LM head saves (its bf16 copy), so it is extra.
+    # (OPT's project_out makes the output a half tensor the head keeps)
     if finetune is not None and has_layers and "head" not in finetune.lora.trained_roles:
         # A frozen LM head keeps no input, but the CausalLM forward holds the final norm's output (its local)
         # while it computes the logits and the loss (a trained head saves that tensor: it is in saved), in the
@@ -1552,6 +1619,10 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         for transient in layers[-1].forward_transient:
             candidates_fw.append(Phase("forward", "inside the last layer", weights, grads_in_forward, states,
                                        kept_before_last + acts.mask_bytes + transient + returned, 0))
+        if layers[-1].down_forward:
+            candidates_fw.append(Phase("forward", "the last layer's down projection", weights, grads_in_forward,
+                                       states, kept_before_last + acts.mask_bytes + layers[-1].down_forward + returned,
+                                       0))
     elif layers:
         # The last layer's down projection: everything the layers saved, the masks they shared and the KV cache
         # are alive, and its output is being written (a large attention mask or cache can put the peak here).
@@ -1659,6 +1730,14 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         candidates_fw.append(Phase("forward", "final norm", weights, grads_in_forward, states,
                                    saved - head_part - head_copy + acts.kv_cache_bytes + cast_cache
                                    + acts.decoder_locals_bytes + layer_output + FP32 * h * local, 0))
+    if settings.loss == "chunked-output" and spec.has_head and layers:
+        # torchtune's chunked output has made every slice's logits and no loss has run yet: the loss's saved
+        # tensors do not exist, the logits do, and so does the final norm's output (a local of the decoder's
+        # forward) where the head does not save it
+        loss_saved = int(sum(t.bytes_per_token for t in acts.head_terms if t.owner == OwnerKind.LOSS) * tokens)
+        candidates_fw.append(Phase("forward", "LM head's last slice", weights, grads_in_forward, states,
+                                   saved - loss_saved + p.compute * v * tokens + acts.kv_cache_bytes + cast_cache
+                                   + held_hidden_bytes(spec, p, tokens, finetune, bool(layers)), 0))
     candidates_fw.append(candidates_fw.pop(0))  # the loss comes last: on a tie the earlier moment is the peak
     starts = int(gathers_before_first_layer(rank))
     if starts:
@@ -1676,8 +1755,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     if spec.vocab_shards > 1 and settings.loss == "standard":
         loss_grads += FP32 * v * tokens  # loss_parallel's backward recomputes the softmax beside both (traced)
     compiled_loss = settings.loss == "chunked-output" and settings.compile
-    if compiled_loss:
-        loss_grads = COMPILED_LOSS_BACKWARD * FP32 * v * tokens // slices
+    if compiled_loss:  # inductor's fused backward: the slice's logits gradient and one fp32 value per row
+        loss_grads = compiled_loss_backward_bytes(tokens // slices, v, p.compute)
     head_grad = _param_bytes(_role_numel(spec, "head"), recipe.gradient_bytes) if not spec.tied_embeddings else 0
     if finetune is not None or stepped:
         head_grad = 0  # a frozen LM head (an adapter on it is not modelled), or one stepped at once
@@ -1792,11 +1871,10 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             "backward", f"layer {index} MLP", weights,
             max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
             live_acts - x.product, x.transient + tied_held))
-        if x.gate_up_moment[1]:
-            freed, transient = x.gate_up_moment
+        for label, freed, transient, accumulated in x.gate_up_moments:
             candidates.append(Phase(
-                "backward", f"layer {index} gate_up projection", weights,
-                max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
+                "backward", f"layer {index} {label}", weights,
+                max(grads_in_forward, head_grad + grads_above + x.down_grad + accumulated), states,
                 live_acts - freed, transient + tied_held))
         if x.compiled_mlp[1]:
             freed, transient = x.compiled_mlp
