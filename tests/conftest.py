@@ -1,5 +1,10 @@
+import os
 import sys
 from pathlib import Path
+
+# One intra-op thread per test process (and the gloo ranks it starts): pytest-xdist already runs a worker per core,
+# and torch's default of a thread per core in each of them oversubscribes the machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 

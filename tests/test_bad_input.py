@@ -626,7 +626,7 @@ def test_real_configs_mutated_into_hostile_values_never_crash(run_cli, tmp_path,
 
 
 @pytest.mark.slow
-@settings(max_examples=1500, **_MUTATION)
+@settings(max_examples=600, **_MUTATION)
 @given(st.sampled_from(sorted(REAL_CONFIGS)), st.data())
 def test_many_more_mutated_configs_never_crash(run_cli, tmp_path, alarm, name, data):
     """The same with fresh random draws each run (not derandomized): a new hostile round every time."""

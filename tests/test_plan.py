@@ -285,7 +285,7 @@ def test_selective_checkpointing_is_modelled_but_not_offered(tmp_path, run_cli):
     assert code == 2 and "selective" in err and len(err.strip().splitlines()) == 1
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=150, deadline=None, derandomize=True)
 @given(count=st.integers(0, 40), fitting=st.integers(0, 40), guess=st.one_of(st.none(), st.integers(0, 60)))
 def test_largest_fitting_finds_the_last_that_fits_from_any_guess(count, fitting, guess):
     """The search's micro-batch lookup: the ones that fit are a prefix (memory grows with the micro-batch); from

@@ -24,7 +24,7 @@ FLAT = DeviceOptions(fragmentation=0.1)
 """Where a test compares static or allocated bytes only, the reserved memory's replay (tests/test_replay.py) is left
 out: it is most of an estimate's time."""
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(n=st.integers(1, 10**12), extra=st.integers(1, 10**11), recipe=recipes,
        optimizer=st.sampled_from([o for o in sorted(OPTIMIZERS) if not OPTIMIZERS[o].needs_shapes]))
 def test_static_memory_grows_with_parameters(n, extra, recipe, optimizer):
@@ -44,7 +44,7 @@ def test_static_memory_grows_with_parameters(n, extra, recipe, optimizer):
             assert b.bytes >= a.bytes
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=75, deadline=None)
 @given(heads=st.integers(1, 64), layers=st.integers(1, 100), inter=st.integers(1, 50_000),
        vocab=st.integers(1, 300_000), kv_div=st.sampled_from([1, 2, 4, 8]), recipe=recipes, optimizer=optimizers,
        grow=st.sampled_from(["layers", "inter", "vocab"]))
@@ -64,7 +64,7 @@ def test_memory_grows_with_architecture(heads, layers, inter, vocab, kv_div, rec
         assert b.static_bytes >= a.static_bytes
 
 
-@settings(max_examples=120, deadline=None, database=None)
+@settings(max_examples=60, deadline=None, database=None)
 @given(batch=st.integers(1, 1 << 24), seq=st.integers(1, 1 << 24), accum=st.integers(1, 1 << 24), recipe=recipes,
        attention=st.sampled_from(["eager", "sdpa", "flash"]), checkpointing=st.sampled_from(["none", "full"]),
        model=st.sampled_from(["gpt2", "llama-2-7b", "mixtral-8x7b", "gemma-2-9b", "deepseek-v3", "falcon-7b"]))

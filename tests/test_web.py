@@ -258,7 +258,7 @@ def test_hypothesis_no_hostile_json_value_anywhere_answers_500(client):
     paths = st.lists(st.sampled_from(names + ["hidden_size", "num_hidden_layers", "model_type"]),
                      min_size=1, max_size=3).map(tuple)
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @settings(max_examples=75, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(endpoint=st.sampled_from(sorted(POSTS)), field_path=paths, literal=hostile)
     def check(endpoint, field_path, literal):
         response = client.post(endpoint, content=_raw(POSTS[endpoint], field_path, literal),
@@ -527,7 +527,7 @@ def test_hypothesis_mutated_catalog_configs_never_answer_500(client):
                                         {"rope_type": "yarn", "factor": 1e300}, {"type": ["x"]}]),
                        st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
 
-    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(name=st.sampled_from(catalog_names()), data=st.data(), full=st.booleans())
     def check(name, data, full):
         config = dict(catalog_config(name))
