@@ -84,6 +84,48 @@ def test_every_estimate_flag_of_the_cli_is_a_field_of_the_api():
     assert "gpu_memory" in EstimateInput.model_fields  # (the CLI's --gpu-memory, once it has one)
 
 
+def test_the_options_document_is_the_cli_s_declaration(client):
+    """GET /api/options lists the estimate command's options the API takes, each as click declares it: its longest
+    flag, a checkbox kind for a flag option, the command's default and help."""
+    import click
+
+    from trainmem.commands.estimate import estimate
+    from trainmem.web import EstimateInput
+
+    options = {o["name"]: o for o in client.get("/api/options").json()["options"]}
+    params = {p.name: p for p in estimate.params if isinstance(p, click.Option)}
+    assert set(options) == set(params) & set(EstimateInput.model_fields)
+    for name, option in options.items():
+        param = params[name]
+        assert option["flag"] in param.opts and (option["kind"] == "bool") == param.is_flag, option
+        if isinstance(param.default, (int, float, str)) and not isinstance(param.default, bool):
+            assert option["default"] == param.default, option
+        assert option["help"].split()[:3] == (param.help or "").split()[:3], option
+    assert options["fsdp_version"]["kind"] == "int" and options["fsdp_version"]["maximum"] == 2
+    assert options["lora_dropout"]["kind"] == "float" and options["alloc_conf"]["kind"] == "text"
+
+
+def test_every_field_of_the_api_has_a_control_on_the_page():
+    """Every EstimateInput field is set by the page: a control laid out in static/index.html, one the page makes
+    from GET /api/options (every CLI option the API takes), the upload (``config``) or one of the fields the page
+    sets in another way (COVERED in its script: the sharding select, its own fit searches), each of which the
+    script does set."""
+    import re
+    from importlib import resources
+
+    from trainmem.web import EstimateInput, estimate_options
+
+    html = resources.files("trainmem").joinpath("static/index.html").read_text(encoding="utf-8")
+    laid_out = set(re.findall(r'name="([a-z_]+)"', html))
+    covered = set(re.findall(r'"([a-z_]+)"', re.search(r"const COVERED = new Set\(\[(.*?)\]\)", html).group(1)))
+    generated = {o["name"] for o in estimate_options()} - laid_out - covered
+    assert set(EstimateInput.model_fields) <= laid_out | generated | covered | {"config"}
+    assert generated >= {"task", "num_labels", "fsdp_version", "fsdp_use_orig_params", "fsdp_no_sync", "pp_layers",
+                         "bnb_version", "alloc_conf", "fsdp_embedding_groups"}, generated
+    for name in covered:  # (each set by the script: body.zero / body.fsdp from the select, the fit searches)
+        assert f"body.{name}" in html or f'"{name}"]' in html, name
+
+
 @pytest.mark.parametrize("body, flags", SAME_INPUTS)
 def test_api_estimate_is_the_cli_document(client, run_cli, body, flags):
     response = client.post("/api/estimate", json=body)
@@ -181,7 +223,7 @@ def test_the_page_and_the_api_documentation_are_served(client):
     assert page.status_code == 200 and "trainmem" in page.text
     assert "http://" not in page.text.replace("http://127.0.0.1", "") and "https://" not in page.text  # no CDN
     paths = client.get("/openapi.json").json()["paths"]
-    assert set(paths) == {"/api/models", "/api/gpus", "/api/recipes", "/api/estimate", "/api/plan"}
+    assert set(paths) == {"/api/models", "/api/gpus", "/api/recipes", "/api/options", "/api/estimate", "/api/plan"}
     assert client.get("/docs").status_code == 200
 
 

@@ -263,7 +263,8 @@ def test_the_api_documentation_renders_with_no_network(server, browser):
     page.route("**/*", only_loopback)
     page.goto(server + "/docs")
     page.wait_for_selector(".swagger-ui .opblock", timeout=20_000)
-    assert page.locator(".swagger-ui .opblock").count() == 5 and not outside, outside
+    # (GET models, gpus, recipes, options; POST estimate, plan)
+    assert page.locator(".swagger-ui .opblock").count() == 6 and not outside, outside
 
 
 def test_a_phi_2_upload_is_answered_and_says_what_answered(server, browser, tmp_path):
@@ -306,3 +307,28 @@ def test_a_custom_gpu_memory_is_answered_for(server, browser):
     assert page.text_content("#error") == "" and page.text_content("#total") == _gib(expected)
     assert page.text_content("#fits") == ("fits" if expected["gpu"]["fits"] else "does not fit")
     assert expected["gpu"]["name"] in page.text_content("#fits-label")
+
+
+def test_every_other_option_of_the_cli_is_a_control_that_answers(server, browser):
+    """The page makes a control for each CLI flag its form does not lay out (GET /api/options): FSDP1 and its
+    use_orig_params there, set on a 2-GPU FSDP run, answer what the API answers for the same fields."""
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    page.goto(server)
+    ready = _settled(page)
+    page.click("#every-option summary")
+    for name in ("task", "num_labels", "fsdp_version", "fsdp_no_sync", "pp_layers", "bnb_version", "alloc_conf"):
+        assert page.locator(f"#generated [name={name}]").count() == 1, name
+    page.select_option("#model", "llama-3.2-1b")
+    page.select_option("select[name=recipe]", "pure-bf16")  # (FSDP1 is modelled without MixedPrecision)
+    page.fill("#gpus", "2")
+    page.select_option("#sharding", "fsdp-full")
+    ready = _settled(page, ready)
+    same = {"model": "llama-3.2-1b", "recipe": "pure-bf16", "gpus": 2, "fsdp": "full", "gpu": "H100-80GB"}
+    fsdp2 = _api(server, same)
+    assert page.text_content("#total") == _gib(fsdp2)
+    page.fill("#generated [name=fsdp_version]", "1")
+    page.check("#generated [name=fsdp_use_orig_params]")
+    _settled(page, ready)
+    fsdp1 = _api(server, {**same, "fsdp_version": 1, "fsdp_use_orig_params": True})
+    assert _gib(fsdp1) != _gib(fsdp2) and page.text_content("#error") == ""
+    assert page.text_content("#total") == _gib(fsdp1)

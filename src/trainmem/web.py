@@ -9,6 +9,9 @@ is a view of these endpoints, documented on FastAPI's /docs page:
   functions (planner.estimate_searched, report.to_dict); every estimate flag but the paths, --hub and the ways of
   printing is a field of EstimateInput (``gpu_memory``: text with a unit, ``"48GiB"``, or a number of GiB);
 - ``POST /api/plan``: the document ``trainmem plan --json`` prints (plan.run_plan, report.plan_document);
+- ``GET /api/options``: every estimate flag EstimateInput takes, read from the estimate command's own click options
+  (flag, kind, default, bounds, help: estimate_options); the page lays out the common ones by hand and makes a control
+  for every other one from this list, so that a new flag reaches the page without an edit to it;
 - ``GET /``: the page.
 
 What a request may name is closed: a catalog model, a nominal parameter count, or an uploaded config.json sent as
@@ -156,6 +159,40 @@ class EstimateInput(BaseModel):
                                  description="CUDA context and workspaces, MiB.")
     max_batch: bool = Field(False, description="Replace batch by the largest that fits gpu.")
     max_seq: bool = Field(False, description="Replace seq by the longest that fits gpu.")
+
+
+def _bound(param_type: Any, key: str) -> int | float | None:
+    """A click type's lower or upper bound: IntRange and FloatRange name them min and max, cli._Whole minimum and
+    maximum; None where it has none."""
+    for attribute in (key, key[:3]):
+        value = getattr(param_type, attribute, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def estimate_options() -> list[dict[str, Any]]:
+    """The estimate command's options that EstimateInput takes, in the command's order, as the page's generated
+    controls read them: ``name`` (the field), ``flag``, ``kind`` (bool, int, float or text), ``default`` (None where
+    the command decides), ``minimum`` / ``maximum`` where the option's type bounds it, and ``help``. Read from the
+    click command itself, so that the CLI's declaration is the one the page shows."""
+    import click
+
+    from .commands.estimate import estimate as command
+
+    fields = EstimateInput.model_fields
+    options = []
+    for param in command.params:
+        if not isinstance(param, click.Option) or param.name not in fields:
+            continue
+        kind = ("bool" if param.is_flag else "int" if param.type.name in ("integer", "integer range") else
+                "float" if param.type.name in ("float", "float range") else "text")
+        default = param.default if isinstance(param.default, (bool, int, float, str)) else None
+        bounds = {key: value for key in ("minimum", "maximum") if (value := _bound(param.type, key)) is not None}
+        options.append({"name": param.name, "flag": max(param.opts, key=len), "kind": kind,
+                        "default": False if kind == "bool" and default is None else default, **bounds,
+                        "help": " ".join((param.help or "").split())})
+    return options
 
 
 class PlanInput(BaseModel):
@@ -527,6 +564,14 @@ def create_app() -> FastAPI:
         from .recipes_table import recipes_document
 
         return recipes_document()
+
+    @app.get("/api/options", summary="Every estimate flag this API takes (as the CLI declares them): flag, kind, "
+                                     "default, bounds, help.")
+    def options() -> dict[str, Any]:
+        if "options" not in cached:
+            cached["options"] = {"options": estimate_options()}
+        document: dict[str, Any] = cached["options"]
+        return document
 
     @app.post("/api/estimate", summary="The document `trainmem estimate --json` prints for these inputs.")
     def estimate(body: EstimateInput) -> JSONResponse:
