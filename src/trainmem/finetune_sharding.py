@@ -50,6 +50,8 @@ class Held:
     trains: bool
     whole_extra: int = 0
     """Bytes beside the split data that every rank keeps whole (a 4-bit weight's quantization state)."""
+    packed: bool = False
+    """A quantized weight's packed data (``shape`` is its bytes), which an engine may store in another dtype."""
 
     @property
     def numel(self) -> int:
@@ -96,7 +98,7 @@ def held_groups(spec: ModelSpec, recipe: Recipe, finetune: FineTune, adapter_byt
             if finetune.base_quant and _linear_weight(t, QUANTIZED_ROLES):
                 packed = t.numel if finetune.base_quant == "int8" else -(-t.numel // 2)
                 tensors.append(Held((packed, 1), 1, False,
-                                    stored_bytes(t.shape, finetune.base_quant, finetune.double_quant) - packed))
+                                    stored_bytes(t.shape, finetune.base_quant, finetune.double_quant) - packed, True))
             else:
                 tensors.append(Held(t.shape, w, False))
             if _linear_weight(t) and t.name.removesuffix(".weight") in chosen:

@@ -32,8 +32,20 @@ holding the rest (the embedding, the final norm, the LM head):
   trained unit's unsharded flat gradient is alive through the following micro-batches and the synced one's forward
   and backward; under SHARD_GRAD_OP the unsharded parameters are kept too (``_should_free_in_backward``).
 
+- LoRA without ``use_orig_params``: a unit may not mix frozen and trained parameters, so the adapters are wrapped
+  apart, as peft's ``fsdp_auto_wrap_policy`` (peft/utils/other.py) and Answer.AI's fsdp_qlora (train.py,
+  ``get_wrapping_policy``) wrap them: ``lambda_auto_wrap_policy`` over every leaf module whose weight requires grad
+  (each lora_A, lora_B, DoRA magnitude, trained copy) or'ed with ``transformer_auto_wrap_policy`` over the decoder
+  layers. Each adapter matrix is then a FlatParameter of its own, sharded ceil(numel / W) elements a rank, the
+  layer's unit holds the frozen base alone, and the optimizer steps the adapters' flat parameters.
+- A 4-bit base (bitsandbytes' ``Params4bit``): its packed data is flattened with the norms only when it is stored in
+  their dtype (``bnb_4bit_quant_storage``, which fsdp_qlora and the HF FSDP-QLoRA guide set to the model's dtype:
+  bitsandbytes/backends/default/ops.py, ``quantize_4bit``, views the packed bytes as that dtype); the
+  ``quant_state`` (absmax, the nested constants) is not a parameter, so every rank keeps it whole and
+  ``Linear4bit.forward`` restores it from the module (``fix_4bit_weight_quant_state_from_module``).
+
 Not modelled (ConfigError): MixedPrecision (recipes with fp32 masters), CPU offload, HYBRID_SHARD / NO_SHARD,
-a quantized base, LoRA without ``use_orig_params`` (the adapters wrapped apart).
+an int8 base (its Int8Params have no storage dtype to flatten with the norms).
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ from .models import ModelSpec
 from .sharding import Buffer, Parallel, RankLayout
 
 if TYPE_CHECKING:  # (for the annotations only)
-    from .finetune_sharding import HeldGroup
+    from .finetune_sharding import Held, HeldGroup
     from .lora import FineTune
     from .optimizers import Optimizer
     from .recipes import Recipe
@@ -75,6 +87,8 @@ class Unit:
     world: int
     aligned: bool
     """use_orig_params=True: each tensor padded to a 16-byte address, the whole to a multiple of the world."""
+    adapter: bool = False
+    """A trained leaf module wrapped apart (LoRA without use_orig_params: module docstring)."""
 
     @property
     def itemsize(self) -> int:
@@ -131,12 +145,10 @@ def check_fsdp1(parallel: Parallel, master_weights: bool, base_quant: str | None
                           "(pure-bf16, pure-bf16-bf16states, fp32)")
     if parallel.offload != "none":
         raise ConfigError("--fsdp-version 1 with --offload (FSDP1's CPUOffload) is not modelled; leave --offload out")
-    if base_quant:
-        raise ConfigError("--fsdp-version 1 with a quantized base is not modelled; give --fsdp-version 2")
-    if lora and not parallel.fsdp_use_orig_params:
-        raise ConfigError("--fsdp-version 1 with LoRA needs --fsdp-use-orig-params: without it FSDP1 refuses a unit "
-                          "that mixes frozen and trained parameters (_wrap_utils.py), and wrapping the adapters "
-                          "apart is not modelled")
+    if base_quant == "int8":
+        raise ConfigError("--fsdp-version 1 with an int8 base is not modelled (bitsandbytes' Int8Params have no "
+                          "storage dtype FSDP1 could flatten with the norms): give --base-quant nf4 or fp4, or "
+                          "--fsdp-version 2")
 
 
 def full_units(spec: ModelSpec, weight_bytes: int, parallel: Parallel) -> tuple[Unit, ...]:
@@ -148,14 +160,29 @@ def full_units(spec: ModelSpec, weight_bytes: int, parallel: Parallel) -> tuple[
     return (*layers, *((Unit(1, False, root, world, aligned),) if root else ()))
 
 
-def lora_units(groups: tuple[HeldGroup, ...], parallel: Parallel) -> tuple[Unit, ...]:
-    """LoRA (finetune_sharding.held_groups): each layer's frozen base and adapters in one unit, the root the rest
-    (peft's trained copies included)."""
-    world = parallel.shard_size
-    layers = [Unit(g.repeat, True, tuple(Flat(x.numel, x.itemsize, x.trains) for x in g.tensors), world, True)
-              for g in groups if g.is_layer]
-    root = tuple(Flat(x.numel, x.itemsize, x.trains) for g in groups if not g.is_layer for x in g.tensors)
-    units = (*layers, *((Unit(1, False, root, world, True),) if root else ()))
+def lora_units(groups: tuple[HeldGroup, ...], parallel: Parallel, storage_bytes: int = 2) -> tuple[Unit, ...]:
+    """LoRA (finetune_sharding.held_groups). With use_orig_params each layer's frozen base and adapters are one unit,
+    the root the rest (peft's trained copies included); without it every trained tensor is a unit of its own and
+    the layer's unit the frozen base (module docstring). A quantized weight's packed data is flattened as
+    ``storage_bytes``-wide elements (bnb_4bit_quant_storage in the weights' dtype)."""
+    world, aligned = parallel.shard_size, parallel.fsdp_use_orig_params
+
+    def flat(x: Held) -> Flat:
+        if x.packed:
+            return Flat(-(-x.numel * x.itemsize // storage_bytes), storage_bytes, False)
+        return Flat(x.numel, x.itemsize, x.trains)
+
+    layers, adapters, root = [], [], []
+    for g in groups:
+        tensors = [flat(x) for x in g.tensors]
+        if not aligned:
+            adapters += [Unit(g.repeat, False, (t,), world, False, adapter=True) for t in tensors if t.trains]
+            tensors = [t for t in tensors if not t.trains]
+        if g.is_layer:
+            layers.append(Unit(g.repeat, True, tuple(tensors), world, aligned))
+        else:
+            root += tensors
+    units = (*layers, *adapters, *((Unit(1, False, tuple(root), world, aligned),) if root else ()))
     for u in units:
         if len({t.itemsize for t in u.tensors}) > 1:
             raise ConfigError("FSDP1 flattens one dtype per unit (_flat_param.py, _validate_tensors_to_flatten): give "
@@ -184,25 +211,29 @@ def most_loaded(units: tuple[Unit, ...], flat_optimizer: bool) -> Trained:
 
 
 def fsdp1_layout(units: tuple[Unit, ...], states_full: int, trained_state_base: int, parallel: Parallel,
-                 layer_trained: int) -> RankLayout:
+                 layer_trained: int, kept_whole: int = 0, layer_gradient_shard: int | None = None) -> RankLayout:
     """One rank's FSDP1 states and buffers (module docstring). ``states_full``: the optimizer's states over
     ``trained_state_base`` trained elements; ``layer_trained``: the trained elements the step's layer walk counts
-    gradients for in one layer (the whole layer in full fine-tuning, its adapters under LoRA)."""
+    gradients for in one layer (the whole layer in full fine-tuning, its adapters under LoRA); ``kept_whole``: bytes
+    every rank keeps whole (a 4-bit base's quantization state); ``layer_gradient_shard``: where the adapters are
+    units of their own, the elements of one layer's finished gradient shards (else its unit's shard)."""
     world = parallel.shard_size
     trained = most_loaded(units, not parallel.fsdp_use_orig_params)
-    weights = sum(u.repeat * u.shard * u.itemsize for u in units)
+    weights = sum(u.repeat * u.shard * u.itemsize for u in units) + kept_whole
     grads = sum(u.repeat * u.shard * u.itemsize for u in units if u.trains)
     states = -(-states_full * trained.numel // max(1, trained_state_base))
     layers = [u for u in units if u.is_layer]
-    root = next((u for u in units if not u.is_layer), None)
+    root = next((u for u in units if not u.is_layer and not u.adapter), None)
     layer = max(layers, key=lambda u: u.bytes) if layers else None
-    buffers = _gather_buffers(layers, root, parallel)
+    buffers = _gather_buffers(layers, root, parallel, [u for u in units if u.adapter])
     buffers += _kept_gradients(parallel, grads)
     notes = ("FSDP1: flat parameters per unit, modelled from torch's fsdp/_flat_param.py and _runtime_utils.py; "
              "per-phase bytes checked on CPU processes (gloo), not on a GPU",)
     accumulated = sum(u.repeat * u.bytes for u in units if u.trains) if parallel.fsdp_no_sync else None
     shard_of = None
-    if layer is not None and layer_trained:
+    if layer_gradient_shard is not None and layer_trained:
+        shard_of = (layer_gradient_shard, layer_trained)  # (its adapters' shards, each a unit)
+    elif layer is not None and layer_trained:
         shard_of = (layer.shard, layer_trained)  # a finished layer's gradient: its unit's shard, frozen part included
     flat = None
     if layer is not None and layer.trains:  # the views' gradients the layer walk does not count: the frozen ones
@@ -213,24 +244,38 @@ def fsdp1_layout(units: tuple[Unit, ...], states_full: int, trained_state_base: 
                       flat_gradient=flat, root_flat_gradient=root_flat, accumulated_gradients=accumulated)
 
 
-def _gather_buffers(layers: list[Unit], root: Unit | None, parallel: Parallel) -> list[Buffer]:
-    """The unsharded flat parameters (module docstring: FULL_SHARD, SHARD_GRAD_OP, the backward prefetch)."""
+def _gather_buffers(layers: list[Unit], root: Unit | None, parallel: Parallel,
+                    adapters: list[Unit] | None = None) -> list[Buffer]:
+    """The unsharded flat parameters (module docstring: FULL_SHARD, SHARD_GRAD_OP, the backward prefetch); an
+    adapter wrapped apart is unsharded around its own module's forward and backward, inside its layer's."""
     step = ("forward", "backward")
     layer = max((u.bytes for u in layers), default=0)
     root_bytes = root.bytes if root is not None else 0
+    adapters = adapters or []
     if parallel.fsdp == "grad-op":
-        every = sum(u.repeat * u.bytes for u in layers) + root_bytes
+        every = sum(u.repeat * u.bytes for u in (*layers, *adapters)) + root_bytes
         phases = step if not parallel.fsdp_no_sync else step + ("optimizer",)
         return [Buffer("every unit's unsharded flat parameter (SHARD_GRAD_OP: kept from forward to backward"
                        + ("; under no_sync across the micro-batches" if parallel.fsdp_no_sync else "") + ")",
                        every, "parameters", phases, "_runtime_utils.py _post_forward_reshard, "
                        "_should_free_in_backward")]
-    return [Buffer("the root unit's unsharded flat parameter (embedding, final norm, LM head)", root_bytes,
+    running_adapter = [Buffer("the running adapter's unsharded flat parameter (a unit of its own)",
+                              max(u.bytes for u in adapters), "parameters", ("forward:layer", "backward:layer"))
+                       ] if adapters else []
+    return [*running_adapter,
+            Buffer("the root unit's unsharded flat parameter (embedding, final norm, LM head)", root_bytes,
                    "parameters", step, "the root is not resharded after forward (_post_forward_reshard)"),
             Buffer("the running unit's unsharded flat parameter", layer, "parameters",
                    ("forward:layer", "backward:layer")),
             Buffer("the next unit's unsharded flat parameter (BACKWARD_PRE prefetch)", layer, "parameters",
-                   ("backward:layer", "backward:head"), "_runtime_utils.py _prefetch_handle")]
+                   ("backward:layer", "backward:head"), "_runtime_utils.py _prefetch_handle")
+            if not adapters else
+            Buffer("the layer below's unsharded flat parameter, prefetched as this layer's backward ends", layer,
+                   "parameters", ("backward:handoff",), "the adapters' units come between the layers' in the "
+                   "execution order BACKWARD_PRE prefetches by (_exec_order_utils.py), so the layer below is "
+                   "all-gathered only while this layer's first adapters and input norm run their backward; a "
+                   "frozen unit is resharded when its inputs' gradients are made "
+                   "(_runtime_utils.py _register_post_backward_reshard_only_hook); measured on gloo ranks")]
 
 
 def _kept_gradients(parallel: Parallel, grads: int) -> list[Buffer]:
@@ -259,6 +304,11 @@ def fsdp1_rank_layout(spec: ModelSpec, recipe: Recipe, optimizer: Optimizer, sta
         raise ConfigError("--fsdp-version 1 with trained copies of tied embeddings is not modelled")
     t = trainables(spec, recipe, optimizer, finetune)
     groups = held_groups(spec, recipe, finetune, t.adapter_bytes)
-    units = lora_units(groups, parallel)
-    layer = max((sum(x.numel for x in g.tensors if x.trains) for g in groups if g.is_layer), default=0)
-    return fsdp1_layout(units, t.states, t.adapters + t.copies, parallel, layer)
+    units = lora_units(groups, parallel, recipe.weight_bytes)
+    world = parallel.shard_size
+    trained_layers = [[x.numel for x in g.tensors if x.trains] for g in groups if g.is_layer]
+    layer = max((sum(numels) for numels in trained_layers), default=0)
+    apart = None if parallel.fsdp_use_orig_params else max(
+        (sum(-(-n // world) for n in numels) for numels in trained_layers), default=0)
+    kept_whole = sum(g.repeat * x.whole_extra for g in groups for x in g.tensors)
+    return fsdp1_layout(units, t.states, t.adapters + t.copies, parallel, layer, kept_whole, apart)

@@ -1067,6 +1067,9 @@ class _LayerBytes:
     backward, when of the attention only o_proj's input is freed; 0 for the fused kernels."""
     matmul_transient: int
     """The temporaries at that moment (LayerActivations.matmul_backward), beside the residual stream's gradient."""
+    input_projections_grad: int
+    """The gradients of the attention's input projections' outputs (q, k, v), while those projections run their
+    backward."""
     """Gradients of the layer not yet produced at that moment: the q/k/v projections' and the input norm's."""
     down_transient: int
     """The down projection's backward: the gradient of its input (I wide) and of its output, beside the residual's."""
@@ -1230,6 +1233,7 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             # At that moment its rsqrt and normalised value are already freed; its fp32 input is not.
             output_norm_freed=int(_term_bytes(output_norm, "post_feedforward_norm", exclude=("input_fp32",)) * tokens),
             attention_live=attention_live,
+            input_projections_grad=p.compute * (projections // spec.hidden_size) * tokens,
             attention_transient=int((la.attention_backward
                                  + p.residual * spec.hidden_size * _norm_gradients_waiting(spec, la)) * tokens),
             attention_grads_pending=_param_bytes(projections + first_norm, gradients_of.gradient_bytes),
@@ -1809,6 +1813,11 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     grads_above = 0
     first_layer_moment = len(candidates)
     interior = set() if every_layer else _interior_layers(layers)
+    # FSDP1 with the adapters wrapped apart all-gathers the layer below while this one's input projections and input
+    # norm run their backward (fsdp1._gather_buffers): a moment of its own there, only where such a buffer exists,
+    # so that no other step changes (backward's "handoff" place)
+    handoffs: list[int] = []
+    at_handoff = rank is not None and any("backward:handoff" in b.phases for b in rank.buffers)
     for index in range(len(layers) - 1, -1, -1):
         x = layers[index]
         start = len(candidates)
@@ -1921,6 +1930,16 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
                 max(grads_in_forward, head_grad + grads_above) + x.grads + views, states,
                 base + kept_below[index], p.residual * h * tokens + in_norm + flat + tied_held))
         candidates[start:] = [replace(c, at=Owner(OwnerKind.LAYER, index)) for c in candidates[start:]]
+        if at_handoff and index > 0:
+            # its q, k, v outputs' gradients and the norm's fp32 temporaries (as at the flat gradient's moment
+            # below) beside the residual stream's gradient and the normed input's (measured on gloo ranks)
+            in_norm = (3 * FP32 + p.residual) * h * tokens if spec.norm == "rms" else 0
+            handoffs.append(len(candidates))
+            candidates.append(Phase(
+                "backward", f"layer {index} input projections and norm", weights,
+                max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
+                base + kept_below[index], x.input_projections_grad + 2 * p.residual * h * tokens + in_norm
+                + tied_held, at=Owner(OwnerKind.LAYER, index)))
         grads_above += finished_shard(x)
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
     # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights that
@@ -1961,13 +1980,14 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # Where each moment is: inside a decoder layer (all of forward's but the loss, which is last and after the LM
     # head; backward's layer walk), before the layers (backward's loss and LM head moments) or after them (the
     # embedding's backward).
-    places: tuple[dict[str, range], ...] = ({}, {"start": range(starts), "layer": range(starts, len(candidates_fw) - 1),
+    places: tuple[dict[str, Sequence[int]], ...] = ({}, {"start": range(starts), "layer": range(starts, len(candidates_fw) - 1),
                    "head": range(len(candidates_fw) - 1, len(candidates_fw))},
-              {"head": range(first_layer_moment), "layer": layer_moments,
+              {"head": range(first_layer_moment),
+               "layer": layer_moments,
                "loss": range(min(head_matmuls, first_layer_moment)),
                "lmhead": range(min(head_matmuls, head_end), head_end),
                "prefetch": range(min(head_matmuls, first_layer_moment), first_layer_moment),
-               "end": range(layer_moments.stop, len(candidates))}, {}, {})
+               "handoff": tuple(handoffs), "end": range(layer_moments.stop, len(candidates))}, {}, {})
     return with_buffers(phases, buffers, places, peaks_only)
 
 
@@ -1976,8 +1996,9 @@ def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers: tuple[Buffer, .
                  peaks_only: bool = False) -> tuple[tuple[Phase, ...], ...]:
     """Every candidate moment with the engine's buffers alive then added to their categories: a buffer of phase
     ``name`` is alive at each of its moments; one of ``name:layer``, ``name:head`` (backward's ``name:loss`` and
-    ``name:lmhead`` within it: the loss's and logits' gradients, then the LM head's matmuls on) or ``name:end``
-    only at the moments in that place (``places`` gives their positions per phase), such as the running layer's gathered
+    ``name:lmhead`` within it: the loss's and logits' gradients, then the LM head's matmuls on), backward's
+    ``name:handoff`` (a layer's input projections and norm, where FSDP1 all-gathers the layer below) or
+    ``name:end`` only at the moments in that place (``places`` gives their positions per phase), such as the running layer's gathered
     parameters. ``peaks_only``: each phase's peak moment alone (what an evaluation needs: no other moment is
     built)."""
     out: list[tuple[Phase, ...]] = []
