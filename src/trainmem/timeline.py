@@ -1067,10 +1067,10 @@ class _LayerBytes:
     backward, when of the attention only o_proj's input is freed; 0 for the fused kernels."""
     matmul_transient: int
     """The temporaries at that moment (LayerActivations.matmul_backward), beside the residual stream's gradient."""
+    """Gradients of the layer not yet produced at that moment: the q/k/v projections' and the input norm's."""
     input_projections_grad: int
     """The gradients of the attention's input projections' outputs (q, k, v), while those projections run their
     backward."""
-    """Gradients of the layer not yet produced at that moment: the q/k/v projections' and the input norm's."""
     down_transient: int
     """The down projection's backward: the gradient of its input (I wide) and of its output, beside the residual's."""
     freed_before_down: int
