@@ -509,7 +509,9 @@ def _attention_terms(spec: ModelSpec, layer: Layer, settings: TrainingSettings, 
     # keeps (fused-qkv families), q and k after rotary, v, and the copies repeat_kv makes.
     # (q, k and v are views of a fused projection's output; RoPE makes new q and k.)
     # (with post-norms only, OLMo-2, the argument is the layer input itself, which the checkpoint keeps)
-    argument = 0 if spec.traits.norm_placement == "post" else p.residual * spec.hidden_size
+    # (OPT's post-norm layers too: their attention reads the layer input, the norms come after the residual adds)
+    argument = 0 if spec.traits.norm_placement == "post" or spec.traits.norm_after_residual else \
+        p.residual * spec.hidden_size
     inputs = argument
     if att.fused_qkv:
         inputs += c * (a * d + kv * (d + dv))

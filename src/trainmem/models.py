@@ -268,6 +268,10 @@ class FamilyTraits:
     """Where a layer's two norms sit: before attention and before the MLP (Llama), or on the attention output and
     on the MLP output, each before its residual add, with no norm before either block (OLMo-2's
     Olmo2DecoderLayer: ``post_attention_layernorm`` and ``post_feedforward_layernorm``)."""
+    norm_after_residual: bool = False
+    """Each norm reads the residual sum and its output is the next block's input (OPTDecoderLayer with
+    ``do_layer_norm_before: false``: ``hidden_states = self.self_attn_layer_norm(residual + hidden_states)``), so
+    attention reads the layer input itself: no norm output beside it (a config switch, set by the parser)."""
     rotary_tables_fp32: bool = False
     """The rotary embedding returns its cos and sin tables in fp32, not cast to the hidden states' dtype
     (Olmo2RotaryEmbedding, Olmo3RotaryEmbedding and Ernie4_5RotaryEmbedding end ``return cos, sin``; Llama's and
@@ -1413,6 +1417,7 @@ def _parse_opt(c: _Config) -> dict[str, Any]:
         embedding_dim=proj if proj != hidden else 0,
         final_norm=bool(c.get("do_layer_norm_before")) and not c.get("_remove_final_layer_norm"),
         dropout=Dropout(c.get("attention_dropout"), c.get("dropout")),
+        trait_switches={"norm_after_residual": not c.get("do_layer_norm_before")},
     )
 
 
@@ -1551,8 +1556,10 @@ def spec_from_config(config: dict[str, Any], name: str = "", source: str = "") -
         if config[key] is not None:
             reader._check(key, config[key])
     fields = parser(reader)
-    return ModelSpec(name=name or str(model_type), model_type=str(model_type), source=source,
-                     traits=FAMILY_TRAITS.get(model_type, FamilyTraits()), **fields)
+    traits = FAMILY_TRAITS.get(model_type, FamilyTraits())
+    traits = replace(traits, **fields.pop("trait_switches", {}))  # (the ones a config sets: OPT's norm placement)
+    return ModelSpec(name=name or str(model_type), model_type=str(model_type), source=source, traits=traits,
+                     **fields)
 
 
 MODEL_TYPE_LIMIT = 100
