@@ -259,23 +259,25 @@ def _gather_buffers(layers: list[Unit], root: Unit | None, parallel: Parallel,
                        + ("; under no_sync across the micro-batches" if parallel.fsdp_no_sync else "") + ")",
                        every, "parameters", phases, "_runtime_utils.py _post_forward_reshard, "
                        "_should_free_in_backward")]
-    running_adapter = [Buffer("the running adapter's unsharded flat parameter (a unit of its own)",
-                              max(u.bytes for u in adapters), "parameters", ("forward:layer", "backward:layer"))
-                       ] if adapters else []
+    if not adapters:
+        prefetched = Buffer("the next unit's unsharded flat parameter (BACKWARD_PRE prefetch)", layer, "parameters",
+                            ("backward:layer", "backward:head"), "_runtime_utils.py _prefetch_handle")
+        running_adapter = []
+    else:
+        prefetched = Buffer("the layer below's unsharded flat parameter, prefetched as this layer's backward ends",
+                            layer, "parameters", ("backward:handoff",), "the adapters' units come between the "
+                            "layers' in the execution order BACKWARD_PRE prefetches by (_exec_order_utils.py), so "
+                            "the layer below is all-gathered only while this layer's first adapters and input norm "
+                            "run their backward; a frozen unit is resharded when its inputs' gradients are made "
+                            "(_runtime_utils.py _register_post_backward_reshard_only_hook); measured on gloo ranks")
+        running_adapter = [Buffer("the running adapter's unsharded flat parameter (a unit of its own)",
+                                  max(u.bytes for u in adapters), "parameters", ("forward:layer", "backward:layer"))]
     return [*running_adapter,
             Buffer("the root unit's unsharded flat parameter (embedding, final norm, LM head)", root_bytes,
                    "parameters", step, "the root is not resharded after forward (_post_forward_reshard)"),
             Buffer("the running unit's unsharded flat parameter", layer, "parameters",
                    ("forward:layer", "backward:layer")),
-            Buffer("the next unit's unsharded flat parameter (BACKWARD_PRE prefetch)", layer, "parameters",
-                   ("backward:layer", "backward:head"), "_runtime_utils.py _prefetch_handle")
-            if not adapters else
-            Buffer("the layer below's unsharded flat parameter, prefetched as this layer's backward ends", layer,
-                   "parameters", ("backward:handoff",), "the adapters' units come between the layers' in the "
-                   "execution order BACKWARD_PRE prefetches by (_exec_order_utils.py), so the layer below is "
-                   "all-gathered only while this layer's first adapters and input norm run their backward; a "
-                   "frozen unit is resharded when its inputs' gradients are made "
-                   "(_runtime_utils.py _register_post_backward_reshard_only_hook); measured on gloo ranks")]
+            prefetched]
 
 
 def _kept_gradients(parallel: Parallel, grads: int) -> list[Buffer]:

@@ -1818,6 +1818,9 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # so that no other step changes (backward's "handoff" place)
     handoffs: list[int] = []
     at_handoff = rank is not None and any("backward:handoff" in b.phases for b in rank.buffers)
+    # An input norm's backward in flight, at a layer's last moments: an RMSNorm computed in fp32 holds three h-wide
+    # fp32 tensors and one in the residual's dtype (traced on gloo ranks, tests/fsdp1_ranks.py)
+    in_norm = (3 * FP32 + p.residual) * h * tokens if spec.norm == "rms" else 0
     for index in range(len(layers) - 1, -1, -1):
         x = layers[index]
         start = len(candidates)
@@ -1921,25 +1924,22 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             # FSDP1: the layer's last moment, the split's backward concatenating its views' gradients (the frozen
             # ones too under use_orig_params) into the unit's flat gradient, before they are freed and it is
             # accumulated or reduce-scattered (fsdp1.py); its activations are gone, its input's gradient alive
-            # (its input norm's backward is in flight: an RMSNorm computed in fp32 holds three h-wide fp32 tensors
-            # and one in the residual's dtype beside the input's gradient; traced on gloo ranks, tests/fsdp1_ranks.py)
+            # (its input norm's backward is in flight: ``in_norm``, beside the input's gradient)
             views, flat = rank.flat_gradient
-            in_norm = (3 * FP32 + p.residual) * h * tokens if spec.norm == "rms" else 0
             candidates.append(Phase(
                 "backward", f"layer {index} flat gradient (FSDP1)", weights,
                 max(grads_in_forward, head_grad + grads_above) + x.grads + views, states,
                 base + kept_below[index], p.residual * h * tokens + in_norm + flat + tied_held))
-        candidates[start:] = [replace(c, at=Owner(OwnerKind.LAYER, index)) for c in candidates[start:]]
         if at_handoff and index > 0:
-            # its q, k, v outputs' gradients and the norm's fp32 temporaries (as at the flat gradient's moment
-            # below) beside the residual stream's gradient and the normed input's (measured on gloo ranks)
-            in_norm = (3 * FP32 + p.residual) * h * tokens if spec.norm == "rms" else 0
+            # its q, k, v outputs' gradients and the input norm's temporaries beside the residual stream's gradient
+            # and the normed input's (measured on gloo ranks)
             handoffs.append(len(candidates))
             candidates.append(Phase(
                 "backward", f"layer {index} input projections and norm", weights,
                 max(grads_in_forward, head_grad + grads_above + x.grads - x.attention_grads_pending), states,
                 base + kept_below[index], x.input_projections_grad + 2 * p.residual * h * tokens + in_norm
-                + tied_held, at=Owner(OwnerKind.LAYER, index)))
+                + tied_held))
+        candidates[start:] = [replace(c, at=Owner(OwnerKind.LAYER, index)) for c in candidates[start:]]
         grads_above += finished_shard(x)
     # The embedding's backward, last: every other gradient is done, the gradient of the embedding output (w x h
     # per token) is alive and embedding_dense_backward creates the V x h weight gradient. With tied weights that
@@ -1980,10 +1980,10 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
     # Where each moment is: inside a decoder layer (all of forward's but the loss, which is last and after the LM
     # head; backward's layer walk), before the layers (backward's loss and LM head moments) or after them (the
     # embedding's backward).
-    places: tuple[dict[str, Sequence[int]], ...] = ({}, {"start": range(starts), "layer": range(starts, len(candidates_fw) - 1),
+    places: tuple[dict[str, Sequence[int]], ...] = (
+              {}, {"start": range(starts), "layer": range(starts, len(candidates_fw) - 1),
                    "head": range(len(candidates_fw) - 1, len(candidates_fw))},
-              {"head": range(first_layer_moment),
-               "layer": layer_moments,
+              {"head": range(first_layer_moment), "layer": layer_moments,
                "loss": range(min(head_matmuls, first_layer_moment)),
                "lmhead": range(min(head_matmuls, head_end), head_end),
                "prefetch": range(min(head_matmuls, first_layer_moment), first_layer_moment),
@@ -1998,9 +1998,9 @@ def with_buffers(phases: tuple[tuple[Phase, ...], ...], buffers: tuple[Buffer, .
     ``name`` is alive at each of its moments; one of ``name:layer``, ``name:head`` (backward's ``name:loss`` and
     ``name:lmhead`` within it: the loss's and logits' gradients, then the LM head's matmuls on), backward's
     ``name:handoff`` (a layer's input projections and norm, where FSDP1 all-gathers the layer below) or
-    ``name:end`` only at the moments in that place (``places`` gives their positions per phase), such as the running layer's gathered
-    parameters. ``peaks_only``: each phase's peak moment alone (what an evaluation needs: no other moment is
-    built)."""
+    ``name:end`` only at the moments in that place (``places`` gives their positions per phase), such as the
+    running layer's gathered parameters. ``peaks_only``: each phase's peak moment alone (what an evaluation needs:
+    no other moment is built)."""
     out: list[tuple[Phase, ...]] = []
     memo = _memo(buffers)
     for candidates, where in zip(phases, places):
