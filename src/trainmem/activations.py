@@ -45,7 +45,8 @@ class Term:
     module: str = ""
     """The module whose backward frees it, where the timeline needs to know: a norm ("input_norm",
     "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm", "mlp_norm", "final_norm",
-    "embedding_norm"), "routed_experts", "shared_expert" or "lm_head"; "" for the rest."""
+    "embedding_norm"), "routed_experts", "shared_expert", "lm_head", "project_in", "embedding_dropout" or
+    "embedding" (the ids its lookup reads); "" for the rest."""
     kind: str = ""
     """What it is within that module: a norm's "input_fp32", "rsqrt", "normalised" (RMSNorm) or "input", "stats"
     (LayerNorm); the routed experts' "intermediate" (what their gate_up backward frees); the LM head's
@@ -1493,6 +1494,15 @@ class ActivationEstimate:
         return int(sum(t.bytes_per_token for t in self.embedding_terms) * self.tokens)
 
     @cached_property
+    def embedding_lookup_bytes(self) -> int:
+        """What the embedding terms still hold while the embedding's own backward runs, the step's last: what the
+        lookups read (the ids); project_in, the embedding dropout and the embedding norm ran their backward before
+        it and freed theirs (traced: BLOOM's word_embeddings_layernorm input, 2.5 MiB at 4 x 128 x 1,280 fp32,
+        gone by embedding_dense_backward)."""
+        before = ("project_in", "embedding_dropout", "embedding_norm")
+        return int(sum(t.bytes_per_token for t in self.embedding_terms if t.module not in before) * self.tokens)
+
+    @cached_property
     def head_bytes(self) -> int:
         return int(sum(t.bytes_per_token for t in self.head_terms) * self.tokens)
 
@@ -1719,7 +1729,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     if projected:
         # project_in (E -> h) keeps its input, the embeddings (cast to half under autocast); autocast's copy of its
         # weight lives until its backward, the step's last
-        embedding.append(Term("project_in input (the embeddings)", p.compute * spec.embedding_dim))
+        embedding.append(Term("project_in input (the embeddings)", p.compute * spec.embedding_dim, "project_in"))
         if p.autocast:
             constant.append(Term("autocast copy of the project_in weight", p.compute * spec.embedding_dim * h))
     if spec.traits.position_ids == "per_sequence" and spec.has_embedding:
@@ -1727,7 +1737,7 @@ def estimate_activations(spec: ModelSpec, recipe: Recipe, settings: TrainingSett
     if spec.embedding_norm and spec.has_embedding:
         embedding += _norm_terms(spec, h, p, "embedding norm", p.residual, "embedding_norm")
     if emb_dropout > 0 and spec.traits.embedding_dropout and spec.has_embedding:
-        embedding.append(Term("embedding dropout mask", MASK * h))
+        embedding.append(Term("embedding dropout mask", MASK * h, "embedding_dropout"))
     rotary_dims = {layer.attention.rotary_dim for layer, _ in spec.layer_runs if layer.attention.rotary_dim}
     if _unrotated_tables_dim(spec) and settings.checkpointing != "none":
         # (no layer saves them: they outlive the base model's forward only where checkpoints keep the layers'

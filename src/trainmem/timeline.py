@@ -1952,7 +1952,8 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         # (on a rank, the finished gradients are the reduced shards of the head and the layers)
         finished = 0 if stepped else grads - tied_held if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding (tied weights)", weights,
-                                max(grads_in_forward, finished), states, base_kept - masks_freed[-1],
+                                max(grads_in_forward, finished), states,
+                                base_kept - acts.embedding_bytes + acts.embedding_lookup_bytes - masks_freed[-1],
                                 2 * tied_held + emb_input_grad, at=Owner(OwnerKind.EMBEDDING)))
     elif layers and (finetune is None or embedding_trained):  # (a frozen embedding runs no backward)
         emb_grad = _param_bytes(_role_numel(spec, "embedding"), _autograd_grad_bytes(recipe))
@@ -1963,7 +1964,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
             emb_grad = trained_copies(spec, finetune.lora)["embedding"] * recipe.weight_bytes
         finished = 0 if stepped else grads - emb_grad if shards == 1 else head_grad + grads_above
         candidates.append(Phase("backward", "embedding", weights, max(grads_in_forward, finished), states,
-                                acts.embedding_bytes, emb_grad + emb_input_grad, at=Owner(OwnerKind.EMBEDDING)))
+                                acts.embedding_lookup_bytes, emb_grad + emb_input_grad, at=Owner(OwnerKind.EMBEDDING)))
         if rank is not None and rank.root_flat_gradient:
             # FSDP1: the root unit's split backward, last: its views' gradients (the embedding's, the head's, the
             # final norm's) and their concatenation (fsdp1.py)
