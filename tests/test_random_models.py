@@ -611,6 +611,26 @@ TIGHT_MISSES = {
         # (seed 574929143 case 31, narrower: +2.15% at the forward peak there; with do_layer_norm_before false
         # attention reads the layer input, no norm output beside it: models.FamilyTraits.norm_after_residual)
     ),
+    "opt-relu-output-read-by-its-backward": (
+        {"model_type": "opt", "vocab_size": 3000, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2, "hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 3, "ffn_dim": 1024,
+         "max_position_embeddings": 4096, "do_layer_norm_before": True, "enable_bias": False, "dropout": 0.0,
+         "attention_dropout": 0.0, "word_embed_proj_dim": None, "activation_function": "relu"},
+        {"recipe": "fp32", "optimizer": "sgd", "batch": 2, "seq": 256, "attention": "eager", "checkpointing": "full",
+         "dropout": 0.0, "grad_accum": 1},
+        # (-5.16% at the backward peak: ReluBackward0 saves the ReLU's output, alive through threshold_backward
+        # beside the gradients of both its sides; the MLP moment had freed it with fc2's backward)
+    ),
+    "opt-post-norm-saves-freed-by-the-block-they-follow": (
+        {"model_type": "opt", "vocab_size": 3000, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2, "hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 3, "ffn_dim": 1024,
+         "max_position_embeddings": 4096, "do_layer_norm_before": False, "enable_bias": False, "dropout": 0.0,
+         "attention_dropout": 0.0, "word_embed_proj_dim": None, "activation_function": "relu"},
+        {"recipe": "fp32", "optimizer": "sgd", "batch": 2, "seq": 256, "attention": "eager", "checkpointing": "full",
+         "dropout": 0.0, "grad_accum": 1},
+        # (-3.91% at the backward peak: beside the ReLU's output, final_layer_norm's input freed before the MLP's
+        # backward and self_attn_layer_norm's before attention's, as the blocks they follow)
+    ),
 }
 
 

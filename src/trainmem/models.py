@@ -336,6 +336,12 @@ class FamilyTraits:
     (Olmo2RMSNorm: ``(self.weight * hidden_states).to(input_dtype)``), so the kept normalised value is fp32, as
     Gemma's, without Gemma's ``1 + weight.float()`` vector."""
 
+    @property
+    def attention_reads_layer_input(self) -> bool:
+        """No norm before attention: its q/k/v projections read the layer input itself (OLMo-2's post-norms, OPT's
+        norms after the residual adds)."""
+        return self.norm_placement == "post" or self.norm_after_residual
+
 
 @dataclass(frozen=True)
 class ModelSpec:

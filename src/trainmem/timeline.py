@@ -288,13 +288,14 @@ def _norm_gradients_waiting(spec: ModelSpec, la: LayerActivations) -> int:
 def _layer_input_saved(spec: ModelSpec, p: Precision) -> bool:
     """Whether a layer's first module keeps the layer input itself for backward: a LayerNorm does (its input); an
     RMSNorm's ``x.to(float32)`` is x itself only when x is fp32; CohereLayerNorm keeps only ``x - mean``; with
-    post-norms (OLMo-2) the q/k/v projections read it, keeping it unless autocast casts it for them."""
+    post-norms (OLMo-2) or norms after the residual adds (OPT's) the q/k/v projections read it, keeping it unless
+    autocast casts it for them."""
+    if spec.traits.attention_reads_layer_input:
+        return not p.autocast
     if spec.norm == "layer":  # (OlmoLayerNorm keeps its fp32 copy: the input itself only when it is fp32)
         return p.residual == FP32 if spec.traits.layer_norm_upcast else True
     if spec.traits.norm_centred_twice:
         return False
-    if spec.traits.norm_placement == "post":
-        return not p.autocast
     return p.residual == FP32
 
 
@@ -775,7 +776,7 @@ def _saved_before_attention(spec: ModelSpec, la: LayerActivations, p: Precision,
     copies = p.autocast and p.residual != p.compute
     saved = sum(t.bytes_per_token for t in la.terms
                 if t.module in _BEFORE_ATTENTION or (copies and t.module == "qkv_input"))
-    aliased = shared_input if spec.traits.norm_placement != "post" else 0
+    aliased = 0 if spec.traits.attention_reads_layer_input else shared_input
     return max(0, int(saved * tokens) - aliased)
 
 
@@ -987,6 +988,10 @@ class _LayerBytes:
     product: int
     """Freed when down_proj's backward has run: its input (the MLP product), under autocast the half copy of its
     weight, what a norm on the layer's output saved, and MoE's router-weighted expert outputs."""
+    activation_reads: int
+    """The part of ``product`` still alive at the MLP moment: a plain ReLU MLP's activation output, which
+    ReluBackward0 saved (threshold_backward reads it) beside fc2, its other reader (traced: OPT, fp32, full
+    checkpointing, 2 x 256: the recomputed layer's 2 MiB ReLU output alive there, the peak -5.2% without)."""
     down_grad: int
     down_weight_gradient: int
     down_gradient_cast: tuple[int, int]
@@ -1167,8 +1172,8 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             shared_input = 0  # CohereLayerNorm keeps x - mean, a new tensor, never its input
         if spec.traits.layer_norm_upcast and p.residual != FP32:
             shared_input = 0  # OlmoLayerNorm keeps its fp32 copy of a half layer input
-        if spec.traits.norm_placement == "post" and recomputes:
-            # No input norm (OLMo-2): q/k/v save the layer input itself unless autocast casts it for each of them
+        if spec.traits.attention_reads_layer_input and recomputes:
+            # No input norm (OLMo-2, OPT's post-norms): q/k/v save the layer input itself unless autocast casts it for each of them
             shared_input = 0 if p.autocast else p.residual * spec.hidden_size * tokens
         full -= shared_input
         # --checkpointing op: the recompute takes the saved ops' outputs back from the cache (opsac.py): each is
@@ -1202,6 +1207,9 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
             kept=kept, full=full, product=(_mlp_bytes(layer, p) * _mlp_width(layer) * tokens if finetune is None else
                                            _down_input_kept(la, tokens)) + down_copy + frozen_down_copy
             + freed_before_mlp + dora_freed,
+            activation_reads=(int(_term_bytes(la.terms, "down_input", "shared_input") * tokens)
+                              if layer.mlp is not None and layer.mlp.activation == "relu" and not layer.mlp.gated
+                              and not dora_transient else 0),  # (DoRA's moment is fc1's, after the ReLU's backward)
             down_grad=_param_bytes(down, gradients_of.gradient_bytes),
             # Under autocast the matmul's weight gradient is first made in the half copy's dtype; its cast to the
             # parameter's comes after the layer's down-projection input is freed (traced).
@@ -1229,9 +1237,13 @@ def expanded_layers(spec: ModelSpec, acts: ActivationEstimate, recipe: Recipe,
                                      if _shared_first(layer) else 0),
             # Gemma's RMSNorm backward in fp32: the upcast output gradient, its product with (1 + weight), and the
             # rsqrt and input branches, five h-wide fp32 tensors at once (traced), beside the residual gradient.
-            output_norm_transient=(5 * FP32 * spec.hidden_size * tokens if output_norm else 0),
+            # A LayerNorm's (OPT's final_layer_norm after the residual add) makes its input's gradient only, its
+            # saves alive through native_layer_norm_backward (traced).
+            output_norm_transient=(0 if not output_norm else p.residual * spec.hidden_size * tokens
+                                   if spec.norm == "layer" else 5 * FP32 * spec.hidden_size * tokens),
             # At that moment its rsqrt and normalised value are already freed; its fp32 input is not.
-            output_norm_freed=int(_term_bytes(output_norm, "post_feedforward_norm", exclude=("input_fp32",)) * tokens),
+            output_norm_freed=(0 if spec.norm == "layer" else
+                               int(_term_bytes(output_norm, "post_feedforward_norm", exclude=("input_fp32",)) * tokens)),
             attention_live=attention_live,
             input_projections_grad=p.compute * (projections // spec.hidden_size) * tokens,
             attention_transient=int((la.attention_backward
@@ -1882,7 +1894,7 @@ def step_candidates(spec: ModelSpec, static: dict[str, int], acts: ActivationEst
         candidates.append(Phase(
             "backward", f"layer {index} MLP", weights,
             max(grads_in_forward, head_grad + grads_above + x.down_grad), states,
-            live_acts - x.product, x.transient + tied_held))
+            live_acts - x.product + x.activation_reads, x.transient + tied_held))
         for label, freed, transient, accumulated in x.gate_up_moments:
             candidates.append(Phase(
                 "backward", f"layer {index} {label}", weights,
