@@ -462,14 +462,14 @@ YI, MISTRAL2 = str(CONFIGS / "Yi-34B.json"), MISTRAL2_PATH
 def _fq(model: str, name: str, qlora: bool, batch: int, seq: int, gib: float, offload: bool = False,
         ddp: bool = False, metric: Metric = Metric.RESERVED) -> Row:
     shard = "no-shard" if ddp else "full"
-    fsdp1 = not (ddp or offload)  # (FSDP1's NO_SHARD and CPUOffload are not modelled: those rows are FSDP2's)
+    fsdp1 = not offload  # (FSDP1's CPUOffload is not modelled: those rows are FSDP2's)
     args = f"{model} {FQ_BASE} --fsdp {shard} --batch {batch} --seq {seq}" + (" --qlora" if qlora else "") + \
         (" --offload optimizer+params" if offload else "") + (" --fsdp-version 1" if fsdp1 else "")
     setup = (f"{name} {'QLoRA' if qlora else 'LoRA'}, batch {batch}, context {seq}" + (", CPU offload" if offload
              else "") + (", DDP" if ddp else ""))
-    remark = ("FSDP1 as train.py runs it (use_orig_params=False: the adapters wrapped apart, the 4-bit base stored "
-              "as bf16)" if fsdp1 else "FSDP1 (LoRA layers wrapped apart, use_orig_params=False) asked for as FSDP2 "
-              "(FSDP1's " + ("NO_SHARD" if ddp else "CPUOffload") + " is not modelled)")
+    remark = ("FSDP1 as train.py runs it (" + ("NO_SHARD, " if ddp else "") + "use_orig_params=False: the adapters "
+              "wrapped apart, the 4-bit base stored as bf16)" if fsdp1 else "FSDP1 (LoRA layers wrapped apart, "
+              "use_orig_params=False) asked for as FSDP2 (FSDP1's CPUOffload is not modelled)")
     if metric is Metric.RESERVED:
         remark += ("; reserved: the two runs published with both counters hold 12-24% over their allocated peak, "
                    "more than the flat fraction trainmem's reserved adds")

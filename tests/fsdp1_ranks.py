@@ -4,7 +4,7 @@ each phase of a gradient-accumulated step, under torch's MemTracker.
 Run as ``python tests/fsdp1_ranks.py WORLD SETUPS_JSON``; prints one JSON line per rank, a list of runs, one per setup.
 A setup's keys: ``config`` (AutoConfig.for_model keys of a Llama), ``lora`` (peft's LoraConfig keys, or null: full
 fine-tuning; without ``use_orig_params`` the adapters are wrapped apart), ``qlora`` (the decoder layers' Linears
-4-bit, their packed data stored as bf16: fsdp_qlora's base), ``strategy`` ("full" or "grad-op"), ``use_orig_params``,
+4-bit, their packed data stored as bf16: fsdp_qlora's base), ``strategy`` ("full", "grad-op" or "no-shard"), ``use_orig_params``,
 ``checkpointing`` (every layer, torch's non-reentrant checkpoint wrapper inside its unit, as Fabric's
 activation_checkpointing_policy applies it), ``accum`` (micro-batches; all but the last in ``no_sync()`` where
 ``no_sync``, as Fabric's ``no_backward_sync`` runs them), ``batch``, ``seq``. The model is bf16 throughout (lit-gpt's
@@ -113,7 +113,8 @@ def _model(setup):
         for p in model.parameters():  # bf16 adapters: FSDP1 flattens one dtype per unit
             if p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
-    strategy = {"full": ShardingStrategy.FULL_SHARD, "grad-op": ShardingStrategy.SHARD_GRAD_OP}[setup["strategy"]]
+    strategy = {"full": ShardingStrategy.FULL_SHARD, "grad-op": ShardingStrategy.SHARD_GRAD_OP,
+                "no-shard": ShardingStrategy.NO_SHARD}[setup["strategy"]]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # _wrap_utils' warning on mixed requires_grad under use_orig_params
         model = FSDP(model, auto_wrap_policy=_wrap_policy(setup), sharding_strategy=strategy,

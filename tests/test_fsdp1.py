@@ -30,7 +30,10 @@ SETUPS = [dict(lora=LORA, use_orig_params=True, no_sync=True, checkpointing=True
           dict(lora=None, use_orig_params=False, no_sync=False, checkpointing=False, accum=2),
           dict(lora=QLORA, use_orig_params=False, no_sync=False, checkpointing=True, accum=1),
           dict(lora=QLORA, qlora=True, use_orig_params=False, no_sync=False, checkpointing=True, accum=1,
-               config=dict(CONFIG, intermediate_size=128))]
+               config=dict(CONFIG, intermediate_size=128)),
+          # NO_SHARD (fsdp_qlora's --sharding_strategy ddp): every flat parameter whole, nothing all-gathered
+          dict(lora=None, use_orig_params=False, no_sync=False, checkpointing=False, accum=2, strategy="no-shard"),
+          dict(lora=QLORA, use_orig_params=False, no_sync=False, checkpointing=True, accum=1, strategy="no-shard")]
 """(The QLoRA set-up's MLP is as wide as its attention: the estimate counts bitsandbytes' dequantized weight as a
 layer's largest Linear at every moment of its backward, an upper bound that at a 4x MLP is 10.5% over this rank's
 backward peak, where the input projections' smaller weights are dequantized; docs/accuracy.md.)"""
@@ -38,7 +41,7 @@ backward peak, where the input projections' smaller weights are dequantized; doc
 
 def _trainmem(setup: dict):
     options = dict(recipe="pure-bf16-bf16states", optimizer_impl="fused", batch=1, seq=16, grad_accum=setup["accum"],
-                   gpus=2, fsdp="full", fsdp_version=1, fsdp_use_orig_params=setup["use_orig_params"],
+                   gpus=2, fsdp=setup.get("strategy", "full"), fsdp_version=1, fsdp_use_orig_params=setup["use_orig_params"],
                    fsdp_no_sync=setup["no_sync"], checkpointing="full" if setup["checkpointing"] else "none")
     if setup["lora"]:
         targets = ",".join(name.removesuffix("_proj") for name in setup["lora"]["target_modules"])
@@ -51,7 +54,7 @@ def _trainmem(setup: dict):
 @pytest.fixture(scope="module")
 def ranks():
     pytest.importorskip("transformers")
-    setups = [dict({"config": CONFIG, **s}, strategy="full", batch=1, seq=16) for s in SETUPS]
+    setups = [dict({"config": CONFIG, "strategy": "full", **s}, batch=1, seq=16) for s in SETUPS]
     proc = subprocess.run([sys.executable, str(HERE / "fsdp1_ranks.py"), "2", json.dumps(setups)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -98,7 +101,7 @@ def test_fsdp1_units_are_flat_param_handles_layout(ranks, index):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (dict(fsdp_version=1, fsdp="hybrid", gpus=16), r"full \(FULL_SHARD\) and grad-op"),
+    (dict(fsdp_version=1, fsdp="hybrid", gpus=16), r"full \(FULL_SHARD\), grad-op \(SHARD_GRAD_OP\) and"),
     (dict(fsdp_version=1, fsdp="full", recipe="mixed-bf16"), "without MixedPrecision"),
     (dict(fsdp_version=1, fsdp="full", lora=8, base_quant="int8"), "int8 base is not modelled"),
     (dict(fsdp_no_sync=True, fsdp="full"), "give --fsdp-version 1"),

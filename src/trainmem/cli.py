@@ -371,7 +371,7 @@ def _workload_options(f: _F) -> _F:
                           "forward (torchtune's custom_sharded_layers), not in the gathered root."),
         click.option("--fsdp-version", type=click.IntRange(1, 2), default=2, show_default=True,
                      help="2: FSDP2 (fully_shard); 1: FSDP1 (FullyShardedDataParallel: a flat parameter per "
-                          "decoder layer and one for the rest), with --fsdp full or grad-op."),
+                          "decoder layer and one for the rest), with --fsdp full, grad-op or no-shard."),
         click.option("--fsdp-use-orig-params", is_flag=True,
                      help="FSDP1's use_orig_params=True (Fabric's default): with LoRA a layer's flat gradient covers "
                           "its frozen weights too."),

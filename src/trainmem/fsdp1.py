@@ -44,7 +44,12 @@ holding the rest (the embedding, the final norm, the LM head):
   ``quant_state`` (absmax, the nested constants) is not a parameter, so every rank keeps it whole and
   ``Linear4bit.forward`` restores it from the module (``fix_4bit_weight_quant_state_from_module``).
 
-Not modelled (ConfigError): MixedPrecision (recipes with fp32 masters), CPU offload, HYBRID_SHARD / NO_SHARD,
+- NO_SHARD: each unit's FlatParameter is whole on every rank, without padding to the world size
+  (``FlatParamHandle.shard`` shards only under a sharded strategy), so there is nothing to all-gather or free
+  (``unshard`` and ``reshard`` return early); its gradient is all-reduced in place (``_reduce_grad_no_shard``:
+  ``dist.all_reduce(flat_param.grad)``): no reduce-scatter output, and, unlike DDP, no gradient buckets.
+
+Not modelled (ConfigError): MixedPrecision (recipes with fp32 masters), CPU offload, HYBRID_SHARD,
 an int8 base (its Int8Params have no storage dtype to flatten with the norms).
 """
 
@@ -65,7 +70,7 @@ if TYPE_CHECKING:  # (for the annotations only)
 
 ALIGNMENT_BYTES = 16
 """_flat_param.py, ``_get_aligned_numel``: each original parameter starts on a 16-byte address (use_orig_params)."""
-FSDP1_STRATEGIES = ("full", "grad-op")
+FSDP1_STRATEGIES = ("full", "grad-op", "no-shard")
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,8 @@ class Unit:
 def check_fsdp1(parallel: Parallel, master_weights: bool, base_quant: str | None, lora: bool) -> None:
     """One line for each FSDP1 set-up that is not modelled (module docstring)."""
     if parallel.fsdp not in FSDP1_STRATEGIES:
-        raise ConfigError(f"--fsdp-version 1 is modelled for --fsdp full (FULL_SHARD) and grad-op (SHARD_GRAD_OP), "
-                          f"got {parallel.fsdp!r}")
+        raise ConfigError(f"--fsdp-version 1 is modelled for --fsdp full (FULL_SHARD), grad-op (SHARD_GRAD_OP) and "
+                          f"no-shard (NO_SHARD), got {parallel.fsdp!r}")
     if master_weights:
         raise ConfigError("--fsdp-version 1 is modelled without MixedPrecision: give a recipe with no fp32 masters "
                           "(pure-bf16, pure-bf16-bf16states, fp32)")
@@ -252,6 +257,8 @@ def _gather_buffers(layers: list[Unit], root: Unit | None, parallel: Parallel,
     layer = max((u.bytes for u in layers), default=0)
     root_bytes = root.bytes if root is not None else 0
     adapters = adapters or []
+    if parallel.fsdp == "no-shard":
+        return []  # (the flat parameter is never sharded: unshard and reshard do nothing, _flat_param.py)
     if parallel.fsdp == "grad-op":
         every = sum(u.repeat * u.bytes for u in (*layers, *adapters)) + root_bytes
         phases = step if not parallel.fsdp_no_sync else step + ("optimizer",)
